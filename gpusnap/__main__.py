@@ -1,0 +1,5 @@
+"""Allows `python -m gpusnap`."""
+
+from gpusnap.cli import main
+
+main()

@@ -1,0 +1,128 @@
+"""The one error hierarchy of gpusnap: every failure a user can meet, its message and exit code.
+
+The CLI maps any GpusnapError to `exit_code` in one place (cli.main); nothing else calls
+sys.exit. `docs/exit-codes.md` lists the same table and a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+
+class GpusnapError(Exception):
+    """Base class. `message` says what happened, `hint` what to do about it."""
+
+    exit_code = 1
+    title = "internal error"
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(GpusnapError):
+    exit_code = 2
+    title = "bad command line"
+
+
+class NotRoot(GpusnapError):
+    exit_code = 3
+    title = "not root"
+
+
+class CriuUnavailable(GpusnapError):
+    """CRIU is missing or older than 4.0."""
+
+    exit_code = 4
+    title = "CRIU missing or too old"
+
+
+class ProcessNotFound(GpusnapError):
+    exit_code = 5
+    title = "no such process"
+
+
+class SnapshotNotFound(GpusnapError):
+    """The directory or name given is not a snapshot."""
+
+    exit_code = 6
+    title = "not a snapshot"
+
+
+class PidsInUse(GpusnapError):
+    exit_code = 7
+    title = "PIDs in use"
+
+
+class CriuFailed(GpusnapError):
+    exit_code = 8
+    title = "CRIU failed"
+
+    def __init__(self, message: str, hint: str | None = None, log_path: str | None = None,
+                 last_lines: list[str] | None = None):
+        super().__init__(message, hint)
+        self.log_path = log_path
+        self.last_lines = last_lines or []
+
+
+class CorruptSnapshot(GpusnapError):
+    """Stored data does not match its checksum, or is missing or malformed."""
+
+    exit_code = 9
+    title = "corrupt snapshot"
+
+
+class RepositoryLocked(GpusnapError):
+    exit_code = 10
+    title = "repository locked"
+
+
+class NoSpace(GpusnapError):
+    exit_code = 11
+    title = "not enough disk space"
+
+
+class GpuCheckpointFailed(GpusnapError):
+    """The CUDA plugin could not lock, checkpoint or restore a GPU process."""
+
+    exit_code = 12
+    title = "GPU checkpoint failed"
+
+
+class GpuMismatch(GpusnapError):
+    """The snapshot's GPUs are not on this machine and no --gpu-map says where they go."""
+
+    exit_code = 13
+    title = "GPUs differ"
+
+
+class RepositoryError(GpusnapError):
+    """The repository is unusable: wrong format version, bad permissions, malformed config."""
+
+    exit_code = 14
+    title = "repository error"
+
+
+class StreamProtocolError(GpusnapError):
+    """CRIU's image stream broke the protocol (bad file name, short message, lost peer)."""
+
+    exit_code = 15
+    title = "image stream error"
+
+
+class Interrupted(GpusnapError):
+    exit_code = 130
+    title = "interrupted"
+
+
+def all_error_classes() -> list[type[GpusnapError]]:
+    """Every error class, base first, in exit-code order (for docs and tests)."""
+    seen: list[type[GpusnapError]] = []
+    stack = [GpusnapError]
+    while stack:
+        cls = stack.pop()
+        seen.append(cls)
+        stack.extend(cls.__subclasses__())
+    return sorted(seen, key=lambda c: c.exit_code)

@@ -1,0 +1,173 @@
+"""CRIU's image-streamer wire protocol: framing, the two protobuf messages, file-name checks.
+
+CRIU (criu/img-streamer.c) talks over one unix stream socket. Each message is a
+little-endian u32 length followed by a protobuf message:
+
+- request (CRIU -> us):  ``img_streamer_request_entry { required string filename = 1; }``
+- reply   (us -> CRIU, restore only): ``img_streamer_reply_entry { required bool exists = 1; }``
+
+After each request (and, on restore, a ``true`` reply) CRIU sends one end of a pipe as
+SCM_RIGHTS with a single dummy data byte. The two messages are tiny, so they are encoded
+here by hand rather than through generated classes; everything read is bounds-checked.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+
+from gpusnap.errors import StreamProtocolError
+
+# CRIU image names are short (e.g. "pages-12.img", "tmpfs-dev-123.tar.gz.img"); anything
+# longer than a file-name component could ever be is a broken or hostile peer.
+MAX_FILENAME = 255
+MAX_MESSAGE = MAX_FILENAME + 16
+
+
+def check_filename(name: str) -> str:
+    """Return `name` if it is a safe plain file name; raise StreamProtocolError otherwise."""
+    if not name or len(name.encode()) > MAX_FILENAME:
+        raise StreamProtocolError(f"CRIU sent an image name of bad length ({len(name)})")
+    if "/" in name or "\0" in name or name in (".", ".."):
+        raise StreamProtocolError(f"CRIU sent an unsafe image name: {name!r}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise StreamProtocolError(f"CRIU sent an image name with control characters: {name!r}")
+    return name
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise StreamProtocolError("truncated or oversized varint in a CRIU message")
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def decode_request(msg: bytes) -> str:
+    """Decode an img_streamer_request_entry and return its checked filename."""
+    pos = 0
+    filename: str | None = None
+    while pos < len(msg):
+        key, pos = _read_varint(msg, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 2:
+            length, pos = _read_varint(msg, pos)
+            if length > len(msg) - pos:
+                raise StreamProtocolError("CRIU message field runs past its end")
+            value = msg[pos:pos + length]
+            pos += length
+            if field == 1:
+                try:
+                    filename = value.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise StreamProtocolError("CRIU sent an image name that is not UTF-8") from None
+        elif wire == 0:
+            _, pos = _read_varint(msg, pos)
+        elif wire == 5:
+            pos += 4
+        elif wire == 1:
+            pos += 8
+        else:
+            raise StreamProtocolError(f"unsupported protobuf wire type {wire} from CRIU")
+        if pos > len(msg):
+            raise StreamProtocolError("CRIU message field runs past its end")
+    if filename is None:
+        raise StreamProtocolError("CRIU request without a file name")
+    return check_filename(filename)
+
+
+def encode_request(filename: str) -> bytes:
+    raw = filename.encode()
+    return b"\x0a" + _encode_varint(len(raw)) + raw
+
+
+def encode_reply(exists: bool) -> bytes:
+    return b"\x08" + (b"\x01" if exists else b"\x00")
+
+
+def decode_reply(msg: bytes) -> bool:
+    if len(msg) != 2 or msg[0] != 0x08 or msg[1] not in (0, 1):
+        raise StreamProtocolError("malformed streamer reply")
+    return bool(msg[1])
+
+
+def frame(msg: bytes) -> bytes:
+    return struct.pack("<I", len(msg)) + msg
+
+
+def _recv_exact(sock: socket.socket, n: int, *, eof_ok: bool = False) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if eof_ok and not buf:
+                return None
+            raise StreamProtocolError("CRIU closed the image stream in the middle of a message")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_message(sock: socket.socket) -> bytes | None:
+    """Read one length-prefixed message; None on a clean end of stream."""
+    head = _recv_exact(sock, 4, eof_ok=True)
+    if head is None:
+        return None
+    (length,) = struct.unpack("<I", head)
+    if length > MAX_MESSAGE:
+        raise StreamProtocolError(f"CRIU message of {length} bytes is larger than any valid one")
+    return _recv_exact(sock, length)
+
+
+def send_message(sock: socket.socket, msg: bytes) -> None:
+    sock.sendall(frame(msg))
+
+
+def recv_fd(sock: socket.socket) -> int:
+    """Receive the pipe end CRIU passes after a request (one dummy byte + SCM_RIGHTS)."""
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
+    if not data:
+        raise StreamProtocolError("CRIU closed the image stream before sending a pipe")
+    received: list[int] = []
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(payload[: len(payload) - len(payload) % arr.itemsize])
+            received.extend(arr)
+    if flags & socket.MSG_CTRUNC or len(received) != 1:
+        for fd in received:
+            _close_quietly(fd)
+        raise StreamProtocolError("CRIU did not pass exactly one pipe with its request")
+    return received[0]
+
+
+def send_fd(sock: socket.socket, fd: int) -> None:
+    """The peer side of recv_fd (used by tests that play CRIU)."""
+    sock.sendmsg([b"\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())])
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,112 @@
+"""Finding CRIU, checking its version, running it, and turning its failures into clear errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpusnap.errors import CriuFailed, CriuUnavailable
+
+MIN_VERSION = (4, 0)
+INSTALL_HINT = ("install CRIU 4.x: on Debian 13 `apt-get install criu libcriu-dev`; on Debian 12 "
+                "from the trixie suite (`make setup` in the gpusnap checkout does it, pinned low)")
+
+
+@dataclass(frozen=True)
+class CriuInfo:
+    path: str
+    version: tuple[int, ...]
+
+    @property
+    def version_str(self) -> str:
+        return ".".join(map(str, self.version))
+
+
+def criu_path() -> str | None:
+    return os.environ.get("GPUSNAP_CRIU") or shutil.which("criu") or next(
+        (p for p in ("/usr/sbin/criu", "/sbin/criu", "/usr/local/sbin/criu") if os.access(p, os.X_OK)), None)
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    m = re.search(r"Version:\s*(\d+(?:\.\d+)*)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def criu_info() -> CriuInfo:
+    """Locate CRIU and check it is >= 4.0, or raise CriuUnavailable saying how to get it."""
+    path = criu_path()
+    if path is None:
+        raise CriuUnavailable("CRIU is not installed (no `criu` on PATH)", hint=INSTALL_HINT)
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CriuUnavailable(f"cannot run {path}: {e}", hint=INSTALL_HINT) from None
+    version = parse_version(out)
+    if version is None:
+        raise CriuUnavailable(f"cannot tell the version of {path} (`criu --version` said {out.strip()!r})",
+                              hint=INSTALL_HINT)
+    if version[:2] < MIN_VERSION:
+        raise CriuUnavailable(
+            f"CRIU {'.'.join(map(str, version))} at {path} is too old: gpusnap needs 4.0 or newer "
+            "(the device plugin hooks and working vDSO handling on recent kernels came with 4.0)",
+            hint=INSTALL_HINT)
+    return CriuInfo(path=path, version=version)
+
+
+_ERR = re.compile(r"\b(Error|Warn)\b")
+
+
+def log_errors(log_path: Path, limit: int = 8) -> list[str]:
+    """The last error lines of a CRIU log, without the harmless ones users cannot act on."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    hits = [ln.strip() for ln in lines if "Error" in ln and "RLIMIT_NOFILE for self" not in ln]
+    return hits[-limit:]
+
+
+def run(action: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
+        timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run `criu <action> <args>` with its own log at `log_path`; CriuFailed if it fails."""
+    info = criu_info()
+    cmd = [info.path, action, *args, "-o", str(log_path), "-v4"]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=full_env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CriuFailed(f"criu {action} did not finish within {timeout:.0f} s", log_path=str(log_path),
+                         last_lines=log_errors(log_path)) from None
+    if proc.returncode != 0:
+        lines = log_errors(log_path)
+        output = proc.stdout.decode(errors="replace").strip()
+        if not lines and output:
+            lines = output.splitlines()[-8:]
+        raise CriuFailed(f"criu {action} failed (exit status {proc.returncode})", log_path=str(log_path),
+                         last_lines=lines, hint=explain(lines))
+    return proc
+
+
+def explain(lines: list[str]) -> str | None:
+    """Turn the CRIU errors users meet most into advice."""
+    text = "\n".join(lines)
+    rules = [
+        ("Can't get rlimit", "this root lacks CAP_SYS_RESOURCE, so CRIU cannot dump a process of another "
+                             "user; run the job as root or give root that capability (see `gpusnap doctor`)"),
+        ("TCP connection", "the job has established TCP connections; CRIU cannot keep them across a restore"),
+        ("external socket", "the job talks over a unix socket to a process outside its tree"),
+        ("tty", "the job uses a terminal; gpusnap passes --shell-job, restore it from a terminal too"),
+        ("File exists", "a PID of the snapshot is taken: is the original job still running?"),
+        ("has bad size", "a file the job had open changed size since the dump"),
+        ("No such file or directory", "a file the job had open is gone since the dump"),
+    ]
+    for needle, advice in rules:
+        if needle in text:
+            return advice
+    return None

@@ -1,0 +1,163 @@
+"""Facts about live processes read from /proc: trees, sessions, terminals, memory, liveness."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpusnap.errors import ProcessNotFound, UsageError
+
+PROC = Path("/proc")
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    pid: int
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    tty_nr: int
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    try:
+        raw = (PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm may contain spaces and parentheses: split at the last ')'.
+    lpar, rpar = raw.index("("), raw.rindex(")")
+    rest = raw[rpar + 2:].split()
+    return ProcStat(pid=int(raw[:lpar]), comm=raw[lpar + 1:rpar], state=rest[0], ppid=int(rest[1]),
+                    pgrp=int(rest[2]), session=int(rest[3]), tty_nr=int(rest[4]))
+
+
+def exists(pid: int) -> bool:
+    """True if `pid` names a process that is not a zombie."""
+    st = read_stat(pid)
+    return st is not None and st.state not in ("Z", "X")
+
+
+def require_process(pid: int) -> ProcStat:
+    if pid <= 0:
+        raise UsageError(f"{pid} is not a valid PID")
+    st = read_stat(pid)
+    if st is None or st.state in ("Z", "X"):
+        raise ProcessNotFound(f"no running process with PID {pid}",
+                              hint="check the PID with `ps` or `gpusnap ps`; the job may have finished")
+    if pid == os.getpid() or pid in ancestors(os.getpid()):
+        raise UsageError(f"PID {pid} is gpusnap itself or one of its parents; it cannot snapshot itself")
+    return st
+
+
+def ancestors(pid: int) -> list[int]:
+    out = []
+    st = read_stat(pid)
+    while st is not None and st.ppid > 0:
+        out.append(st.ppid)
+        st = read_stat(st.ppid)
+    return out
+
+
+def children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(PROC / str(pid) / "task")
+    except (FileNotFoundError, ProcessLookupError):
+        return kids
+    for tid in tasks:
+        try:
+            kids += [int(x) for x in (PROC / str(pid) / "task" / tid / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return kids
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, parents before children."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        if p in out:
+            continue
+        out.append(p)
+        todo.extend(children(p))
+    return out
+
+
+def threads(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(PROC / str(pid) / "task"))
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def rss_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        try:
+            for line in (PROC / str(pid) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def needs_shell_job(pids: list[int]) -> bool:
+    """CRIU needs --shell-job when the tree's session or process group leader lives outside
+    the tree (a job started from a shell, with nohup, or by another program) or when it has a
+    controlling terminal."""
+    members = set(pids)
+    for pid in pids:
+        st = read_stat(pid)
+        if st is None:
+            continue
+        if st.tty_nr != 0 or st.session not in members or st.pgrp not in members:
+            return True
+    return False
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return ""
+    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+
+
+def find_matching(pattern: str) -> list[int]:
+    """PIDs whose command line matches the regular expression `pattern` (like pgrep -f),
+    leaving out gpusnap itself, its ancestors and any process whose parent also matches."""
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise UsageError(f"--match {pattern!r} is not a valid regular expression: {e}") from None
+    skip = {os.getpid(), *ancestors(os.getpid())}
+    hits = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if pid in skip:
+            continue
+        line = cmdline(pid)
+        if line and rx.search(line) and exists(pid):
+            hits.append(pid)
+    hitset = set(hits)
+    # A tree is dumped from its root: drop matches whose parent matches too.
+    return sorted(p for p in hits if (read_stat(p) or ProcStat(p, "", "", 0, 0, 0, 0)).ppid not in hitset)
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to `timeout` seconds for `pids` to disappear; return those still present."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if read_stat(p) is not None]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)

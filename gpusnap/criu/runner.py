@@ -110,3 +110,45 @@ def explain(lines: list[str]) -> str | None:
         if needle in text:
             return advice
     return None
+
+
+CAP_SYS_PTRACE = 19
+CAP_CHECKPOINT_RESTORE = 40
+
+
+def effective_caps() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def require_privileges(action: str) -> None:
+    """CRIU needs root, or CAP_CHECKPOINT_RESTORE with CAP_SYS_PTRACE, for a dump or restore."""
+    from gpusnap.errors import NotRoot
+
+    if os.geteuid() == 0:
+        return
+    caps = effective_caps()
+    if caps >> CAP_CHECKPOINT_RESTORE & 1 and caps >> CAP_SYS_PTRACE & 1:
+        return
+    raise NotRoot(f"gpusnap {action} must run as root (CRIU needs it to {action} processes)",
+                  hint=f"run `sudo gpusnap {action} ...`, or give gpusnap CAP_CHECKPOINT_RESTORE and "
+                       "CAP_SYS_PTRACE")
+
+
+def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
+    """Copy a CRIU log into REPO/logs/<label>.log (private) and return where it went."""
+    import shutil
+
+    if not log.exists():
+        return None
+    logs = Path(repo_path) / "logs"
+    logs.mkdir(mode=0o700, exist_ok=True)
+    dst = logs / f"{label}.log"
+    shutil.copyfile(log, dst)
+    os.chmod(dst, 0o600)
+    return str(dst)

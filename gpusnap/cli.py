@@ -1,0 +1,371 @@
+"""The `gpusnap` command line: parse, call the library, print. No logic lives here.
+
+Errors from the library (gpusnap.errors) are turned into a message and an exit code in one
+place, `main()`. `--json` prints exactly one JSON object on stdout (an error object on failure).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gpusnap import __version__
+from gpusnap.errors import CriuFailed, GpusnapError, UsageError
+
+app = typer.Typer(
+    name="gpusnap",
+    help="Transparent snapshots of running processes, GPU state included, with CRIU.\n\n"
+         "Dump a running job (it keeps running), restore it after a crash, reboot or preemption, "
+         "and keep a deduplicated history of snapshots in one repository.",
+    no_args_is_help=True,
+    add_completion=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode="rich",
+    pretty_exceptions_show_locals=False,  # locals may hold job memory: never print them
+)
+schedule_app = typer.Typer(help="Periodic snapshots from cron, with retention.", no_args_is_help=True)
+app.add_typer(schedule_app, name="schedule")
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False)
+_json_mode = False
+
+RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True,
+                       help="Repository directory [default: /var/lib/gpusnap].")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
+
+
+def _emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=None, sort_keys=False, default=str) + "\n")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _progress(label: str, enabled: bool):
+    """A rich progress bar on a terminal; a no-op callback otherwise."""
+    if not enabled or not err.is_terminal:
+        return None, None
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TransferSpeedColumn)
+
+    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                   TimeElapsedColumn(), console=err, transient=True)
+    task = bar.add_task(label, total=None)
+
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=max(total, done) or None)
+
+    return bar, update
+
+
+def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path]) -> int:
+    from gpusnap import proc
+
+    given = [x is not None for x in (pid, match, pidfile)]
+    if sum(given) != 1:
+        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
+    if pidfile is not None:
+        try:
+            return int(pidfile.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            raise UsageError(f"--pidfile {pidfile}: no PID could be read from it") from None
+    if match is not None:
+        hits = proc.find_matching(match)
+        if not hits:
+            from gpusnap.errors import ProcessNotFound
+
+            raise ProcessNotFound(f"no running process matches {match!r}")
+        if len(hits) > 1:
+            listing = "; ".join(f"{p}: {proc.cmdline(p)[:60]}" for p in hits[:5])
+            raise UsageError(f"{len(hits)} process trees match {match!r} ({listing})",
+                             hint="make the pattern more specific, or pass the PID")
+        return hits[0]
+    return pid  # type: ignore[return-value]
+
+
+@app.command()
+def dump(
+    pid: Optional[int] = typer.Argument(None, help="Root of the process tree to snapshot."),
+    match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
+                                        help="Find the job by a regular expression on its command line."),
+    pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
+    repo: Optional[Path] = RepoOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Snapshot name [default: the job's command name]."),
+    exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
+    compress: str = typer.Option("lz4", "--compress", metavar="lz4|zstd|none",
+                                 help="Codec for new pages."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
+                                            help="Afterwards, keep only the newest N snapshots of this name."),
+    lock_timeout: Optional[int] = typer.Option(None, "--gpu-lock-timeout", metavar="MS", min=1,
+                                               help="How long to wait for running GPU work to drain."),
+    tcp_established: bool = typer.Option(False, "--tcp-established",
+                                         help="Dump established TCP connections (restore needs the same IPs)."),
+    json_: bool = JsonOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
+) -> None:
+    """Snapshot a running process tree. The job keeps running unless --exit.
+
+    Prints the snapshot directory. Every dump is incremental: pages already in the
+    repository, from any earlier snapshot, are not stored again.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.dump import DumpRequest, dump as do_dump
+
+    target = _resolve_pid(pid, match, pidfile)
+    req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
+                      compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established)
+    bar, update = _progress(f"dumping {target}", not (json_ or quiet))
+    if bar:
+        with bar:
+            result = do_dump(req, progress=update)
+    else:
+        result = do_dump(req)
+    data = result.to_dict()
+    if keep_last:
+        from gpusnap.repo import prune as prune_mod
+        from gpusnap.repo.repository import Repository
+
+        repository = Repository.open(req.repo)
+        with repository.writer_lock():
+            plan = prune_mod.plan_prune(repository.snapshots(), keep_last=keep_last, name=result.name)
+            prune_mod.execute_prune(repository, plan, dry_run=False)
+        data["pruned"] = [getattr(s, "path", str(s)).__str__() for s in getattr(plan, "remove", [])]
+    if json_:
+        _emit_json(data)
+        return
+    out.print(result.snapshot)
+    if not quiet and err.is_terminal:
+        ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
+        err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
+                  f"({result.pages_zero} zero, {result.pages_dedup} already stored), "
+                  f"{_human(result.bytes_raw)} from CRIU, {_human(result.bytes_stored)} stored "
+                  f"({ratio:.1%}), {result.seconds:.2f} s; job "
+                  f"{'still running' if result.job_running else 'stopped'}")
+
+
+@app.command()
+def restore(
+    snapshot: str = typer.Argument(..., metavar="DIR|NAME", help="Snapshot directory, or a name/id in --repo."),
+    repo: Optional[Path] = RepoOpt,
+    gpu_map: Optional[str] = typer.Option(None, "--gpu-map", metavar="OLD=NEW[,...]",
+                                          help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
+    json_: bool = JsonOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+) -> None:
+    """Restore a snapshot, detached. Prints the restored root PID.
+
+    Every page is checked against its checksum; a damaged snapshot is refused before the
+    job runs.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap.restore import restore as do_restore
+
+    bar, update = _progress("restoring", not (json_ or quiet))
+    if bar:
+        with bar:
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update)
+    else:
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map)
+    if json_:
+        _emit_json(result.to_dict())
+    else:
+        out.print(result.pid)
+
+
+@app.command("ls")
+def ls_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
+    """List snapshots with their unique and shared sizes."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.repo.repository import Repository
+
+    root = locate.repo_path(repo)
+    if not (root / "config").exists():
+        rows = []
+    else:
+        rows = Repository.open(root).usage()
+    if json_:
+        _emit_json({"repository": str(root), "snapshots": rows})
+        return
+    if not rows:
+        err.print(f"no snapshots in {root}")
+        return
+    table = Table(box=None)
+    for col in ("id", "name", "created", "processes", "raw", "stored unique", "shared", "path"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(str(r.get("id", ""))[:12], str(r.get("name", "")), str(r.get("created_iso", r.get("created", ""))),
+                      str(r.get("processes", "")), _human(r.get("bytes_raw", 0)), _human(r.get("unique_bytes", 0)),
+                      _human(r.get("shared_bytes", 0)), str(r.get("path", "")))
+    out.print(table)
+
+
+@app.command()
+def inspect(
+    snapshot: str = typer.Argument(..., metavar="DIR|NAME"),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Show a snapshot: processes, memory, page statistics, sizes, GPU information."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.repo import inspect as inspect_mod
+
+    repository, snap = locate.open_snapshot(snapshot, repo)
+    report = inspect_mod.inspect_snapshot(repository, snap)
+    if json_:
+        _emit_json(report)
+        return
+    inspect_mod.render(report, out)
+
+
+@app.command()
+def verify(
+    snapshot: Optional[str] = typer.Argument(None, metavar="[DIR|NAME]", help="Only this snapshot."),
+    repo: Optional[Path] = RepoOpt,
+    structure_only: bool = typer.Option(False, "--structure-only", help="Skip reading back every stored byte."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Check every checksum. Exit 0 only when all holds; otherwise name what is damaged."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.errors import CorruptSnapshot
+    from gpusnap.repo import verify as verify_mod
+    from gpusnap.repo.repository import Repository
+
+    if snapshot:
+        repository, snap = locate.open_snapshot(snapshot, repo)
+        refs = [str(snap.path)]
+    else:
+        repository, refs = Repository.open(locate.repo_path(repo)), None
+    report = verify_mod.verify(repository, refs, read_data=not structure_only)
+    data = report.to_dict()
+    if json_:
+        _emit_json(data)
+    else:
+        for line in report.lines():
+            (out if report.ok else err).print(line)
+    if not report.ok:
+        raise CorruptSnapshot(report.summary(), hint="restore from an intact snapshot; "
+                                                     "`gpusnap prune` removes the damaged ones' unique data only "
+                                                     "when they are pruned")
+
+
+@app.command()
+def prune(
+    keep_last: int = typer.Option(..., "--keep-last", metavar="N", min=0, help="Newest snapshots to keep."),
+    name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Delete old snapshots, then the stored data no snapshot needs any more."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.repo import prune as prune_mod
+    from gpusnap.repo.repository import Repository
+
+    repository = Repository.open(locate.repo_path(repo))
+    with repository.writer_lock():
+        plan = prune_mod.plan_prune(repository.snapshots(), keep_last=keep_last, name=name)
+        result = prune_mod.execute_prune(repository, plan, dry_run=dry_run)
+    data = result.to_dict() if hasattr(result, "to_dict") else {"result": str(result)}
+    if json_:
+        _emit_json(data)
+    else:
+        for line in (result.lines() if hasattr(result, "lines") else [str(result)]):
+            out.print(line)
+
+
+@app.command()
+def doctor(
+    pid: Optional[int] = typer.Argument(None, help="Also say what would stop a dump of this job."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Check CRIU, the kernel, permissions, the plugin and the CUDA driver."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import doctor as doctor_mod
+
+    report = doctor_mod.run_doctor(pid)
+    if json_:
+        _emit_json(report.to_dict())
+    else:
+        doctor_mod.render(report, out)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def ps(json_: bool = JsonOpt) -> None:
+    """List processes using NVIDIA GPUs and their CUDA checkpoint state."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap.gpu import procs
+
+    listing = procs.gpu_processes()
+    data = listing.to_dict() if hasattr(listing, "to_dict") else listing
+    if json_:
+        _emit_json(data)
+    else:
+        procs.render(listing, out)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+) -> None:
+    if version:
+        out.print(f"gpusnap {__version__}")
+        raise typer.Exit(0)
+
+
+def report_error(e: GpusnapError) -> None:
+    if _json_mode:
+        obj = {"error": e.title, "message": e.message, "exit_code": e.exit_code}
+        if e.hint:
+            obj["hint"] = e.hint
+        if isinstance(e, CriuFailed):
+            obj["criu_log"] = e.log_path
+            obj["criu_errors"] = e.last_lines
+        _emit_json(obj)
+        return
+    err.print(f"[bold red]gpusnap: {e.message}[/]")
+    if isinstance(e, CriuFailed):
+        for line in e.last_lines:
+            err.print(f"  [dim]{line}[/]", markup=True)
+        if e.log_path:
+            err.print(f"  full CRIU log: {e.log_path}")
+    if e.hint:
+        err.print(f"[yellow]hint:[/] {e.hint}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: the one place where errors become exit codes (usage errors: typer's 2)."""
+    try:
+        app(args=argv, prog_name="gpusnap")
+    except GpusnapError as e:
+        report_error(e)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        err.print("gpusnap: interrupted")
+        sys.exit(130)

@@ -1,0 +1,175 @@
+"""Shared fixtures: the gpusnap command, private repositories, and real sample jobs.
+
+Everything here is real: jobs are real processes (gpusnap.samples.job), dumps and
+restores go through the real CRIU, repositories are real directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+GPUSNAP = [PY, "-m", "gpusnap"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.geteuid() != 0:
+        skip = pytest.mark.skip(reason="needs root: CRIU dumps and restores real processes")
+        for item in items:
+            if "criu" in item.keywords:
+                item.add_marker(skip)
+
+
+def run_gpusnap(*args, env=None, check=False, timeout=300, **kw) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run([*GPUSNAP, *map(str, args)], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=ROOT, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"gpusnap {' '.join(map(str, args))} failed ({proc.returncode}):\n"
+                             f"{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def run_json(*args, **kw) -> dict:
+    proc = run_gpusnap(*args, "--json", check=True, **kw)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, f"--json must print exactly one line, got: {proc.stdout!r}"
+    return json.loads(lines[0])
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    return tmp_path / "repo"
+
+
+class SampleJob:
+    """A running gpusnap.samples.job tree (parent, threads, child over pipes, growing log)."""
+
+    def __init__(self, out: Path, *, steps=300, mb=64, threads=3, step_ms=20, setsid=True, seed=1234):
+        self.out = out
+        self.args = ["--steps", steps, "--mb", mb, "--threads", threads, "--step-ms", step_ms, "--seed", seed]
+        out.mkdir(parents=True, exist_ok=True)
+        self._stdio = open(out / "stdio.txt", "ab")
+        self.popen = subprocess.Popen([PY, "-m", "gpusnap.samples.job", str(out), *map(str, self.args)],
+                                      stdin=subprocess.DEVNULL, stdout=self._stdio, stderr=self._stdio,
+                                      cwd=ROOT, start_new_session=setsid)
+        self.pid = self.popen.pid
+        self.pids: list[int] = []
+
+    def wait_steps(self, n: int, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.steps_done()
+            if s >= n:
+                if not self.pids:
+                    self.pids = [int(x) for x in (self.out / "pid").read_text().split()]
+                return s
+            if self.popen.poll() is not None and not (self.out / "result").exists():
+                raise AssertionError(f"job died: {(self.out / 'stdio.txt').read_text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"job did not reach step {n} in {timeout} s")
+
+    def steps_done(self) -> int:
+        try:
+            lines = (self.out / "job.log").read_text().splitlines()
+        except FileNotFoundError:
+            return 0
+        return int(lines[-1].split()[1].split("/")[0]) if lines else 0
+
+    def alive(self) -> bool:
+        try:
+            st = Path(f"/proc/{self.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return st[st.rindex(")") + 2] not in "ZX"
+
+    def kill(self) -> None:
+        for pid in self.pids or [self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait(timeout=30)
+        # the child is reparented when its parent dies; wait until its PID is free
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in self.pids):
+            time.sleep(0.05)
+
+    def result(self, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        path = self.out / "result"
+        while time.monotonic() < deadline:
+            if path.exists():
+                return path.read_text().strip()
+            time.sleep(0.1)
+        raise AssertionError(f"no result after {timeout} s; log tail: "
+                             f"{(self.out / 'job.log').read_text().splitlines()[-1:]}")
+
+    def close(self) -> None:
+        for pid in self.pids or [self.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._stdio.close()
+
+
+_reference_cache: dict[tuple, str] = {}
+
+
+def reference_result(tmp_root: Path, **kw) -> str:
+    """The result of an uninterrupted run with the same arguments (cached per session)."""
+    key = tuple(sorted(kw.items()))
+    if key not in _reference_cache:
+        out = tmp_root / f"reference-{abs(hash(key))}"
+        args = {"steps": 300, "mb": 64, "threads": 3, "seed": 1234, **kw, "step_ms": 0}
+        cmd = [PY, "-m", "gpusnap.samples.job", str(out)]
+        for k, v in args.items():
+            cmd += [f"--{k.replace('_', '-')}", str(v)]
+        subprocess.run(cmd, check=True, cwd=ROOT, stdin=subprocess.DEVNULL, timeout=600)
+        _reference_cache[key] = (out / "result").read_text().strip()
+    return _reference_cache[key]
+
+
+@pytest.fixture
+def sample_job(tmp_path):
+    jobs: list[SampleJob] = []
+
+    def start(name="job", **kw) -> SampleJob:
+        job = SampleJob(tmp_path / name, **kw)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        job.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    return lambda **kw: reference_result(root, **kw)
+
+
+def kill_pids(pids) -> None:
+    """Kill restored processes by PID (they are not our children: nothing to reap). Never by
+    process group: a job that was not started with setsid shares the test runner's group."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

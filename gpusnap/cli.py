@@ -330,6 +330,59 @@ def ps(json_: bool = JsonOpt) -> None:
         procs.render(listing, out)
 
 
+@schedule_app.command("add")
+def schedule_add(
+    match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
+    name: str = typer.Option(..., "--name", help="Snapshot name, also the schedule's name."),
+    every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
+    cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
+    keep_last: int = typer.Option(4, "--keep-last", metavar="N", min=1, help="Snapshots of this name to keep."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Snapshot a job periodically (a file in /etc/cron.d), keeping the newest N."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo)
+    if json_:
+        _emit_json(s.to_dict())
+    else:
+        out.print(f"{s.path}: {s.cron}  {s.command}")
+
+
+@schedule_app.command("ls")
+def schedule_ls(json_: bool = JsonOpt) -> None:
+    """List gpusnap's cron schedules."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    items = schedule.list_schedules()
+    if json_:
+        _emit_json({"schedules": [s.to_dict() for s in items]})
+        return
+    for s in items:
+        out.print(f"{s.name}\t{s.cron}\t{s.command}")
+    if not items:
+        err.print("no schedules")
+
+
+@schedule_app.command("rm")
+def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
+    """Remove a schedule (its snapshots stay)."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    s = schedule.remove(name)
+    if json_:
+        _emit_json(s.to_dict())
+    else:
+        out.print(f"removed {s.path}")
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),

@@ -49,15 +49,19 @@ def criu_info() -> CriuInfo:
     if version is None:
         raise CriuUnavailable(f"cannot tell the version of {path} (`criu --version` said {out.strip()!r})",
                               hint=INSTALL_HINT)
+    check_version(version, path)
+    return CriuInfo(path=path, version=version)
+
+
+def check_version(version: tuple[int, ...], path: str) -> tuple[int, ...]:
     if version[:2] < MIN_VERSION:
         raise CriuUnavailable(
             f"CRIU {'.'.join(map(str, version))} at {path} is too old: gpusnap needs 4.0 or newer "
             "(the device plugin hooks and working vDSO handling on recent kernels came with 4.0)",
             hint=INSTALL_HINT)
-    return CriuInfo(path=path, version=version)
+    return version
 
 
-_ERR = re.compile(r"\b(Error|Warn)\b")
 
 
 def log_errors(log_path: Path, limit: int = 8) -> list[str]:

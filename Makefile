@@ -1,0 +1,28 @@
+# gpusnap: every target sets up what it needs first (idempotent; quick once done).
+# Run as root: CRIU dumps and restores real processes.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test test-fast bench completions clean
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	@$(PY) -m gpusnap.samples.demo
+
+test: setup
+	@bash scripts/run-tests.sh
+
+test-fast: setup
+	@$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	@$(PY) scripts/bench.py
+
+completions: setup
+	@$(PY) scripts/gen_completions.py
+
+clean:
+	rm -rf build .pytest_cache .hypothesis

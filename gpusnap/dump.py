@@ -22,6 +22,7 @@ from typing import Callable
 
 from gpusnap import paths, proc
 from gpusnap.criu import runner
+from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
 
@@ -236,14 +237,17 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         workdir = Path(tempfile.mkdtemp(prefix="gpusnap-dump-"))
         log = workdir / "criu.log"
         server: CaptureServer | None = None
+        gate: PostDumpGate | None = None
         criu: subprocess.Popen | None = None
         stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
         old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
         snap = None
         try:
             server = CaptureServer(workdir, writer.image_sink).start()
+            gate = PostDumpGate(workdir, server)
             criu = subprocess.Popen(
-                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job)],
+                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
+                 "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=_criu_env(req, workdir), start_new_session=True)
             while criu.poll() is None:
@@ -282,6 +286,8 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 writer.abort()
             if stopped:  # CRIU succeeded but storing failed: give the job back
                 _resume_tree(pids, _read_cuda_report(workdir / "cuda-report"))
+            if gate is not None:
+                gate.close()
             if server is not None:
                 server.abort()
             shutil.rmtree(workdir, ignore_errors=True)

@@ -19,8 +19,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import select
 import socket
+import struct
+import termios
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
@@ -83,6 +87,8 @@ class _Server:
         self._main = threading.Thread(target=self._serve_connection, name=f"{self.socket_name}", daemon=True)
         self.bytes = 0
         self.images: dict[str, int] = {}
+        self._busy = False  # a request is being read or handled (guarded by _lock)
+        self._open = 0      # images whose pipe is still being drained or fed (guarded by _lock)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "_Server":
@@ -161,22 +167,65 @@ class _Server:
                     if self._stop.is_set():
                         return
             self._conn.settimeout(None)
+            poller = select.poll()
+            poller.register(self._conn, select.POLLIN | select.POLLHUP)
             while not self.failed:
-                msg = protocol.recv_message(self._conn)
-                if msg is None:
-                    return
-                name = protocol.decode_request(msg)
-                self._handle(name)
+                if not poller.poll(100):
+                    continue
+                with self._lock:
+                    self._busy = True
+                try:
+                    msg = protocol.recv_message(self._conn)
+                    if msg is None:
+                        return
+                    self._handle(protocol.decode_request(msg))
+                finally:
+                    with self._lock:
+                        self._busy = False
         except OSError as e:
             if not self.failed and not self._stop.is_set():
                 self._record(StreamProtocolError(f"lost the connection to CRIU: {e}"))
         except GpusnapError as e:
             self._record(e)
 
+    def drained(self) -> bool:
+        """True when every image CRIU has asked for so far is completely through: no request
+        unread on the socket, none being handled, no pipe still open."""
+        with self._lock:
+            if self._busy or self._open:
+                return False
+            conn = self._conn
+            if conn is None:
+                return True
+            try:
+                pending = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+            except OSError:
+                pending = 0
+            return pending == 0
+
+    def wait_drained(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.failed:
+                return False
+            if self.drained():
+                return True
+            time.sleep(0.002)
+        return False
+
     def _spawn(self, target, *args) -> None:
-        t = threading.Thread(target=target, args=args, daemon=True)
+        with self._lock:
+            self._open += 1
+        t = threading.Thread(target=self._run_worker, args=(target, *args), daemon=True)
         self._workers.append(t)
         t.start()
+
+    def _run_worker(self, target, *args) -> None:
+        try:
+            target(*args)
+        finally:
+            with self._lock:
+                self._open -= 1
 
     def _handle(self, name: str) -> None:
         raise NotImplementedError

@@ -33,7 +33,7 @@ schedule_app = typer.Typer(help="Periodic snapshots from cron, with retention.",
 app.add_typer(schedule_app, name="schedule")
 
 out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 _json_mode = False
 
 RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True,
@@ -196,23 +196,28 @@ def ls_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
     from gpusnap.repo.repository import Repository
 
     root = locate.repo_path(repo)
-    if not (root / "config").exists():
-        rows = []
-    else:
-        rows = Repository.open(root).usage()
+    rows = []
+    if (root / "config").exists():
+        usage = Repository.open(root).usage()
+        for dirname, row in usage.items():
+            rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
+        rows.sort(key=lambda r: (r.get("created", 0), r["dir"]))
     if json_:
         _emit_json({"repository": str(root), "snapshots": rows})
         return
     if not rows:
         err.print(f"no snapshots in {root}")
         return
+    import datetime
+
     table = Table(box=None)
-    for col in ("id", "name", "created", "processes", "raw", "stored unique", "shared", "path"):
-        table.add_column(col)
+    for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared"):
+        table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left")
     for r in rows:
-        table.add_row(str(r.get("id", ""))[:12], str(r.get("name", "")), str(r.get("created_iso", r.get("created", ""))),
-                      str(r.get("processes", "")), _human(r.get("bytes_raw", 0)), _human(r.get("unique_bytes", 0)),
-                      _human(r.get("shared_bytes", 0)), str(r.get("path", "")))
+        created = datetime.datetime.fromtimestamp(r.get("created", 0), datetime.timezone.utc)
+        table.add_row(r["dir"], str(r.get("name", "")), str(r.get("id", ""))[:12],
+                      created.strftime("%Y-%m-%d %H:%M:%S"), _human(r.get("bytes_raw", 0)),
+                      _human(r.get("bytes_unique", 0)), _human(r.get("bytes_shared", 0)))
     out.print(table)
 
 

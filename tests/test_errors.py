@@ -144,7 +144,7 @@ def test_full_disk_loses_nothing(sample_job, tmp_path):
         repo = mnt / "repo"
         proc = run_gpusnap("dump", job.pid, "--repo", repo)
         assert proc.returncode == NoSpace.exit_code, proc.stderr
-        assert "disk is full" in proc.stderr
+        assert "is full" in proc.stderr
         assert job.alive()
         at = job.steps_done()
         job.wait_steps(at + 3)  # and still making progress: not frozen
@@ -188,11 +188,15 @@ def test_corrupt_pack_refuses_restore_and_starts_nothing(sample_job, repo):
     data[len(data) // 2] ^= 0x40
     os.chmod(pack, 0o600)
     pack.write_bytes(bytes(data))
+    steps_before = job.steps_done()
     proc = run_gpusnap("restore", info["snapshot"])
     assert proc.returncode == CorruptSnapshot.exit_code, proc.stderr
     assert pack.name[:12] in proc.stderr or "pack" in proc.stderr
-    time.sleep(0.5)
-    assert not any(Path(f"/proc/{p}").exists() for p in job.pids), "a process was started"
+    time.sleep(1)
+    # CRIU may leave a reaped-later zombie of the half-built tree, but nothing ran
+    from gpusnap.proc import exists
+    assert not any(exists(p) for p in job.pids), "a restored process is running"
+    assert job.steps_done() == steps_before
     v = run_gpusnap("verify", "--repo", repo)
     assert v.returncode == CorruptSnapshot.exit_code
     assert Path(info["snapshot"]).name in v.stdout + v.stderr

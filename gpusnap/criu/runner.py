@@ -145,14 +145,26 @@ def require_privileges(action: str) -> None:
 
 
 def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
-    """Copy a CRIU log into REPO/logs/<label>.log (private) and return where it went."""
+    """Copy a CRIU log into REPO/logs/<label>.log (private) and return where it went. On a
+    full repository disk the log goes to a private temporary directory instead; a log is
+    never worth failing over."""
     import shutil
+    import tempfile
 
     if not log.exists():
         return None
-    logs = Path(repo_path) / "logs"
-    logs.mkdir(mode=0o700, exist_ok=True)
-    dst = logs / f"{label}.log"
-    shutil.copyfile(log, dst)
-    os.chmod(dst, 0o600)
-    return str(dst)
+    try:
+        logs = Path(repo_path) / "logs"
+        logs.mkdir(mode=0o700, exist_ok=True)
+        dst = logs / f"{label}.log"
+        shutil.copyfile(log, dst)
+        os.chmod(dst, 0o600)
+        return str(dst)
+    except OSError:
+        pass
+    try:
+        dst = Path(tempfile.mkdtemp(prefix="gpusnap-log-")) / f"{label}.log"
+        shutil.copyfile(log, dst)
+        return str(dst)
+    except OSError:
+        return None

@@ -1,0 +1,293 @@
+"""gpusnap prune: a pure planning function, then a crash-safe execution.
+
+Execution order (each step leaves a repository that verifies):
+ 1. rename doomed snapshot dirs to snapshots/.del-* (atomic; invisible to readers), delete them
+ 2. write rewritten packs (only the still-used pages of partly used packs)
+ 3. write ONE new index file describing every kept blob, fsync
+ 4. delete every other index file
+ 5. delete packs no index names (deleted, rewritten, orphans of interrupted dumps)
+ 6. delete leftovers: tmp/*, snapshots/.tmp-*, snapshots/.del-*
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from ..errors import CorruptSnapshot, RepositoryError
+from . import fsutil
+from .codec import compress, decompress
+from .format import (
+    BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError,
+)
+from .repository import Repository
+from .store import BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
+
+import blake3
+
+
+@dataclass
+class PrunePlan:
+    keep: list[str] = field(default_factory=list)      # snapshot ids
+    delete: list[str] = field(default_factory=list)
+
+    @property
+    def remove(self) -> list[str]:
+        return self.delete
+
+    def to_dict(self):
+        return {"keep": self.keep, "delete": self.delete}
+
+
+class PruneResult(dict):
+    """What prune did (or, with dry_run, would do). A dict, plus to_dict()/lines() for the CLI."""
+
+    def to_dict(self) -> dict:
+        return dict(self)
+
+    def lines(self) -> list[str]:
+        verb = "would delete" if self.get("dry_run") else "deleted"
+        out = [f"{verb} snapshot {n}" for n in self.get("snapshots_deleted", [])]
+        out.append(f"kept {len(self.get('snapshots_kept', []))} snapshot(s); packs {verb}: "
+                   f"{self.get('packs_deleted', 0)}, rewritten: {self.get('packs_rewritten', 0)}; "
+                   f"{'would free' if self.get('dry_run') else 'freed'} {self.get('bytes_freed', 0)} bytes")
+        return out
+
+
+def _field(s, k):
+    return s[k] if isinstance(s, Mapping) else getattr(s, k)
+
+
+def plan_prune(snapshots_info, keep_last: int, name: str | None = None) -> PrunePlan:
+    """Pure. snapshots_info: iterable of mappings with "id", "name", "created" (or objects
+    with those attributes, e.g. Snapshot).
+    Per snapshot name (or only `name` when given) keep the `keep_last` newest, delete the
+    rest. Snapshots of other names are kept. Ties on `created` are broken by id."""
+    if type(keep_last) is not int or keep_last < 0:
+        raise ValueError("keep_last must be a non-negative integer")
+    groups: dict[str, list] = {}
+    for s in snapshots_info:
+        s = {"id": _field(s, "id"), "name": _field(s, "name"), "created": _field(s, "created")}
+        groups.setdefault(s["name"], []).append(s)
+    plan = PrunePlan()
+    for gname in sorted(groups):
+        items = sorted(groups[gname], key=lambda s: (s["created"], s["id"]))
+        if name is not None and gname != name:
+            plan.keep.extend(s["id"] for s in items)
+            continue
+        cut = len(items) - keep_last if keep_last < len(items) else 0
+        plan.delete.extend(s["id"] for s in items[:cut])
+        plan.keep.extend(s["id"] for s in items[cut:])
+    return plan
+
+
+def snapshots_info(repo: Repository) -> list[dict]:
+    return [{"id": s.id, "name": s.name, "created": s.created, "dir": s.path.name} for s in repo.snapshots()]
+
+
+def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repack_threshold: float = 0.10,
+                  _fault: Callable[[str], None] | None = None) -> PruneResult:
+    fault = _fault or (lambda step: None)
+    root = repo.path
+    res = PruneResult({"dry_run": dry_run, "snapshots_deleted": [], "snapshots_kept": [], "packs_deleted": 0,
+           "packs_rewritten": 0, "packs_written": 0, "bytes_freed": 0, "leftovers_removed": 0})
+    with repo.writer_lock():
+        broken = repo.broken_snapshots()
+        if broken:
+            raise RepositoryError(
+                f"prune refuses to delete data while snapshots are unreadable: {', '.join(p.name for p in broken)}",
+                "run gpusnap verify; remove the damaged snapshot directories by hand if they are beyond repair")
+        snaps = repo.snapshots()
+        doomed_ids = set(plan.delete)
+        doomed = [s for s in snaps if s.id in doomed_ids]
+        survivors = [s for s in snaps if s.id not in doomed_ids]
+        res["snapshots_deleted"] = [s.path.name for s in doomed]
+        res["snapshots_kept"] = [s.path.name for s in survivors]
+
+        # 1. snapshots
+        if not dry_run:
+            sd = root / "snapshots"
+            for s in doomed:
+                tomb = sd / f".del-{s.path.name}"
+                os.rename(s.path, tomb)
+                fsutil.fsync_dir(sd)
+                fault("snapshot-renamed")
+                shutil.rmtree(tomb)
+            fault("snapshots-deleted")
+
+        # what is still needed
+        idx = RepoIndex.load(root)
+        if idx.bad_files:
+            raise RepositoryError(f"prune refuses to delete data while index files are damaged: "
+                                  f"{', '.join(sorted(idx.bad_files))}", "run gpusnap verify")
+        used_slots: dict[int, set[int]] = {}
+        used_data: set[int] = set()
+        for s in survivors:
+            try:
+                pages, data = s.referenced_ids()
+            except CorruptSnapshot:
+                raise
+            for pid in pages:
+                loc = idx.page_loc.get(pid)
+                if loc is None:
+                    raise RepositoryError(f"snapshot {s.path.name} needs pages missing from the index; prune stops",
+                                          "run gpusnap verify")
+                used_slots.setdefault(loc >> 8, set()).add(loc & 0xFF)
+            for bid in data:
+                bno = idx.data_loc.get(bid)
+                if bno is None:
+                    raise RepositoryError(f"snapshot {s.path.name} needs blobs missing from the index; prune stops",
+                                          "run gpusnap verify")
+                used_data.add(bno)
+
+        by_pack: dict[bytes, list[int]] = {}
+        for bno, b in enumerate(idx.blobs):
+            by_pack.setdefault(b.pack, []).append(bno)
+        keep_packs, rewrite_packs, delete_packs = [], [], []
+        for ph, bnos in by_pack.items():
+            total = used = 0
+            for bno in bnos:
+                b = idx.blobs[bno]
+                sz = BLOB_HEADER.size + b.stored_len
+                total += sz
+                if b.kind == KIND_DATA:
+                    used += sz if bno in used_data else 0
+                else:
+                    used += sz * len(used_slots.get(bno, ())) // b.n_pages
+            if used == 0:
+                delete_packs.append(ph)
+            elif total - used > repack_threshold * total:
+                rewrite_packs.append(ph)
+            else:
+                keep_packs.append(ph)
+        present = _present_packs(root)
+        orphans = present - set(by_pack)
+
+        def psize(ph):
+            try:
+                return os.stat(pack_path(root, ph)).st_size
+            except OSError:
+                return 0
+
+        freed = sum(psize(p) for p in delete_packs + rewrite_packs) + sum(psize(p) for p in orphans)
+        res["packs_deleted"] = len(delete_packs) + len(orphans)
+        res["packs_rewritten"] = len(rewrite_packs)
+        if dry_run:
+            res["bytes_freed"] = freed
+            return res
+
+        # 2. rewrite partly used packs
+        writer = PackWriter(root)
+        reader = BlobReader(root, idx, cache_blobs=2)
+        try:
+            for ph in rewrite_packs:
+                for bno in by_pack[ph]:
+                    b = idx.blobs[bno]
+                    if b.kind == KIND_DATA:
+                        if bno not in used_data:
+                            continue
+                        raw = _read_checked(reader, idx, bno)
+                        codec, payload = compress(raw, b.codec if b.codec != CODEC_NONE else CODEC_LZ4)
+                        writer.add(KIND_DATA, codec, 0, len(raw), payload, b.ids)
+                        continue
+                    slots = sorted(used_slots.get(bno, ()))
+                    if not slots:
+                        continue
+                    raw = _read_checked(reader, idx, bno)
+                    pages = b"".join(raw[s * PAGE_SIZE:(s + 1) * PAGE_SIZE] for s in slots)
+                    ids = b"".join(b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN] for s in slots)
+                    codec, payload = compress(pages, b.codec if b.codec != CODEC_NONE else CODEC_LZ4)
+                    writer.add(KIND_PAGES, codec, len(slots), len(pages), payload, ids)
+            new_packs = writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        finally:
+            reader.close()
+        res["packs_written"] = len(new_packs)
+        freed -= writer.bytes_written
+        fault("packs-rewritten")
+
+        # 3. one new index for everything kept
+        changed = bool(delete_packs or rewrite_packs or new_packs)
+        if changed:
+            kept = []
+            for ph in sorted(keep_packs):
+                recs = []
+                for bno in by_pack[ph]:
+                    b = idx.blobs[bno]
+                    recs.append(_Rec(b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len, b.ids))
+                kept.append((ph, recs))
+            res_idx = write_index_file(root, kept + list(new_packs))
+            fault("index-written")
+            # 4. old index files
+            new_name = res_idx[0].name if res_idx else None
+            for n in os.listdir(root / "index"):
+                if n != new_name:
+                    fsutil.unlink_quiet(root / "index" / n)
+                    fault("index-deleted-one")
+            fsutil.fsync_dir(root / "index")
+        fault("index-replaced")
+
+        # 5. packs nobody indexes any more
+        final = RepoIndex.load(root)
+        if final.bad_files:
+            raise RepositoryError("index became unreadable during prune: " + ", ".join(final.bad_files))
+        live = {b.pack for b in final.blobs}
+        for ph in sorted(_present_packs(root) - live):
+            fsutil.unlink_quiet(pack_path(root, ph))
+            fault("pack-deleted")
+        # 6. leftovers
+        for n in os.listdir(root / "tmp"):
+            fsutil.unlink_quiet(root / "tmp" / n)
+            res["leftovers_removed"] += 1
+        sd = root / "snapshots"
+        for n in os.listdir(sd):
+            if n.startswith((".tmp-", ".del-")):
+                shutil.rmtree(sd / n, ignore_errors=True)
+                res["leftovers_removed"] += 1
+        res["bytes_freed"] = max(freed, 0)
+        repo._index = None
+        return res
+
+
+@dataclass
+class _Rec:
+    offset: int
+    kind: int
+    codec: int
+    n_pages: int
+    raw_len: int
+    stored_len: int
+    ids: bytes
+
+
+def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:
+    b = idx.blobs[bno]
+    try:
+        raw = reader.read_raw(b)
+    except (OSError, FormatError) as e:
+        raise CorruptSnapshot(f"prune stopped: blob in pack {b.pack.hex()} unreadable: {e}",
+                              "run gpusnap verify") from None
+    if b.kind == KIND_PAGES:
+        for s in range(b.n_pages):
+            if blake3.blake3(raw[s * PAGE_SIZE:(s + 1) * PAGE_SIZE]).digest(16) != b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN]:
+                raise CorruptSnapshot(f"prune stopped: damaged page in pack {b.pack.hex()}", "run gpusnap verify")
+    elif blake3.blake3(raw).digest() != b.ids:
+        raise CorruptSnapshot(f"prune stopped: damaged blob in pack {b.pack.hex()}", "run gpusnap verify")
+    return raw
+
+
+def _present_packs(root) -> set[bytes]:
+    out = set()
+    pdir = root / "packs"
+    for sub in os.listdir(pdir):
+        sp = pdir / sub
+        if len(sub) != 2 or not sp.is_dir():
+            continue
+        for f in os.listdir(sp):
+            if HEX64.match(f) and f.startswith(sub):
+                out.add(bytes.fromhex(f))
+    return out

@@ -1,0 +1,432 @@
+"""Repository, Snapshot: opening, locking, listing, reading (docs/format.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import blake3
+
+from ..errors import CorruptSnapshot, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
+from . import fsutil
+from .codec import codec_id
+from .format import (
+    BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
+    make_config, encode_config, parse_config, parse_manifest,
+)
+from .store import BlobReader, RepoIndex, pack_path
+
+SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
+READ_CHUNK = 1 << 20
+_ZCHUNK = bytes(READ_CHUNK)
+
+
+class Repository:
+    def __init__(self, path: Path, config: dict):
+        self.path = path
+        self.config = config
+        self._lock_mutex = threading.Lock()
+        self._lock_depth = 0
+        self._lock_fd: int | None = None
+        self._index: RepoIndex | None = None
+        self._index_names: list[str] | None = None
+        self._index_mutex = threading.Lock()
+
+    # -- open / create -------------------------------------------------------------------
+    @classmethod
+    def open(cls, path, create: bool = False) -> "Repository":
+        path = Path(path).absolute()
+        cfgp = path / "config"
+        if create and not cfgp.exists():
+            if path.exists() and any(path.iterdir()):
+                raise RepositoryError(f"{path} exists, is not empty and is not a gpusnap repository",
+                                      "choose an empty or new directory for the repository")
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(path, 0o700)
+            for d in SUBDIRS:
+                fsutil.mkdir_private(path / d)
+            cfg = make_config(secrets.token_hex(16), time.time())
+            fsutil.write_file_atomic(path / "tmp", cfgp, encode_config(cfg))
+            fsutil.fsync_dir(path)
+        try:
+            with open(cfgp, "rb") as f:
+                data = f.read((1 << 20) + 1)
+        except FileNotFoundError:
+            raise RepositoryError(f"{path} is not a gpusnap repository (no config file)",
+                                  "create one with a dump, or point --repo at an existing repository") from None
+        except OSError as e:
+            raise RepositoryError(f"cannot read {cfgp}: {e}") from None
+        try:
+            cfg = parse_config(data)
+        except FormatError as e:
+            raise RepositoryError(f"{cfgp}: {e}") from None
+        for d in SUBDIRS:
+            if not (path / d).is_dir():
+                if d in ("tmp", "locks"):
+                    fsutil.mkdir_private(path / d)
+                else:
+                    raise RepositoryError(f"{path} is damaged: directory {d}/ is missing")
+        return cls(path, cfg)
+
+    # -- locking ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def writer_lock(self):
+        """One writer per repository (flock on locks/writer: the kernel drops it when the
+        holder dies). Re-entrant within this Repository object."""
+        with self._lock_mutex:
+            if self._lock_depth == 0:
+                lp = self.path / "locks" / "writer"
+                fd = os.open(lp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    try:
+                        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                    finally:
+                        os.close(fd)
+                    info = {}
+                    with contextlib.suppress(ValueError):
+                        info = json.loads(holder)
+                    pid = info.get("pid", "?") if isinstance(info, dict) else "?"
+                    raise RepositoryLocked(
+                        f"repository {self.path} is locked by pid {pid}"
+                        + (f" on {info.get('host')} ({info.get('what')}, since {info.get('since')})" if isinstance(info, dict) and info else ""),
+                        "wait for that gpusnap to finish; a lock held by a dead process is released automatically")
+                os.fchmod(fd, 0o600)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "writer",
+                                          "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
+                self._lock_fd = fd
+            self._lock_depth += 1
+        try:
+            yield self
+        finally:
+            with self._lock_mutex:
+                self._lock_depth -= 1
+                if self._lock_depth == 0:
+                    fd, self._lock_fd = self._lock_fd, None
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)
+                    os.close(fd)     # closing the only fd releases the flock
+
+    def holds_lock(self) -> bool:
+        return self._lock_depth > 0
+
+    # -- index -----------------------------------------------------------------------------
+    def _load_index(self, refresh: bool = False) -> RepoIndex:
+        with self._index_mutex:
+            names = sorted(n for n in os.listdir(self.path / "index") if not n.startswith("."))
+            if self._index is None or (refresh and names != self._index_names) or names != self._index_names:
+                self._index = RepoIndex.load(self.path, names)
+                self._index_names = names
+            return self._index
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def new_snapshot(self, name: str, compress: str = "lz4", meta: dict | None = None, **kw) -> "SnapshotWriter":
+        from .writer import SnapshotWriter
+        if not isinstance(name, str) or not SNAPSHOT_NAME.match(name):
+            raise UsageError(f"bad snapshot name {name!r}",
+                             "use letters, digits, '.', '_', '+', '-' (up to 100), starting with a letter or digit")
+        try:
+            c = codec_id(compress)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if not self.holds_lock():
+            raise RepositoryError("new_snapshot() needs the repository's writer lock (use repo.writer_lock())")
+        return SnapshotWriter(self, name, c, meta, **kw)
+
+    def _snapshot_dirs(self) -> list[Path]:
+        d = self.path / "snapshots"
+        return sorted(p for p in d.iterdir() if not p.name.startswith(".") and p.is_dir())
+
+    def snapshots(self) -> list["Snapshot"]:
+        """Committed snapshots whose manifest verifies, oldest first."""
+        out = []
+        for p in self._snapshot_dirs():
+            try:
+                out.append(Snapshot(self, p))
+            except CorruptSnapshot:
+                continue
+        out.sort(key=lambda s: (s.created, s.path.name))
+        return out
+
+    def broken_snapshots(self) -> dict[Path, str]:
+        out = {}
+        for p in self._snapshot_dirs():
+            try:
+                Snapshot(self, p)
+            except CorruptSnapshot as e:
+                out[p] = str(e)
+        return out
+
+    def snapshot(self, ref: str) -> "Snapshot":
+        ref = str(ref)
+        snaps_dir = (self.path / "snapshots").resolve()
+        p = Path(ref)
+        if "/" in ref or p.is_absolute():
+            try:
+                rp = p.resolve()
+            except OSError:
+                rp = p
+            if rp.parent == snaps_dir and rp.is_dir() and not rp.name.startswith("."):
+                return Snapshot(self, self.path / "snapshots" / rp.name)
+            raise SnapshotNotFound(f"{ref} is not a snapshot of repository {self.path}")
+        if ref and not ref.startswith(".") and (self.path / "snapshots" / ref).is_dir():
+            return Snapshot(self, self.path / "snapshots" / ref)
+        snaps = self.snapshots()
+        byid = [s for s in snaps if ref and s.id.startswith(ref.lower())]
+        if len(byid) == 1:
+            return byid[0]
+        if len(byid) > 1 and len(ref) >= 4:
+            raise SnapshotNotFound(f"snapshot id prefix {ref} is ambiguous ({len(byid)} snapshots)",
+                                   "give more digits of the id")
+        byname = [s for s in snaps if s.name == ref]
+        if byname:
+            return byname[-1]
+        raise SnapshotNotFound(f"no snapshot {ref!r} in repository {self.path}", "list them with: gpusnap ls")
+
+    def usage(self) -> dict:
+        from .inspect import repo_usage
+        return repo_usage(self)
+
+
+class Snapshot:
+    def __init__(self, repo: Repository, path: Path):
+        self.repo = repo
+        self.path = Path(path)
+        try:
+            with open(self.path / "manifest", "rb") as f:
+                data = f.read((256 << 20) + 1)
+        except FileNotFoundError:
+            raise CorruptSnapshot(f"snapshot {self.path}: manifest missing",
+                                  "the snapshot is incomplete or damaged; use another one") from None
+        except OSError as e:
+            raise CorruptSnapshot(f"snapshot {self.path}: cannot read manifest: {e}") from None
+        try:
+            self.manifest, self.id = parse_manifest(data)
+        except FormatError as e:
+            raise CorruptSnapshot(f"snapshot {self.path}: manifest damaged: {e}",
+                                  "run gpusnap verify; restore an older snapshot") from None
+        self.name = self.manifest["name"]
+        self.created = float(self.manifest["created"])
+        self._images = {im["name"]: im for im in self.manifest["images"]}
+
+    def __repr__(self):
+        return f"<Snapshot {self.path.name} id={self.id}>"
+
+    @property
+    def meta(self) -> dict:
+        return self.manifest["meta"]
+
+    @property
+    def stats(self) -> dict:
+        return self.manifest["stats"]
+
+    def image_names(self) -> list[str]:
+        return list(self._images)
+
+    def has_image(self, filename) -> bool:
+        return filename in self._images
+
+    def image(self, filename) -> dict:
+        try:
+            return self._images[filename]
+        except KeyError:
+            raise SnapshotNotFound(f"snapshot {self.path} has no image {filename}") from None
+
+    def _corrupt(self, what: str, pack: bytes | None = None) -> CorruptSnapshot:
+        where = f" (pack {pack_path(self.repo.path, pack)})" if pack else ""
+        return CorruptSnapshot(f"snapshot {self.path} is damaged: {what}{where}",
+                               "run gpusnap verify to see what is affected; restore another snapshot")
+
+    # -- page lists ---------------------------------------------------------------------
+    def _check_pagelist(self, im: dict) -> Path:
+        p = self.path / im["pagelist"]
+        h = blake3.blake3()
+        n = 0
+        try:
+            with open(p, "rb") as f:
+                while True:
+                    b = f.read(READ_CHUNK)
+                    if not b:
+                        break
+                    h.update(b)
+                    n += len(b)
+        except OSError as e:
+            raise self._corrupt(f"page list {im['pagelist']} of {im['name']} unreadable: {e}") from None
+        if n != im["pagelist_size"] or h.hexdigest() != im["digest"]:
+            raise self._corrupt(f"page list {im['pagelist']} of {im['name']} does not match its checksum")
+        return p
+
+    def iter_page_refs(self, filename) -> Iterator[tuple]:
+        """("zero", n) / ("pages", ids bytes) / ("tail", len, blob id) after checking the page list."""
+        im = self.image(filename)
+        p = self._check_pagelist(im)
+        with open(p, "rb", buffering=READ_CHUNK) as f:
+            try:
+                yield from iter_pagelist(f.read, im["size"])
+            except FormatError as e:
+                raise self._corrupt(f"page list of {filename}: {e}") from None
+
+    def referenced_ids(self) -> tuple[set, set]:
+        """(page ids, data blob ids) this snapshot needs."""
+        pages, data = set(), set()
+        for name, im in self._images.items():
+            if im["type"] == "blob":
+                data.update(bytes.fromhex(b) for b in im["blobs"])
+                continue
+            for rec in self.iter_page_refs(name):
+                if rec[0] == "pages":
+                    ids = rec[1]
+                    pages.update(ids[i:i + PAGE_ID_LEN] for i in range(0, len(ids), PAGE_ID_LEN))
+                elif rec[0] == "tail":
+                    data.add(rec[2])
+        return pages, data
+
+    # -- structure check --------------------------------------------------------------
+    def check_structure(self) -> None:
+        """Cheap pre-restore check: page lists verify, every id is in the index, every pack
+        it needs exists and is long enough. Raises CorruptSnapshot."""
+        idx = self.repo._load_index()
+        pages, data = self.referenced_ids()
+        need: dict[bytes, int] = {}
+        missing = 0
+        for pid in pages:
+            loc = idx.page_loc.get(pid)
+            if loc is None:
+                missing += 1
+                continue
+            b = idx.blobs[loc >> 8]
+            end = b.offset + BLOB_HEADER.size + b.stored_len + 16
+            if need.get(b.pack, 0) < end:
+                need[b.pack] = end
+        for bid in data:
+            bno = idx.data_loc.get(bid)
+            if bno is None:
+                missing += 1
+                continue
+            b = idx.blobs[bno]
+            end = b.offset + BLOB_HEADER.size + b.stored_len + 16
+            if need.get(b.pack, 0) < end:
+                need[b.pack] = end
+        if missing:
+            extra = f"; damaged index files: {', '.join(sorted(idx.bad_files))}" if idx.bad_files else ""
+            raise self._corrupt(f"{missing} pages/blobs are not in the repository index{extra}")
+        for ph, end in need.items():
+            pp = pack_path(self.repo.path, ph)
+            try:
+                size = os.stat(pp).st_size
+            except FileNotFoundError:
+                raise self._corrupt("pack missing", ph) from None
+            if size < end:
+                raise self._corrupt(f"pack truncated ({size} bytes, needs at least {end})", ph)
+
+    # -- reading ----------------------------------------------------------------------------
+    def read_image(self, filename) -> Iterator[bytes]:
+        """The original bytes of an image, in chunks of at most 1 MiB; every page and blob is
+        checked against its checksum before it is yielded."""
+        im = self.image(filename)
+        idx = self.repo._load_index()
+        reader = BlobReader(self.repo.path, idx)
+        try:
+            if im["type"] == "blob":
+                yield from self._read_blob_image(im, idx, reader)
+            else:
+                yield from self._read_pages_image(im, idx, reader)
+        finally:
+            reader.close()
+
+    def _get_blob(self, reader, idx, bno, what):
+        try:
+            return reader.get(bno)
+        except FileNotFoundError:
+            raise self._corrupt(f"{what}: pack missing", idx.blobs[bno].pack) from None
+        except (OSError, FormatError) as e:
+            raise self._corrupt(f"{what}: {e}", idx.blobs[bno].pack) from None
+
+    def _data_blob(self, bid: bytes, idx, reader, filename) -> bytes:
+        bno = idx.data_loc.get(bid)
+        if bno is None:
+            raise self._corrupt(f"blob {bid.hex()[:16]} of {filename} is not in the repository index")
+        data = self._get_blob(reader, idx, bno, f"blob of {filename}")
+        if blake3.blake3(data).digest() != bid:
+            raise self._corrupt(f"blob {bid.hex()[:16]} of {filename} fails its checksum", idx.blobs[bno].pack)
+        return data
+
+    def _read_blob_image(self, im, idx, reader):
+        h = blake3.blake3()
+        n = 0
+        name = im["name"]
+        for bh in im["blobs"]:
+            data = self._data_blob(bytes.fromhex(bh), idx, reader, name)
+            reader.cache.clear()       # data blobs are rarely shared inside one image
+            n += len(data)
+            if n > im["size"]:
+                raise self._corrupt(f"image {name} longer than recorded")
+            h.update(data)
+            for o in range(0, len(data), READ_CHUNK):
+                yield data[o:o + READ_CHUNK]
+        if n != im["size"] or h.hexdigest() != im["digest"]:
+            raise self._corrupt(f"image {name} does not match its recorded size/checksum")
+
+    def _read_pages_image(self, im, idx, reader):
+        name = im["name"]
+        page_loc = idx.page_loc
+        blobs = idx.blobs
+        b3 = blake3.blake3
+        out: list = []
+        outn = 0
+        cur_bno = -1
+        cur = b""
+        limit = READ_CHUNK
+        for rec in self.iter_page_refs(name):
+            kind = rec[0]
+            if kind == "pages":
+                ids = rec[1]
+                for o in range(0, len(ids), PAGE_ID_LEN):
+                    pid = ids[o:o + PAGE_ID_LEN]
+                    loc = page_loc.get(pid)
+                    if loc is None:
+                        extra = f" (damaged index files: {', '.join(sorted(idx.bad_files))})" if idx.bad_files else ""
+                        raise self._corrupt(f"page {pid.hex()} of {name} is not in the repository index{extra}")
+                    bno = loc >> 8
+                    if bno != cur_bno:
+                        cur = self._get_blob(reader, idx, bno, f"pages of {name}")
+                        cur_bno = bno
+                    s = (loc & 0xFF) * PAGE_SIZE
+                    page = cur[s:s + PAGE_SIZE]
+                    if b3(page).digest(16) != pid:
+                        raise self._corrupt(f"a page of {name} fails its checksum", blobs[bno].pack)
+                    out.append(page)
+                    outn += PAGE_SIZE
+                    if outn >= limit:
+                        yield b"".join(out)
+                        out = []
+                        outn = 0
+            elif kind == "zero":
+                left = rec[1] * PAGE_SIZE
+                while left:
+                    k = min(left, limit - outn)
+                    out.append(_ZCHUNK[:k] if k != READ_CHUNK else _ZCHUNK)
+                    outn += k
+                    left -= k
+                    if outn >= limit:
+                        yield b"".join(out) if len(out) > 1 else out[0]
+                        out = []
+                        outn = 0
+            else:
+                data = self._data_blob(rec[2], idx, reader, name)
+                if len(data) != rec[1]:
+                    raise self._corrupt(f"tail of {name} has the wrong length")
+                out.append(data)
+                outn += len(data)
+        if out:
+            yield b"".join(out)

@@ -1,0 +1,337 @@
+"""Pack writing, pack reading and the in-memory index of a repository."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+
+from . import fsutil
+from .codec import decompress
+from .format import (
+    BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, IndexBlob,
+    encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, parse_blob_header,
+    parse_index, HEX64,
+)
+
+DEFAULT_PACK_TARGET = 32 << 20
+PACK_HEADER_SIZE = 16
+
+
+def pack_path(root: Path, pack_hash: bytes) -> Path:
+    h = pack_hash.hex()
+    return root / "packs" / h[:2] / h
+
+
+# =====================================================================================
+# writing packs
+# =====================================================================================
+
+@dataclass
+class PendingBlob:
+    offset: int
+    kind: int
+    codec: int
+    n_pages: int
+    raw_len: int
+    stored_len: int
+    ids: bytes
+
+
+class PackWriter:
+    """Appends blobs to a temporary pack; at target size the pack is finished: trailer,
+    fsync, rename to packs/ab/<blake3 of the file>.
+
+    add() is thread-safe and cheap: it assigns the blob its offset and hands the bytes to
+    one background thread that hashes (blake3 releases the GIL on large inputs) and
+    writes them (os.writev releases it too), so on two cores the pack's own hashing and
+    the kernel copy overlap with the page pipeline. The queue is bounded (backpressure):
+    at most QUEUE_MAX blobs (<= 4 MiB each) wait in memory."""
+
+    QUEUE_MAX = 32
+
+    def __init__(self, root: Path, target_size: int = DEFAULT_PACK_TARGET):
+        self.root = root
+        self.target = target_size
+        self.lock = threading.Lock()
+        self.done: list[tuple[bytes, list[PendingBlob]]] = []
+        self.bytes_written = 0
+        self._pos = 0                 # size of the current pack so far (0 = no current pack)
+        self._blobs: list[PendingBlob] = []
+        self._q: queue.Queue = queue.Queue(self.QUEUE_MAX)
+        self._err: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._tmps: list[Path] = []
+        self._closed = False
+
+    # -- producer side (any thread) -----------------------------------------------------
+    def add(self, kind: int, codec: int, n_pages: int, raw_len: int, payload: bytes, ids: bytes) -> None:
+        hdr = encode_blob_header(kind, codec, n_pages, raw_len, len(payload))
+        with self.lock:
+            if self._err is not None:
+                raise self._err
+            if self._closed:
+                raise RuntimeError("pack writer is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gpusnap-pack-writer", daemon=True)
+                self._thread.start()
+            if self._pos == 0:
+                self._q.put(("open", None, None))
+                self._pos = PACK_HEADER_SIZE
+                self._blobs = []
+            self._blobs.append(PendingBlob(self._pos, kind, codec, n_pages, raw_len, len(payload), ids))
+            self._pos += len(hdr) + len(payload)
+            self._q.put(("blob", hdr, payload))
+            if self._pos >= self.target:
+                self._q.put(("close", self._blobs, None))
+                self._pos = 0
+
+    def finish(self) -> list[tuple[bytes, list[PendingBlob]]]:
+        with self.lock:
+            if not self._closed:
+                self._closed = True
+                if self._thread is not None:
+                    if self._pos:
+                        self._q.put(("close", self._blobs, None))
+                        self._pos = 0
+                    self._q.put(("stop", None, None))
+        if self._thread is not None:
+            self._thread.join()
+        if self._err is not None:
+            raise self._err
+        return self.done
+
+    def abort(self) -> None:
+        """Remove the temporary pack and every pack this writer finished (no index names
+        them yet, and their pages were new to the repository, so nothing else needs them)."""
+        with self.lock:
+            self._closed = True
+            if self._thread is not None and self._thread.is_alive():
+                self._q.put(("stop", None, None))
+        if self._thread is not None:
+            self._thread.join()
+        for t in self._tmps:
+            fsutil.unlink_quiet(t)
+        for ph, _ in self.done:
+            fsutil.unlink_quiet(pack_path(self.root, ph))
+        self.done = []
+
+    # -- the writer thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        fd = -1
+        h = None
+        tmp = None
+        size = 0
+        q = self._q
+        while True:
+            op, a, b = q.get()
+            if op == "stop":
+                break
+            if self._err is not None:
+                continue          # drain after an error so producers never block
+            try:
+                if op == "open":
+                    tmp, fd = fsutil.create_tmp(self.root / "tmp", "pack-")
+                    self._tmps.append(tmp)
+                    h = blake3.blake3()
+                    hdr = encode_pack_header()
+                    _write_all(fd, [hdr])
+                    h.update(hdr)
+                    size = len(hdr)
+                elif op == "blob":
+                    _write_all(fd, [a, b])
+                    h.update(a)
+                    h.update(b)
+                    size += len(a) + len(b)
+                elif op == "close":
+                    tr = encode_pack_trailer(len(a))
+                    _write_all(fd, [tr])
+                    h.update(tr)
+                    size += len(tr)
+                    os.fsync(fd)
+                    os.close(fd)
+                    fd = -1
+                    ph = h.digest()
+                    dest = pack_path(self.root, ph)
+                    fsutil.mkdir_private(dest.parent)
+                    os.rename(tmp, dest)
+                    fsutil.fsync_dir(dest.parent)
+                    self._tmps.remove(tmp)
+                    self.bytes_written += size
+                    self.done.append((ph, a))
+            except BaseException as e:     # reported to the next add()/finish()
+                self._err = e
+        if fd >= 0:
+            os.close(fd)
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    total = sum(len(b) for b in bufs)
+    n = os.writev(fd, bufs)
+    if n != total:                       # short write: finish it piecewise
+        data = b"".join(bytes(b) for b in bufs)[n:]
+        while data:
+            k = os.write(fd, data)
+            data = data[k:]
+
+
+def write_index_file(root: Path, packs: list[tuple[bytes, list]]) -> tuple[Path, int] | None:
+    """Write one index file covering `packs` ([(pack hash, [blob records])]); -> (path, size)."""
+    if not packs:
+        return None
+    names = []
+    blobs = []
+    for pno, (ph, recs) in enumerate(packs):
+        names.append(ph)
+        for r in recs:
+            blobs.append(IndexBlob(pno, r.offset, r.kind, r.codec, r.n_pages, r.raw_len, r.stored_len, r.ids))
+    data = encode_index(names, blobs)
+    name = data[-32:].hex()
+    dest = root / "index" / name
+    fsutil.write_file_atomic(root / "tmp", dest, data)
+    return dest, len(data)
+
+
+# =====================================================================================
+# the in-memory index
+# =====================================================================================
+
+@dataclass(slots=True)
+class BlobLoc:
+    pack: bytes
+    offset: int
+    kind: int
+    codec: int
+    n_pages: int
+    raw_len: int
+    stored_len: int
+    ids: bytes
+
+
+@dataclass
+class RepoIndex:
+    """Union of all index files. page_loc: page id -> blob_no << 8 | slot;
+    data_loc: blob id -> blob_no. The first index file (by name) to list an id wins."""
+
+    blobs: list[BlobLoc] = field(default_factory=list)
+    page_loc: dict = field(default_factory=dict)
+    data_loc: dict = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    bad_files: dict = field(default_factory=dict)     # name -> reason
+    blob_file: list[int] = field(default_factory=list)  # blob_no -> index into files
+
+    @classmethod
+    def load(cls, root: Path, names: list[str] | None = None) -> "RepoIndex":
+        idx = cls()
+        d = root / "index"
+        if names is None:
+            names = sorted(os.listdir(d))
+        for name in names:
+            if name.startswith("."):
+                continue
+            if not HEX64.match(name):
+                idx.bad_files[name] = "unexpected file in index/"
+                continue
+            try:
+                with open(d / name, "rb") as f:
+                    data = f.read()
+                if len(data) >= 32 and data[-32:].hex() != name:
+                    raise FormatError("file name is not its checksum")
+                parsed = parse_index(data)
+            except FileNotFoundError:
+                continue
+            except (OSError, FormatError) as e:
+                idx.bad_files[name] = str(e)
+                continue
+            idx.add_file(name, parsed)
+        return idx
+
+    def add_file(self, name, parsed) -> None:
+        fno = len(self.files)
+        self.files.append(name)
+        page_loc, data_loc = self.page_loc, self.data_loc
+        for b in parsed.blobs:
+            bno = len(self.blobs)
+            self.blobs.append(BlobLoc(parsed.packs[b.pack_no], b.offset, b.kind, b.codec, b.n_pages,
+                                      b.raw_len, b.stored_len, b.ids))
+            self.blob_file.append(fno)
+            if b.kind == KIND_PAGES:
+                ids = b.ids
+                base = bno << 8
+                for s in range(b.n_pages):
+                    page_loc.setdefault(ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN], base | s)
+            else:
+                data_loc.setdefault(b.ids, bno)
+
+    def packs(self) -> dict[bytes, int]:
+        """pack hash -> minimal plausible size (end of its last indexed blob + trailer)."""
+        out: dict[bytes, int] = {}
+        for b in self.blobs:
+            end = b.offset + BLOB_HEADER.size + b.stored_len + 16
+            if out.get(b.pack, 0) < end:
+                out[b.pack] = end
+        return out
+
+
+# =====================================================================================
+# reading blobs
+# =====================================================================================
+
+class BlobReader:
+    """Reads and decompresses blobs; a small LRU of decompressed blobs and open pack fds.
+    One per reading thread (not shared), so no locking."""
+
+    def __init__(self, root: Path, index: RepoIndex, cache_blobs: int = 32, max_fds: int = 16):
+        self.root = root
+        self.index = index
+        self.cache: dict[int, bytes] = {}
+        self.cache_blobs = cache_blobs
+        self.fds: dict[bytes, int] = {}
+        self.max_fds = max_fds
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds.clear()
+        self.cache.clear()
+
+    def _fd(self, pack: bytes) -> int:
+        fd = self.fds.get(pack)
+        if fd is None:
+            if len(self.fds) >= self.max_fds:
+                k = next(iter(self.fds))
+                os.close(self.fds.pop(k))
+            fd = os.open(pack_path(self.root, pack), os.O_RDONLY | os.O_CLOEXEC)
+            self.fds[pack] = fd
+        return fd
+
+    def read_raw(self, loc: BlobLoc) -> bytes:
+        """Read + validate header + decompress. Raises FormatError / OSError."""
+        fd = self._fd(loc.pack)
+        want = BLOB_HEADER.size + loc.stored_len
+        data = os.pread(fd, want, loc.offset)
+        if len(data) != want:
+            raise FormatError(f"pack truncated: blob at offset {loc.offset} cut short")
+        h = parse_blob_header(data, 0)
+        if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (
+                loc.kind, loc.codec, loc.n_pages, loc.raw_len, loc.stored_len):
+            raise FormatError(f"blob header at offset {loc.offset} disagrees with the index")
+        return decompress(memoryview(data)[BLOB_HEADER.size:], loc.codec, loc.raw_len)
+
+    def get(self, bno: int) -> bytes:
+        c = self.cache
+        data = c.get(bno)
+        if data is not None:
+            return data
+        data = self.read_raw(self.index.blobs[bno])
+        if len(c) >= self.cache_blobs:
+            del c[next(iter(c))]        # FIFO eviction: cheap, good enough for streaming reads
+        c[bno] = data
+        return data

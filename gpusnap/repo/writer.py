@@ -1,0 +1,421 @@
+"""The dump side: SnapshotWriter and its per-image sinks (the page pipeline)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import blake3
+
+from ..errors import CorruptSnapshot, GpusnapError, NoSpace, RepositoryError
+from . import fsutil
+from .codec import compress
+from .format import (
+    BLOB_ID_LEN, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
+    encode_manifest, encode_pl_tail, FORMAT_VERSION,
+)
+from .store import PackWriter, write_index_file
+
+GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
+BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
+DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
+# After a group fails to compress, skip trying for this many groups (doubling up to
+# the max), then probe again: incompressible memory costs no wasted compressor time.
+SKIP_MAX = 8
+
+_ZP = bytes(PAGE_SIZE)
+_Z64 = bytes(16 * PAGE_SIZE)
+
+
+def is_pages_image(filename: str) -> bool:
+    return filename.startswith("pages-") and filename.endswith(".img")
+
+
+class _Counters:
+    __slots__ = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw",
+                 "bytes_raw", "blobs_total", "blobs_dedup", "blobs_new", "bytes_new_raw", "bytes_new_stored")
+
+    def __init__(self):
+        for k in self.__slots__:
+            setattr(self, k, 0)
+
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class ImageSink:
+    """Base: one per CRIU image, written by one thread."""
+
+    def __init__(self, w: "SnapshotWriter", filename: str, no: int):
+        self.w = w
+        self.filename = filename
+        self.no = no
+        self.c = _Counters()
+        self.size = 0
+        self.closed = False
+        self.failed = False
+
+    def write(self, data) -> None:
+        if self.closed:
+            raise RepositoryError(f"write to closed image {self.filename}")
+        try:
+            self._write(data)
+        except OSError as e:
+            self.failed = True
+            if e.errno == 28:
+                raise NoSpace(f"repository {self.w.repo.path} is full while storing {self.filename}",
+                              "free space or prune old snapshots (gpusnap prune --keep-last N)") from e
+            raise RepositoryError(f"storing {self.filename} failed: {e}") from e
+        except BaseException:
+            self.failed = True
+            raise
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            entry = self._close()
+        except BaseException:
+            self.failed = True
+            raise
+        self.closed = True
+        self.w._image_done(self, entry)
+
+    # -- shared helpers ---------------------------------------------------------------
+    def _store_data(self, chunk: bytes) -> bytes:
+        """Store one data blob (dedup by blake3-256); -> its id."""
+        bid = blake3.blake3(chunk).digest()
+        c = self.c
+        c.blobs_total += 1
+        w = self.w
+        if bid in w.known_data or bid in w.claimed_data or w.claimed_data.setdefault(bid, self) is not self:
+            c.blobs_dedup += 1
+            return bid
+        codec, payload = compress(chunk, w.codec)
+        w.packer.add(KIND_DATA, codec, 0, len(chunk), payload, bid)
+        c.blobs_new += 1
+        c.bytes_new_raw += len(chunk)
+        c.bytes_new_stored += len(payload)
+        return bid
+
+
+class DataSink(ImageSink):
+    """Any image that is not pages-*.img: 1 MiB chunks stored as content-addressed blobs."""
+
+    def __init__(self, w, filename, no):
+        super().__init__(w, filename, no)
+        self.buf = bytearray()
+        self.h = blake3.blake3()
+        self.blobs: list[str] = []
+
+    def _write(self, data) -> None:
+        self.size += len(data)
+        self.h.update(data)
+        self.buf += data
+        while len(self.buf) >= DATA_CHUNK:
+            chunk = bytes(self.buf[:DATA_CHUNK])
+            del self.buf[:DATA_CHUNK]
+            self.blobs.append(self._store_data(chunk).hex())
+
+    def _close(self) -> dict:
+        if self.buf:
+            self.blobs.append(self._store_data(bytes(self.buf)).hex())
+            self.buf = bytearray()
+        self.c.bytes_raw = self.size
+        return {"name": self.filename, "type": "blob", "size": self.size,
+                "digest": self.h.hexdigest(), "blobs": self.blobs}
+
+
+class PagesSink(ImageSink):
+    """pages-*.img: the page pipeline (zero runs, blake3 page ids, dedup, grouped compression)."""
+
+    def __init__(self, w, filename, no):
+        super().__init__(w, filename, no)
+        self.buf = bytearray()
+        self.group: list[bytes] = []
+        self.group_ids: list[bytes] = []
+        self.zero_pending = 0
+        self.skip = 0
+        self.skip_next = 1
+        self.pl_name = f"pl-{no:06d}"
+        self.pl_path = w.tmpdir / self.pl_name
+        fd = os.open(self.pl_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        self.pl = os.fdopen(fd, "wb", buffering=1 << 16)
+        self.pl_h = blake3.blake3()
+        self.pl_size = 0
+
+    def _pl_write(self, b: bytes) -> None:
+        self.pl.write(b)
+        self.pl_h.update(b)
+        self.pl_size += len(b)
+
+    def _write(self, data) -> None:
+        n = len(data)
+        if not n:
+            return
+        self.size += n
+        buf = self.buf
+        if buf or n < PAGE_SIZE:
+            buf += data
+            if len(buf) >= BATCH:
+                take = len(buf) - len(buf) % PAGE_SIZE
+                chunk = bytes(buf[:take])
+                del buf[:take]
+                self._process(chunk, take)
+            return
+        if type(data) is not bytes:
+            data = bytes(data)
+        take = n - n % PAGE_SIZE
+        self._process(data, take)
+        if take != n:
+            buf += data[take:]
+
+    def _process(self, buf: bytes, end: int) -> None:
+        """The hot loop. buf[0:end] is whole pages."""
+        b3 = blake3.blake3
+        w = self.w
+        known = w.known_pages
+        claimed = w.claimed_pages
+        claim = claimed.setdefault
+        me = self
+        group, group_ids = self.group, self.group_ids
+        gp = w.group_pages
+        zero = self.zero_pending
+        run: list[bytes] = []
+        out: list[bytes] = []
+        nzero = ndedup = 0
+        startswith = buf.startswith
+        for blk in range(0, end, 65536):
+            if blk + 65536 <= end and startswith(_Z64, blk):
+                zero += 16
+                if run:
+                    out.append(PL_RECORD.pack(PL_PAGES, len(run)))
+                    out.extend(run)
+                    run = []
+                nzero += 16
+                continue
+            for i in range(blk, min(blk + 65536, end), PAGE_SIZE):
+                if startswith(_ZP, i):
+                    zero += 1
+                    nzero += 1
+                    if run:
+                        out.append(PL_RECORD.pack(PL_PAGES, len(run)))
+                        out.extend(run)
+                        run = []
+                    continue
+                page = buf[i:i + PAGE_SIZE]
+                pid = b3(page).digest(16)
+                if zero:
+                    out.append(PL_RECORD.pack(PL_ZERO, zero))
+                    zero = 0
+                run.append(pid)
+                if pid in known or pid in claimed or claim(pid, me) is not me:
+                    ndedup += 1
+                    continue
+                group.append(page)
+                group_ids.append(pid)
+                if len(group) >= gp:
+                    self._flush_group()
+        if run:
+            out.append(PL_RECORD.pack(PL_PAGES, len(run)))
+            out.extend(run)
+        self.zero_pending = zero
+        if out:
+            self._pl_write(b"".join(out))
+        c = self.c
+        c.pages_total += end // PAGE_SIZE
+        c.pages_zero += nzero
+        c.pages_dedup += ndedup
+
+    def _flush_group(self) -> None:
+        group, ids = self.group, self.group_ids
+        n = len(group)
+        if not n:
+            return
+        raw = b"".join(group)
+        w = self.w
+        if self.skip:
+            self.skip -= 1
+            codec, payload = CODEC_NONE, raw
+        else:
+            codec, payload = compress(raw, w.codec)
+            if codec == CODEC_NONE and w.codec != CODEC_NONE:
+                self.skip = self.skip_next
+                self.skip_next = min(self.skip_next * 2, SKIP_MAX)
+            else:
+                self.skip_next = 1
+        w.packer.add(KIND_PAGES, codec, n, len(raw), payload, b"".join(ids))
+        c = self.c
+        if codec == CODEC_NONE:
+            c.pages_raw += n
+        else:
+            c.pages_compressed += n
+        c.bytes_new_raw += len(raw)
+        c.bytes_new_stored += len(payload)
+        group.clear()
+        ids.clear()
+
+    def _close(self) -> dict:
+        buf = self.buf
+        if len(buf) >= PAGE_SIZE:
+            take = len(buf) - len(buf) % PAGE_SIZE
+            chunk = bytes(buf[:take])
+            del buf[:take]
+            self._process(chunk, take)
+        self._flush_group()
+        if self.zero_pending:
+            self._pl_write(PL_RECORD.pack(PL_ZERO, self.zero_pending))
+            self.zero_pending = 0
+        if buf:
+            # A trailing partial page (CRIU never writes one, but no byte is lost if it does).
+            tail = bytes(buf)
+            bid = self._store_data(tail)
+            self._pl_write(encode_pl_tail(len(tail), bid))
+            self.buf = bytearray()
+        self.pl.flush()
+        os.fsync(self.pl.fileno())
+        self.pl.close()
+        self.c.bytes_raw = self.size
+        return {"name": self.filename, "type": "pages", "size": self.size, "digest": self.pl_h.hexdigest(),
+                "pagelist": self.pl_name, "pagelist_size": self.pl_size,
+                "pages": self.c.pages_total, "pages_zero": self.c.pages_zero, "pages_dedup": self.c.pages_dedup,
+                "pages_compressed": self.c.pages_compressed, "pages_raw": self.c.pages_raw}
+
+    def _abort(self) -> None:
+        try:
+            self.pl.close()
+        except OSError:
+            pass
+
+
+class SnapshotWriter:
+    """One dump in progress. image_sink() may be called from many threads at once."""
+
+    def __init__(self, repo, name: str, codec: int, meta: dict | None, group_pages: int = GROUP_PAGES,
+                 pack_target: int | None = None):
+        self.repo = repo
+        self.name = name
+        self.codec = codec
+        self.meta = dict(meta or {})
+        self.group_pages = group_pages
+        self.created = time.time()
+        idx = repo._load_index(refresh=True)
+        self.known_pages = idx.page_loc
+        self.known_data = idx.data_loc
+        self.claimed_pages: dict = {}
+        self.claimed_data: dict = {}
+        root = repo.path
+        self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}"
+        fsutil.mkdir_private(self.tmpdir)
+        self.packer = PackWriter(root, **({"target_size": pack_target} if pack_target else {}))
+        self.lock = threading.Lock()
+        self.sinks: list[ImageSink] = []
+        self.images: dict[str, dict] = {}
+        self.image_counters: list[_Counters] = []
+        self.stats: dict = {}
+        self.state = "open"
+
+    def image_sink(self, filename: str) -> ImageSink:
+        with self.lock:
+            if self.state != "open":
+                raise RepositoryError(f"snapshot writer is {self.state}")
+            if filename in self.images or any(s.filename == filename for s in self.sinks):
+                raise RepositoryError(f"image {filename} written twice in one snapshot")
+            no = len(self.sinks)
+            cls = PagesSink if is_pages_image(filename) else DataSink
+            s = cls(self, filename, no)
+            self.sinks.append(s)
+            return s
+
+    def _image_done(self, sink: ImageSink, entry: dict) -> None:
+        with self.lock:
+            self.images[sink.filename] = entry
+
+    def _totals(self) -> _Counters:
+        t = _Counters()
+        for s in self.sinks:
+            for k in t.__slots__:
+                setattr(t, k, getattr(t, k) + getattr(s.c, k))
+        return t
+
+    def commit(self, extra_meta: dict | None = None):
+        from .repository import Snapshot
+        with self.lock:
+            if self.state != "open":
+                raise RepositoryError(f"snapshot writer is {self.state}")
+            self.state = "committing"
+        try:
+            bad = [s.filename for s in self.sinks if not s.closed or s.failed]
+            if bad:
+                raise RepositoryError(f"cannot commit: images not completed: {', '.join(sorted(bad))}")
+            root = self.repo.path
+            packs = self.packer.finish()
+            ires = write_index_file(root, packs)
+            index_bytes = ires[1] if ires else 0
+            t = self._totals()
+            if extra_meta:
+                self.meta.update(extra_meta)
+            pl_bytes = sum(e.get("pagelist_size", 0) for e in self.images.values())
+            stats = t.as_dict()
+            stats["bytes_packs"] = self.packer.bytes_written
+            stats["bytes_index"] = index_bytes
+            stats["packs_new"] = len(packs)
+            body = {
+                "format": "gpusnap-snapshot", "version": FORMAT_VERSION,
+                "repo_id": self.repo.config["id"], "name": self.name, "created": self.created,
+                "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
+                "compress": {0: "none", 1: "lz4", 2: "zstd"}[self.codec], "group_pages": self.group_pages,
+                "meta": self.meta,
+                "images": [self.images[k] for k in sorted(self.images)],
+                "stats": stats,
+            }
+            # bytes_stored counts what this dump added: packs, index, page lists, manifest.
+            data, sid = encode_manifest(body)
+            stats["bytes_stored"] = 0
+            for _ in range(3):   # the number's own digits change the manifest size: iterate to a fixed point
+                total = self.packer.bytes_written + index_bytes + pl_bytes + len(data)
+                if stats["bytes_stored"] == total:
+                    break
+                stats["bytes_stored"] = total
+                data, sid = encode_manifest(body)
+            fsutil.write_private(self.tmpdir / "manifest", data)
+            fsutil.fsync_dir(self.tmpdir)
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.created))
+            snaps = root / "snapshots"
+            dest = snaps / f"{self.name}-{stamp}"
+            k = 1
+            while dest.exists():      # same name within the same second (we hold the writer lock)
+                k += 1
+                dest = snaps / f"{self.name}-{stamp}-{k}"
+            os.rename(self.tmpdir, dest)
+            fsutil.fsync_dir(snaps)
+            self.stats = dict(stats)
+            self.state = "committed"
+            return Snapshot(self.repo, dest)
+        except BaseException as e:
+            self._abort()
+            if isinstance(e, OSError) and e.errno == 28:
+                raise NoSpace(f"repository {self.repo.path} is full: {e}",
+                              "free space or prune old snapshots (gpusnap prune --keep-last N)") from e
+            if isinstance(e, OSError):
+                raise RepositoryError(f"writing snapshot failed: {e}") from e
+            raise
+
+    def abort(self) -> None:
+        with self.lock:
+            if self.state in ("committed", "aborted"):
+                return
+            self.state = "aborting"
+        self._abort()
+
+    def _abort(self) -> None:
+        for s in self.sinks:
+            if isinstance(s, PagesSink):
+                s._abort()
+        self.packer.abort()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.state = "aborted"

@@ -1,0 +1,148 @@
+import os
+import random
+
+import pytest
+
+from gpusnap.errors import CorruptSnapshot
+from gpusnap.repo import Repository
+from gpusnap.repo.verify import verify
+from repo_helpers import PAGE, dump, read_all, text_page
+
+
+@pytest.fixture
+def setup(tmp_path):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    rnd = random.Random(7)
+    base = [text_page(rnd) for _ in range(50)] + [os.urandom(PAGE) for _ in range(50)]
+    img1 = b"".join(base)
+    s1, _ = dump(repo, {"pages-1.img": img1, "core-1.img": b"core" * 300}, name="one")
+    img2 = os.urandom(PAGE * 40)                     # s2 shares nothing with s1's pages
+    s2, _ = dump(repo, {"pages-1.img": img2}, name="two")
+    assert verify(repo).ok
+    return repo, s1, s2, img1, img2
+
+
+def _packs(repo):
+    return sorted(p for p in (repo.path / "packs").rglob("*") if p.is_file())
+
+
+def _pack_of(repo, snap):
+    """The pack holding the first page of snap's pages-1.img."""
+    idx = repo._load_index()
+    for rec in snap.iter_page_refs("pages-1.img"):
+        if rec[0] == "pages":
+            loc = idx.page_loc[rec[1][:16]]
+            b = idx.blobs[loc >> 8]
+            from gpusnap.repo.store import pack_path
+            return pack_path(repo.path, b.pack), b
+    raise AssertionError
+
+
+def _flip(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    os.chmod(path, 0o600)
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_in_pack(setup):
+    repo, s1, s2, img1, img2 = setup
+    pp, b = _pack_of(repo, s1)
+    _flip(pp, b.offset + 16 + b.stored_len // 2)
+    rep = verify(repo)
+    assert not rep.ok
+    assert s1.path.name in rep.affected_snapshots
+    assert any(p.scope == "pack" and p.name == pp.name for p in rep.problems)
+    with pytest.raises(CorruptSnapshot, match=pp.name):
+        read_all(s1, "pages-1.img")
+    if _pack_of(repo, s2)[0] != pp:
+        assert s2.path.name not in rep.affected_snapshots
+        assert read_all(s2, "pages-1.img") == img2
+    # structure-only check does not read data: it passes
+    s1.check_structure()
+
+
+def test_flipped_byte_in_manifest(setup):
+    repo, s1, s2, *_ = setup
+    _flip(s1.path / "manifest", 40)
+    rep = verify(repo)
+    assert not rep.ok and s1.path.name in rep.affected_snapshots
+    assert s2.path.name not in rep.affected_snapshots
+    with pytest.raises(CorruptSnapshot):
+        repo.snapshot(s1.path.name)
+    assert [s.id for s in repo.snapshots()] == [s2.id]
+
+
+def test_flipped_byte_in_pagelist(setup):
+    repo, s1, s2, *_ = setup
+    _flip(s1.path / s1.image("pages-1.img")["pagelist"], 30)
+    rep = verify(repo)
+    assert s1.path.name in rep.affected_snapshots and not rep.ok
+    with pytest.raises(CorruptSnapshot):
+        s1.check_structure()
+    with pytest.raises(CorruptSnapshot):
+        read_all(s1, "pages-1.img")
+
+
+def test_flipped_byte_in_index(setup):
+    repo, s1, s2, *_ = setup
+    idxs = sorted((repo.path / "index").iterdir())
+    assert len(idxs) == 2
+    for f in idxs:
+        _flip(f, 100)
+    rep = verify(repo)
+    assert not rep.ok
+    assert {p.name for p in rep.problems if p.scope == "index"} == {f.name for f in idxs}
+    assert {s1.path.name, s2.path.name} <= set(rep.affected_snapshots)
+    fresh = Repository.open(repo.path)
+    with pytest.raises(CorruptSnapshot, match="index"):
+        fresh.snapshot(s1.path.name).check_structure()
+    with pytest.raises(CorruptSnapshot):
+        read_all(fresh.snapshot(s1.path.name), "pages-1.img")
+
+
+def test_truncated_pack(setup):
+    repo, s1, s2, *_ = setup
+    pp, b = _pack_of(repo, s1)
+    size = pp.stat().st_size
+    os.truncate(pp, size // 2)
+    rep = verify(repo)
+    assert not rep.ok and s1.path.name in rep.affected_snapshots
+    assert any(p.name == pp.name for p in rep.problems)
+    with pytest.raises(CorruptSnapshot, match="truncated"):
+        repo.snapshot(s1.path.name).check_structure()
+    rep2 = verify(repo, read_data=False)
+    assert not rep2.ok and s1.path.name in rep2.affected_snapshots
+
+
+def test_missing_pack(setup):
+    repo, s1, s2, *_ = setup
+    pp, b = _pack_of(repo, s2)
+    os.unlink(pp)
+    rep = verify(repo, [s2.path.name])
+    assert not rep.ok and rep.affected_snapshots == [s2.path.name]
+    assert any(p.scope == "pack" and p.name == pp.name and "missing" in p.message for p in rep.problems)
+    with pytest.raises(CorruptSnapshot, match="missing"):
+        s2.check_structure()
+    with pytest.raises(CorruptSnapshot, match=pp.name):
+        read_all(s2, "pages-1.img")
+
+
+def test_corrupt_data_blob(setup):
+    repo, s1, *_ = setup
+    idx = repo._load_index()
+    bid = bytes.fromhex(s1.image("core-1.img")["blobs"][0])
+    b = idx.blobs[idx.data_loc[bid]]
+    from gpusnap.repo.store import pack_path
+    _flip(pack_path(repo.path, b.pack), b.offset + 16 + 1)
+    with pytest.raises(CorruptSnapshot):
+        read_all(s1, "core-1.img")
+    assert s1.path.name in verify(repo).affected_snapshots
+
+
+def test_leftovers_are_not_problems(setup):
+    repo, *_ = setup
+    (repo.path / "tmp" / "pack-dead.tmp").write_bytes(b"junk")
+    (repo.path / "snapshots" / ".tmp-x-1-2").mkdir()
+    rep = verify(repo)
+    assert rep.ok and rep.notes

@@ -1,0 +1,155 @@
+import os
+import random
+
+import pytest
+
+from gpusnap.errors import RepositoryError
+from gpusnap.repo import Repository
+from gpusnap.repo.prune import PrunePlan, execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.verify import verify
+from repo_helpers import PAGE, dump, read_all, text_page
+
+
+def info(*items):
+    return [{"id": i, "name": n, "created": c} for i, n, c in items]
+
+
+def test_plan_keep_last_per_name():
+    s = info(("a1", "a", 1), ("b1", "b", 2), ("a2", "a", 3), ("a3", "a", 4), ("b2", "b", 5))
+    p = plan_prune(s, 1)
+    assert sorted(p.delete) == ["a1", "a2", "b1"] and sorted(p.keep) == ["a3", "b2"]
+    p = plan_prune(s, 2, name="a")
+    assert p.delete == ["a1"] and sorted(p.keep) == ["a2", "a3", "b1", "b2"]
+    assert plan_prune(s, 10).delete == []
+    assert sorted(plan_prune(s, 0, name="b").delete) == ["b1", "b2"]
+    assert plan_prune([], 3) == PrunePlan()
+    # input order does not matter; ties broken by id
+    assert sorted(plan_prune(list(reversed(s)), 1).delete) == ["a1", "a2", "b1"]
+    t = info(("x2", "x", 5), ("x1", "x", 5))
+    assert plan_prune(t, 1).delete == ["x1"]
+    with pytest.raises(ValueError):
+        plan_prune(s, -1)
+
+
+def _history(repo, n=5):
+    """n dumps of a job whose state changes a little each time (+ a frozen base)."""
+    rnd = random.Random(8)
+    base = [os.urandom(PAGE) for _ in range(200)]
+    out = []
+    for k in range(n):
+        moving = [os.urandom(PAGE) for _ in range(40)] + [text_page(rnd) for _ in range(10)]
+        img = b"".join(base[:100] + moving + base[100:]) + bytes(PAGE * 20)
+        snap, _ = dump(repo, {"pages-1.img": img, "core-1.img": b"core%d" % k * 50})
+        out.append((snap, img))
+    return out
+
+
+def test_prune_keeps_survivors_and_frees_space(tmp_path):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    hist = _history(repo)
+    size_before = sum(p.stat().st_size for p in (repo.path / "packs").rglob("*") if p.is_file())
+    plan = plan_prune(snapshots_info(repo), 2)
+    dry = execute_prune(repo, plan, dry_run=True)
+    assert len(dry["snapshots_deleted"]) == 3 and len(repo.snapshots()) == 5
+    res = execute_prune(repo, plan)
+    assert res["snapshots_deleted"] == dry["snapshots_deleted"]
+    assert len(repo.snapshots()) == 2
+    rep = verify(repo)
+    assert rep.ok, rep.problems
+    for snap, img in hist[-2:]:
+        s = repo.snapshot(snap.path.name)
+        assert read_all(s, "pages-1.img") == img
+    size_after = sum(p.stat().st_size for p in (repo.path / "packs").rglob("*") if p.is_file())
+    assert size_after < size_before * 0.75
+    assert len(list((repo.path / "index").iterdir())) == 1
+    # a new dump after prune still dedups against the survivors
+    snap, st = dump(repo, {"pages-1.img": hist[-1][1]})
+    assert st["pages_raw"] + st["pages_compressed"] == 0
+
+
+def test_prune_cleans_interrupted_dump(tmp_path):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    hist = _history(repo, 2)
+    with repo.writer_lock():
+        w = repo.new_snapshot("dead", pack_target=64 * 1024)
+        s = w.image_sink("pages-1.img")
+        s.write(os.urandom(PAGE * 100))
+        s.close()
+        w.packer.finish()          # packs renamed into place, then the process "dies"
+    assert len(w.packer.done) >= 2
+    (repo.path / "tmp" / "pack-x.tmp").write_bytes(b"partial")
+    assert verify(repo).ok
+    res = execute_prune(repo, plan_prune(snapshots_info(repo), 10))
+    assert res["packs_deleted"] >= 2 and res["leftovers_removed"] >= 2
+    assert not list((repo.path / "tmp").iterdir())
+    assert not [p for p in (repo.path / "snapshots").iterdir() if p.name.startswith(".")]
+    assert verify(repo).ok
+    for snap, img in hist:
+        assert read_all(repo.snapshot(snap.path.name), "pages-1.img") == img
+
+
+class Crash(Exception):
+    pass
+
+
+STEPS = ["snapshot-renamed", "snapshots-deleted", "packs-rewritten", "index-written", "index-deleted-one",
+         "index-replaced", "pack-deleted"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_crash_mid_prune_still_verifies(tmp_path, step):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    hist = _history(repo, 4)
+
+    def fault(s):
+        if s == step:
+            raise Crash(s)
+
+    plan = plan_prune(snapshots_info(repo), 1)
+    with pytest.raises(Crash):
+        execute_prune(repo, plan, _fault=fault)
+    repo = Repository.open(repo.path)        # as after a restart
+    rep = verify(repo)
+    assert rep.ok, (step, rep.problems)
+    survivors = {s.path.name for s in repo.snapshots()}
+    for snap, img in hist:
+        if snap.path.name in survivors:
+            assert read_all(repo.snapshot(snap.path.name), "pages-1.img") == img
+    # the next prune finishes the job
+    execute_prune(repo, plan_prune(snapshots_info(repo), 1))
+    assert verify(repo).ok and len(repo.snapshots()) == 1
+    assert read_all(repo.snapshots()[0], "pages-1.img") == hist[-1][1]
+    assert not list((repo.path / "tmp").iterdir())
+
+
+def test_prune_refuses_with_broken_snapshot(tmp_path):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    hist = _history(repo, 2)
+    (hist[0][0].path / "manifest").write_bytes(b"garbage")
+    with pytest.raises(RepositoryError):
+        execute_prune(repo, plan_prune(snapshots_info(repo), 1))
+
+
+def test_plan_accepts_snapshot_objects_and_cli_helpers(tmp_path):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    hist = _history(repo, 3)
+    with repo.writer_lock():               # the CLI holds the lock; execute_prune re-enters it
+        plan = plan_prune(repo.snapshots(), keep_last=1)
+        res = execute_prune(repo, plan, dry_run=False)
+    assert plan.remove == [h[0].id for h in hist[:2]]
+    assert res.to_dict()["snapshots_deleted"] == [h[0].path.name for h in hist[:2]]
+    assert any("deleted snapshot" in line for line in res.lines())
+    rep = verify(repo)
+    assert rep.ok and "all good" in rep.summary() and rep.lines()
+    from gpusnap.repo.inspect import inspect_snapshot, render
+    r = inspect_snapshot(repo, repo.snapshots()[0])
+    assert r["pages_total"] == 270 and r["bytes_unique"] > 0
+
+    class Out:
+        lines = []
+
+        def print(self, s):
+            self.lines.append(s)
+    o = Out()
+    render(r, o)
+    assert any("pages:" in line for line in o.lines)

@@ -127,7 +127,8 @@ def dump(
 
     target = _resolve_pid(pid, match, pidfile)
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
-                      compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established)
+                      compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
+                      keep_last=keep_last)
     bar, update = _progress(f"dumping {target}", not (json_ or quiet))
     if bar:
         with bar:
@@ -135,15 +136,6 @@ def dump(
     else:
         result = do_dump(req)
     data = result.to_dict()
-    if keep_last:
-        from gpusnap.repo import prune as prune_mod
-        from gpusnap.repo.repository import Repository
-
-        repository = Repository.open(req.repo)
-        with repository.writer_lock():
-            plan = prune_mod.plan_prune(repository.snapshots(), keep_last=keep_last, name=result.name)
-            prune_mod.execute_prune(repository, plan, dry_run=False)
-        data["pruned"] = [getattr(s, "path", str(s)).__str__() for s in getattr(plan, "remove", [])]
     if json_:
         _emit_json(data)
         return

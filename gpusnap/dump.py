@@ -43,6 +43,7 @@ class DumpRequest:
     compress: str = "lz4"
     lock_timeout_ms: int | None = None
     tcp_established: bool = False
+    keep_last: int | None = None  # retention for this name, applied right after the commit
 
 
 @dataclass
@@ -60,6 +61,8 @@ class DumpResult:
     job_running: bool
     cuda_pids: list[int] = field(default_factory=list)
     log: str | None = None
+    pruned: list[str] = field(default_factory=list)
+    prune_error: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -161,6 +164,16 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
     lines = runner.log_errors(log)
     return CriuFailed(f"criu dump failed (exit status {rc}); the job was left running",
                       log_path=kept, last_lines=lines, hint=runner.explain(lines))
+
+
+def _retain(repo, name: str, keep_last: int) -> list[str]:
+    """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock)."""
+    from gpusnap.repo import prune as prune_mod
+
+    plan = prune_mod.plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
+    if plan.delete:
+        prune_mod.execute_prune(repo, plan, dry_run=False)
+    return list(plan.delete)
 
 
 def _kill_tree(pids: list[int]) -> None:
@@ -273,6 +286,13 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if stopped:
                 _kill_tree(pids)
                 stopped = False
+            pruned: list[str] = []
+            prune_error = None
+            if req.keep_last:
+                try:
+                    pruned = _retain(repo, snap.name, req.keep_last)
+                except GpusnapError as e:  # the snapshot is safe; retention can wait for the next run
+                    prune_error = e.message
         except (KeyboardInterrupt, _Terminate):
             if server is not None:
                 server.abort()
@@ -298,4 +318,4 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
-        cuda_pids=cuda_pids, log=kept)
+        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error)

@@ -1,0 +1,605 @@
+"""`gpusnap doctor [PID]`: is this machine ready to snapshot, and what would stop a dump of PID.
+
+Every check is a Check(name, status, detail, fix) with status one of
+  ok    fine
+  info  worth knowing, changes nothing (a terminal: gpusnap uses --shell-job)
+  warn  works, but something is missing or risky
+  fail  a dump (or a GPU dump) will not work until this is fixed
+Nothing here raises for an ordinary machine state; a machine without an NVIDIA driver gets
+a clean "no NVIDIA driver".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from gpusnap import paths
+from gpusnap.gpu import driver as gdriver
+from gpusnap.gpu import procs as gprocs
+
+STATUSES = ("ok", "info", "warn", "fail")
+CRIU_MIN = (4, 0)
+CAP_SYS_ADMIN = 21
+CAP_SYS_RESOURCE = 24
+CAP_CHECKPOINT_RESTORE = 40
+PROC = Path("/proc")
+
+TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
+              "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
+              "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str          # ok | info | warn | fail
+    detail: str
+    fix: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DoctorReport:
+    checks: list[Check] = field(default_factory=list)
+    pid: int | None = None
+    driver: dict[str, Any] | None = None   # DriverProbe.to_dict()
+
+    def add(self, name: str, status: str, detail: str, fix: str | None = None) -> Check:
+        assert status in STATUSES, status
+        c = Check(name, status, detail, fix)
+        self.checks.append(c)
+        return c
+
+    @property
+    def worst(self) -> str:
+        return max((c.status for c in self.checks), key=STATUSES.index, default="ok")
+
+    @property
+    def ok(self) -> bool:
+        """No check failed."""
+        return self.worst != "fail"
+
+    def by_name(self, name: str) -> list[Check]:
+        return [c for c in self.checks if c.name == name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "worst": self.worst, "pid": self.pid,
+                "checks": [c.to_dict() for c in self.checks], "driver": self.driver}
+
+    def render(self) -> Any:
+        """A rich Table (imported lazily)."""
+        from rich.table import Table
+        from rich.text import Text
+
+        style = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
+        title = "gpusnap doctor" + (f" — PID {self.pid}" if self.pid is not None else "")
+        t = Table(title=title, show_lines=False, expand=False)
+        t.add_column("", no_wrap=True)
+        t.add_column("check", no_wrap=True)
+        t.add_column("detail", overflow="fold")
+        t.add_column("fix", style="dim", overflow="fold")
+        for c in self.checks:
+            t.add_row(Text(c.status, style=style[c.status]), c.name, c.detail, c.fix or "")
+        return t
+
+    def format_text(self) -> str:
+        lines = []
+        for c in self.checks:
+            lines.append(f"[{c.status:>4}] {c.name}: {c.detail}")
+            if c.fix:
+                lines.append(f"       fix: {c.fix}")
+        return "\n".join(lines)
+
+
+def render(report: DoctorReport, console: Any) -> None:
+    """Print a report to a rich Console (what `gpusnap doctor` shows)."""
+    console.print(report.render())
+    counts = {s: sum(1 for c in report.checks if c.status == s) for s in STATUSES}
+    verdict = ("[bold red]a dump will fail until the 'fail' items are fixed[/]" if not report.ok
+               else "[green]ready[/]" if counts["warn"] == 0 else "[yellow]ready, with warnings[/]")
+    console.print(f"{verdict} ({counts['ok']} ok, {counts['info']} info, {counts['warn']} warn, "
+                  f"{counts['fail']} fail)")
+
+
+# ---------------------------------------------------------------- small readers
+
+def _read(path: Path | str) -> str | None:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def cap_eff(status_text: str | None = None) -> int:
+    """CapEff of this process (or of the given /proc/PID/status text) as an int."""
+    text = status_text if status_text is not None else (_read("/proc/self/status") or "")
+    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", text, re.M)
+    return int(m.group(1), 16) if m else 0
+
+
+def has_cap(bit: int, caps: int | None = None) -> bool:
+    return bool(((cap_eff() if caps is None else caps) >> bit) & 1)
+
+
+def parse_criu_version(text: str) -> tuple[int, ...] | None:
+    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
+    if not m:
+        return None
+    return tuple(int(x) for x in m.groups() if x is not None)
+
+
+def _run(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout:.0f} s"
+    except OSError as e:
+        return 127, str(e)
+    return r.returncode, (r.stdout or "") + (r.stderr or "")
+
+
+def proc_stat(pid: int) -> dict[str, Any] | None:
+    """state, ppid, tty_nr of /proc/PID/stat (None when gone)."""
+    s = _read(PROC / str(pid) / "stat")
+    if not s or ")" not in s:
+        return None
+    rest = s[s.rindex(")") + 2:].split()
+    return {"comm": s[s.index("(") + 1:s.rindex(")")], "state": rest[0], "ppid": int(rest[1]),
+            "tty_nr": int(rest[4])}
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (what `criu dump -t pid` takes)."""
+    children: dict[int, list[int]] = {}
+    for n in os.listdir(PROC):
+        if n.isdigit():
+            st = proc_stat(int(n))
+            if st:
+                children.setdefault(st["ppid"], []).append(int(n))
+    out, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(sorted(children.get(p, []), reverse=True))
+    return out
+
+
+def _status_field(pid: int, key: str) -> str | None:
+    for line in (_read(PROC / str(pid) / "status") or "").splitlines():
+        if line.startswith(key + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = _read(PROC / str(pid) / "environ") or ""
+    out = {}
+    for item in raw.split("\0"):
+        if "=" in item:
+            k, v = item.split("=", 1)
+            out[k] = v
+    return out
+
+
+def socket_inodes(pid: int) -> set[int]:
+    out = set()
+    for t in gprocs.fd_targets(pid):
+        m = re.match(r"socket:\[(\d+)\]$", t)
+        if m:
+            out.add(int(m.group(1)))
+    return out
+
+
+def decode_addr(hexaddr: str) -> str:
+    """'0100007F:1F90' → '127.0.0.1:8080' (/proc/net/tcp{,6} notation)."""
+    ip_hex, port_hex = hexaddr.split(":")
+    raw = bytes.fromhex(ip_hex)
+    # the kernel prints each 32-bit word in host (little-endian) order
+    b = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(b)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    port = int(port_hex, 16)
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def parse_proc_net_tcp(text: str) -> list[dict[str, Any]]:
+    """Rows of /proc/PID/net/tcp or tcp6: [{local, remote, state, inode}]."""
+    out = []
+    for line in text.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 10:
+            continue
+        try:
+            out.append({"local": decode_addr(f[1]), "remote": decode_addr(f[2]),
+                        "state": TCP_STATES.get(f[3].upper(), f[3]), "inode": int(f[9])})
+        except ValueError:
+            continue
+    return out
+
+
+def tcp_sockets(pid: int, inodes: set[int]) -> list[dict[str, Any]]:
+    """TCP sockets among `inodes`, looked up in PID's network namespace."""
+    out = []
+    for name in ("tcp", "tcp6"):
+        for row in parse_proc_net_tcp(_read(PROC / str(pid) / "net" / name) or ""):
+            if row["inode"] in inodes:
+                out.append(row)
+    return out
+
+
+def parse_ss_unix(text: str) -> list[dict[str, Any]]:
+    """`ss -xaH` lines → [{type, state, path, inode, peer}] (peer inode, 0 = none)."""
+    out = []
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) < 8:
+            continue
+        try:
+            inode, peer = int(f[-3]), int(f[-1])
+        except ValueError:
+            continue
+        path = " ".join(f[4:-3])
+        out.append({"type": f[0], "state": f[1], "path": "" if path == "*" else path,
+                    "inode": inode, "peer": peer})
+    return out
+
+
+def _who_holds(inodes: set[int]) -> dict[int, tuple[int, str]]:
+    """socket inode → (pid, comm) of some process holding it."""
+    found: dict[int, tuple[int, str]] = {}
+    want = set(inodes)
+    for n in os.listdir(PROC):
+        if not want:
+            break
+        if not n.isdigit():
+            continue
+        for ino in socket_inodes(int(n)) & want:
+            comm = (_read(PROC / n / "comm") or "?").strip()
+            found[ino] = (int(n), comm)
+            want.discard(ino)
+    return found
+
+
+# ---------------------------------------------------------------- system checks
+
+def _check_criu(r: DoctorReport) -> bool:
+    criu = shutil.which("criu")
+    if not criu:
+        r.add("criu", "fail", "CRIU is not installed",
+              "run scripts/setup.sh (Debian 13: apt-get install criu; Debian 12: from trixie)")
+        return False
+    rc, out = _run([criu, "--version"], timeout=20)
+    ver = parse_criu_version(out)
+    if ver is None:
+        r.add("criu", "fail", f"{criu} --version said: {out.strip()[:200]}",
+              "reinstall CRIU >= 4.0")
+        return False
+    vs = ".".join(map(str, ver))
+    if ver[:2] < CRIU_MIN:
+        r.add("criu", "fail", f"CRIU {vs} at {criu}: gpusnap needs >= 4.0 (device plugin hooks; "
+              "3.x fails on recent kernels)", "install CRIU 4.x (scripts/setup.sh does it)")
+        return False
+    r.add("criu", "ok", f"CRIU {vs} ({criu})")
+    return True
+
+
+def _check_criu_check(r: DoctorReport, root_like: bool) -> None:
+    if not root_like:
+        r.add("criu check", "warn", "skipped: needs root", "run gpusnap doctor as root")
+        return
+    rc, out = _run(["criu", "check"], timeout=90)
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
+    # CRIU always logs this when root lacks CAP_SYS_RESOURCE; the capability check covers it
+    noise = re.compile(r"RLIMIT_NOFILE", re.I)
+    findings = [ln for ln in lines if re.search(r"warn|error|fail|not supported|unsupported", ln, re.I)
+                and not noise.search(ln)]
+    if rc == 0 and any("Looks good" in ln for ln in lines) and not findings:
+        r.add("criu check", "ok", "Looks good.")
+    elif rc == 0:
+        r.add("criu check", "warn", "; ".join(findings or lines)[:600] or "no verdict",
+              "see `criu check --all`; features CRIU lacks may stop some dumps")
+    else:
+        r.add("criu check", "warn" if findings else "fail",
+              f"criu check exited {rc}: " + "; ".join(findings or lines[-5:])[:600],
+              "run `criu check -v4` to see why")
+
+
+def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
+    caps = cap_eff()
+    root = os.geteuid() == 0
+    cr = has_cap(CAP_CHECKPOINT_RESTORE, caps)
+    if root:
+        r.add("privileges", "ok", "running as root")
+    elif cr:
+        r.add("privileges", "warn", "not root, but CAP_CHECKPOINT_RESTORE is effective "
+              "(CRIU's non-root mode: own processes only, fewer features)",
+              "run as root for anything beyond your own simple jobs")
+    else:
+        r.add("privileges", "fail", f"not root (uid {os.geteuid()}) and no CAP_CHECKPOINT_RESTORE",
+              "run gpusnap as root (sudo)")
+    sysres = has_cap(CAP_SYS_RESOURCE, caps)
+    if sysres:
+        r.add("CAP_SYS_RESOURCE", "ok", "present: processes of any user can be dumped")
+    else:
+        r.add("CAP_SYS_RESOURCE", "warn",
+              "missing from the effective set: CRIU cannot dump processes that run under "
+              "another uid (\"Can't get rlimit 0: Operation not permitted\"); it also logs a "
+              "harmless \"Can't setup RLIMIT_NOFILE for self\"",
+              "run from a full root shell (containers often drop this capability), or dump "
+              "only processes running as this user")
+    return root or cr, sysres
+
+
+def _check_dirty_tracking(r: DoctorReport, criu_ok: bool, root_like: bool) -> None:
+    why = "gpusnap does not need it: incremental dumps dedup pages by content"
+    if not (criu_ok and root_like):
+        r.add("soft-dirty tracking", "info", f"not checked; {why}")
+        return
+    rc, out = _run(["criu", "check", "--feature", "mem_dirty_track"], timeout=30)
+    if rc == 0:
+        r.add("soft-dirty tracking", "ok", f"available ({why})")
+    else:
+        msg = next((ln.strip() for ln in out.splitlines() if "dirty" in ln.lower()), "not available")
+        msg = re.sub(r"^\w+\s*\([^)]*\):\s*", "", msg)
+        r.add("soft-dirty tracking", "info", f"{msg}; {why}")
+
+
+def _check_plugin(r: DoctorReport) -> None:
+    d = paths.plugin_dir()
+    p = d / paths.PLUGIN_NAME
+    src = "$GPUSNAP_PLUGIN_DIR" if os.environ.get("GPUSNAP_PLUGIN_DIR") else "default"
+    if not d.is_dir():
+        r.add("CUDA plugin", "warn", f"plugin directory {d} ({src}) does not exist: GPU processes "
+              "cannot be dumped (CPU-only dumps work)",
+              "build it: cmake -S . -B build && cmake --build build (or scripts/setup.sh), "
+              "or set GPUSNAP_PLUGIN_DIR")
+        return
+    if not p.is_file():
+        r.add("CUDA plugin", "warn", f"{paths.PLUGIN_NAME} is not in {d} ({src}): GPU processes "
+              "cannot be dumped (CPU-only dumps work)",
+              "cmake --build build (or scripts/setup.sh), or set GPUSNAP_PLUGIN_DIR")
+        return
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        r.add("CUDA plugin", "fail", f"{p}: {e}", "check its permissions")
+        return
+    if magic != b"\x7fELF":
+        r.add("CUDA plugin", "fail", f"{p} is not a shared library", "rebuild it")
+        return
+    others = sorted(x.name for x in d.glob("*.so") if x.name != paths.PLUGIN_NAME)
+    extra = f"; CRIU will also load {', '.join(others)}" if others else ""
+    r.add("CUDA plugin", "ok", f"{p}{extra}")
+
+
+def _check_driver(r: DoctorReport, probe: gdriver.DriverProbe) -> None:
+    if not probe.available:
+        kmod = gdriver.kernel_driver_version()
+        if kmod:
+            r.add("NVIDIA driver", "warn", f"kernel module {kmod} is loaded but {probe.reason}",
+                  "install the matching user-space driver (libcuda.so.1)")
+        else:
+            r.add("NVIDIA driver", "info", f"{gdriver.NO_DRIVER}: CPU-only dumps and restores "
+                  f"work; GPU jobs cannot be snapshotted here ({probe.reason})")
+        return
+    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'} (via {probe.backend})"
+    if probe.reason:
+        r.add("NVIDIA driver", "warn", f"{ver}: {probe.reason}", "check nvidia-smi")
+    else:
+        r.add("NVIDIA driver", "ok", ver)
+    if probe.checkpoint_api:
+        r.add("CUDA checkpoint API", "ok", "cuCheckpointProcess* available")
+    else:
+        r.add("CUDA checkpoint API", "fail",
+              f"the driver (CUDA {probe.cuda_version or '?'}) lacks cuCheckpointProcess*: GPU "
+              "processes cannot be snapshotted", "update the NVIDIA driver to r570 (CUDA 12.8) or newer")
+    if probe.gpus:
+        r.add("GPUs", "ok", "; ".join(
+            f"#{g.index} {g.name} {(g.memory_bytes or 0) / 2**30:.0f} GiB {g.uuid}" for g in probe.gpus))
+    elif not probe.reason:
+        r.add("GPUs", "warn", "the driver lists no GPU", "check nvidia-smi")
+    mps = [p for p in _pids_named(("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"))]
+    if mps:
+        r.add("MPS", "warn", f"an MPS daemon runs (pid {', '.join(map(str, mps))}): CUDA jobs that "
+              "go through MPS cannot be checkpointed", "stop MPS (echo quit | nvidia-cuda-mps-control) "
+              "before starting jobs you want to snapshot")
+
+
+def _pids_named(names: Iterable[str]) -> list[int]:
+    names = set(names)
+    out = []
+    for n in os.listdir(PROC):
+        if n.isdigit() and ((_read(PROC / n / "comm") or "").strip() in names):
+            out.append(int(n))
+    return out
+
+
+# ---------------------------------------------------------------- per-job checks
+
+def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bool) -> None:
+    st = proc_stat(pid)
+    if st is None:
+        r.add("process", "fail", f"no process {pid}", "check the PID (gpusnap ps, pgrep -f ...)")
+        return
+    tree = process_tree(pid)
+    desc = f"{pid} ({st['comm']})" + (f" and {len(tree) - 1} descendant(s)" if len(tree) > 1 else "")
+    r.add("process", "ok", f"tree: {desc}")
+    if os.getpid() in tree:
+        r.add("self", "fail", "the tree contains gpusnap itself (PID is gpusnap or one of its "
+              "ancestors, e.g. the shell it runs in)", "dump the job's own PID")
+
+    # uid
+    me = os.geteuid()
+    others = []
+    for p in tree:
+        uid = _status_field(p, "Uid")
+        if uid and int(uid.split()[1]) != me:
+            others.append((p, int(uid.split()[1])))
+    if others and not sysres:
+        r.add("uid", "fail", "runs under another uid (" + ", ".join(f"{p}: uid {u}" for p, u in others[:5])
+              + ") and CAP_SYS_RESOURCE is missing: CRIU fails with \"Can't get rlimit\"",
+              "run gpusnap with CAP_SYS_RESOURCE (a full root shell) or run the job as this user")
+    elif others:
+        r.add("uid", "ok", f"runs under uid {others[0][1]} (fine: CAP_SYS_RESOURCE present)")
+
+    # tracer
+    traced = [(p, t) for p in tree if (t := _status_field(p, "TracerPid")) and t != "0"]
+    if traced:
+        r.add("ptrace", "fail", "traced by another process (" +
+              ", ".join(f"{p} by {t}" for p, t in traced) + "): CRIU cannot seize it",
+              "detach the debugger/strace first")
+
+    # terminal
+    tty = [p for p in tree if (s := proc_stat(p)) and s["tty_nr"] != 0]
+    tty_fds = sorted({t for p in tree for t in gprocs.fd_targets(p)
+                      if t.startswith("/dev/pts/") or re.match(r"/dev/tty\w*$", t)})
+    if tty or tty_fds:
+        r.add("terminal", "info", "has a controlling terminal" + (f" ({', '.join(tty_fds[:4])} open)" if tty_fds else "")
+              + ": gpusnap dumps it with --shell-job; on restore it gets the terminal of `gpusnap restore`",
+              "to detach it from terminals, start jobs with setsid/nohup and redirect stdio to files")
+
+    # sockets
+    inodes_by_pid = {p: socket_inodes(p) for p in tree}
+    all_inodes = set().union(*inodes_by_pid.values()) if inodes_by_pid else set()
+    tcp = tcp_sockets(pid, all_inodes)
+    est = [s for s in tcp if s["state"] != "LISTEN"]
+    listen = [s for s in tcp if s["state"] == "LISTEN"]
+    if est:
+        r.add("TCP", "fail", f"{len(est)} open TCP connection(s): " +
+              ", ".join(f"{s['local']}→{s['remote']} {s['state']}" for s in est[:5]) +
+              "; a plain CRIU dump refuses them",
+              "close them before the dump, or `gpusnap dump --tcp-established` (the restore then "
+              "needs the same IP address and a peer that kept the connection)")
+    if listen:
+        r.add("TCP listen", "ok", "listening on " + ", ".join(s["local"] for s in listen[:5])
+              + " (restored; the port must be free at restore time)")
+    _check_unix(r, pid, all_inodes)
+
+    # NVIDIA
+    _check_gpu_job(r, tree, probe)
+
+
+def _check_unix(r: DoctorReport, pid: int, inodes: set[int]) -> None:
+    if not inodes:
+        return
+    my_net = _netns(os.getpid())
+    if _netns(pid) != my_net:
+        r.add("unix sockets", "info", "the job runs in another network namespace; unix socket "
+              "peers not checked")
+        return
+    ss = shutil.which("ss")
+    if not ss:
+        r.add("unix sockets", "info", "`ss` (iproute2) is not installed; unix socket peers not checked")
+        return
+    rc, out = _run([ss, "-xaH"], timeout=30)
+    if rc != 0:
+        r.add("unix sockets", "info", f"ss failed: {out.strip()[:200]}")
+        return
+    rows = [s for s in parse_ss_unix(out) if s["inode"] in inodes]
+    ext = [s for s in rows if s["peer"] and s["peer"] not in inodes]
+    if not ext:
+        return
+    holders = _who_holds({s["peer"] for s in ext})
+    items = []
+    for s in ext[:5]:
+        h = holders.get(s["peer"])
+        who = f"{h[1]} (pid {h[0]})" if h else "a process outside the tree"
+        items.append(f"{s['type']} {s['path'] or '(unnamed)'} → {who}")
+    r.add("unix sockets", "fail", f"{len(ext)} unix socket(s) connected outside the tree: "
+          + "; ".join(items) + "; CRIU refuses external unix sockets",
+          "close them before the dump (e.g. don't log to journald/syslog via a socket; redirect stdout "
+          "to a file), or CRIU's --ext-unix-sk for datagram sockets")
+
+
+def _netns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe) -> None:
+    mm = {g["minor"]: g for g in gprocs.machine_gpus(probe) if g.get("minor") is not None}
+    gps = [g for p in tree if (g := gprocs.scan_process(p, mm)) is not None]
+    env_mps = [p for p in tree if "CUDA_MPS_PIPE_DIRECTORY" in _environ(p)]
+    if not gps:
+        if env_mps:
+            r.add("MPS", "warn", f"CUDA_MPS_PIPE_DIRECTORY is set in {env_mps[:3]}: once it uses CUDA "
+                  "it goes through MPS, which CUDA checkpoint does not support")
+        r.add("GPU", "ok", "the job uses no NVIDIA GPU: a CPU-only dump")
+        return
+    users = [g for g in gps if g.uses_gpu]
+    names = ", ".join(f"{g.pid} ({g.comm}): " + (", ".join(
+        f"#{x['index']} {x['uuid']}" if x.get("uuid") else f"/dev/nvidia{x['minor']}" for x in g.gpus)
+        or "no GPU opened") for g in gps[:6])
+    if not probe.available:
+        r.add("GPU", "fail", f"CUDA process(es) {names}, but {probe.reason or gdriver.NO_DRIVER}",
+              "install the NVIDIA driver's user-space library (libcuda.so.1)")
+    elif not probe.checkpoint_api:
+        r.add("GPU", "fail", f"CUDA process(es) {names}, but the driver lacks the checkpoint API",
+              "update the NVIDIA driver to r570 (CUDA 12.8) or newer")
+    else:
+        states = gdriver.checkpoint_states([g.pid for g in users]) if users else {}
+        bad = {p: s for p, s in states.items() if s not in (None, "running")}
+        if bad:
+            r.add("GPU", "fail", f"CUDA checkpoint state not 'running': {bad}",
+                  "a previous dump or cuda-checkpoint left it so; `cuda-checkpoint --toggle --pid N` "
+                  "or gpusnap restore it first")
+        else:
+            r.add("GPU", "ok", f"CUDA process(es) {names}; states: "
+                  + ", ".join(f"{p}={s or 'not CUDA-initialised'}" for p, s in states.items()))
+        if not paths.plugin_path().is_file():
+            r.add("GPU", "fail", f"the job uses a GPU but {paths.plugin_path()} is missing",
+                  "build the plugin (cmake --build build) or set GPUSNAP_PLUGIN_DIR")
+    if any(g.uvm for g in gps):
+        r.add("UVM", "info", "/dev/nvidia-uvm is open (every CUDA runtime opens it); a job that "
+              "allocates managed memory (cudaMallocManaged) cannot be checkpointed — the dump "
+              "would fail at the checkpoint step and the job keeps running")
+    mig = [g.pid for g in gps if g.mig]
+    if mig:
+        r.add("MIG", "fail", f"{mig} hold /dev/nvidia-caps (a MIG instance): CUDA checkpoint "
+              "does not support MIG", "run the job on a full GPU")
+    mps_sock = [g.pid for g in gps if any("nvidia-mps" in t for t in gprocs.fd_targets(g.pid))]
+    if env_mps or mps_sock:
+        r.add("MPS", "fail", f"{sorted(set(env_mps + mps_sock))} use MPS (CUDA_MPS_PIPE_DIRECTORY "
+              "or an MPS pipe): CUDA checkpoint does not support MPS", "run the job without MPS")
+    nccl = [g.pid for g in gps if g.nccl]
+    if nccl:
+        r.add("NCCL", "warn", f"{nccl} load NCCL: live NCCL communicators cannot be checkpointed",
+              "tear communicators down before the dump and rebuild them after (or dump between "
+              "phases that hold none)")
+    nvml = [g.pid for g in gps if g.nvml]
+    if nvml:
+        r.add("NVML", "warn", f"{nvml} load NVML (libnvidia-ml), which keeps device references "
+              "the CUDA checkpoint does not release; the dump may fail",
+              "avoid NVML in the job (e.g. pynvml/GPU monitoring threads) while snapshotting")
+
+
+# ---------------------------------------------------------------- entry point
+
+def run_doctor(pid: int | None = None) -> DoctorReport:
+    """All system checks, plus what would stop a dump of `pid` when one is given."""
+    r = DoctorReport(pid=pid)
+    criu_ok = _check_criu(r)
+    root_like, sysres = _check_privileges(r)
+    if criu_ok:
+        _check_criu_check(r, root_like)
+    _check_dirty_tracking(r, criu_ok, root_like)
+    _check_plugin(r)
+    probe = gdriver.probe_cached()
+    r.driver = probe.to_dict()
+    _check_driver(r, probe)
+    if pid is not None:
+        _check_pid(r, int(pid), probe, sysres)
+    return r

@@ -1,0 +1,329 @@
+"""gpusnap doctor on this (GPU-less) machine, against real processes."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+
+from gpusnap import doctor, paths
+from gpusnap.doctor import run_doctor
+from gpusnap.gpu import driver as gdriver
+
+NO_DRIVER = not gdriver.probe_inprocess().available
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+
+
+def statuses(r, name):
+    return [c.status for c in r.by_name(name)]
+
+
+@pytest.fixture(scope="module")
+def system_report():
+    return run_doctor()
+
+
+# ---------------------------------------------------------------- parsers
+
+def test_parse_criu_version():
+    assert doctor.parse_criu_version("Version: 4.1.1\n") == (4, 1, 1)
+    assert doctor.parse_criu_version("Version: 3.17\nGitID: v3.17") == (3, 17)
+    assert doctor.parse_criu_version("nonsense") is None
+
+
+def test_cap_eff_parsing():
+    caps = doctor.cap_eff("Name:\tx\nCapEff:\t000001fffeffffff\n")
+    assert not doctor.has_cap(doctor.CAP_SYS_RESOURCE, caps)
+    assert doctor.has_cap(doctor.CAP_CHECKPOINT_RESTORE, caps)
+    assert doctor.has_cap(doctor.CAP_SYS_ADMIN, caps)
+    assert doctor.cap_eff("") == 0
+
+
+def test_decode_addr():
+    assert doctor.decode_addr("0100007F:1F90") == "127.0.0.1:8080"
+    assert doctor.decode_addr("00000000000000000000000001000000:0016") == "[::1]:22"
+    # IPv4-mapped IPv6 shows as IPv4
+    assert doctor.decode_addr("0000000000000000FFFF00000100007F:0050") == "127.0.0.1:80"
+
+
+def test_parse_proc_net_tcp():
+    text = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+            "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0 100 0 0 10 0\n"
+            "   1: 0100007F:9C40 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4343 1 0 20 4 30 10 -1\n")
+    rows = doctor.parse_proc_net_tcp(text)
+    assert rows == [{"local": "127.0.0.1:8080", "remote": "0.0.0.0:0", "state": "LISTEN", "inode": 4242},
+                    {"local": "127.0.0.1:40000", "remote": "127.0.0.1:8080", "state": "ESTABLISHED",
+                     "inode": 4343}]
+
+
+def test_parse_ss_unix():
+    text = ("u_str ESTAB 0 0 * 648 * 647\n"
+            "u_str ESTAB 0 0 /run/systemd/journal/stdout 1234 * 999\n"
+            "u_dgr UNCONN 0 0 /tmp/with space 77 * 0\n")
+    rows = doctor.parse_ss_unix(text)
+    assert rows[0] == {"type": "u_str", "state": "ESTAB", "path": "", "inode": 648, "peer": 647}
+    assert rows[1]["path"] == "/run/systemd/journal/stdout" and rows[1]["peer"] == 999
+    assert rows[2]["path"] == "/tmp/with space" and rows[2]["peer"] == 0
+
+
+def test_process_tree_finds_descendants():
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        import time
+        for _ in range(50):
+            tree = doctor.process_tree(p.pid)
+            if len(tree) == 2:
+                break
+            time.sleep(0.05)
+        assert tree[0] == p.pid and len(tree) == 2
+    finally:
+        for child in doctor.process_tree(p.pid)[1:]:
+            os.kill(child, 9)
+        p.kill()
+        p.wait()
+
+
+# ---------------------------------------------------------------- the machine
+
+def test_report_is_json_and_renders(system_report):
+    d = system_report.to_dict()
+    json.dumps(d)
+    assert d["pid"] is None and d["worst"] in doctor.STATUSES
+    assert all(c["status"] in doctor.STATUSES for c in d["checks"])
+    from rich.console import Console
+    con = Console(record=True, width=160)
+    con.print(system_report.render())
+    assert "criu" in con.export_text()
+    assert "criu" in system_report.format_text()
+
+
+def test_criu_version_ok(system_report):
+    if not shutil.which("criu"):
+        assert statuses(system_report, "criu") == ["fail"]
+        return
+    assert statuses(system_report, "criu") == ["ok"]
+    assert "CRIU 4." in system_report.by_name("criu")[0].detail
+
+
+@needs_root
+def test_root_and_criu_check(system_report):
+    assert statuses(system_report, "privileges") == ["ok"]
+    assert system_report.by_name("criu check")[0].status in ("ok", "warn")
+
+
+def test_cap_sys_resource_reported(system_report):
+    expect = "ok" if doctor.has_cap(doctor.CAP_SYS_RESOURCE) else "warn"
+    c = system_report.by_name("CAP_SYS_RESOURCE")[0]
+    assert c.status == expect
+    if expect == "warn":
+        assert "another uid" in c.detail
+
+
+def test_soft_dirty_is_informational(system_report):
+    c = system_report.by_name("soft-dirty tracking")[0]
+    assert c.status in ("ok", "info") and "does not need it" in c.detail
+
+
+@pytest.mark.skipif(not NO_DRIVER, reason="this machine has an NVIDIA driver")
+def test_no_nvidia_driver_is_clean(system_report):
+    c = system_report.by_name("NVIDIA driver")[0]
+    assert c.status in ("info", "warn") and "no NVIDIA driver" in c.detail
+    assert system_report.driver["available"] is False
+    assert not system_report.by_name("CUDA checkpoint API")
+
+
+def test_plugin_dir_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUSNAP_PLUGIN_DIR", str(tmp_path))
+    assert paths.plugin_dir() == tmp_path
+    r = doctor.DoctorReport()
+    doctor._check_plugin(r)
+    assert r.checks[0].status == "warn" and "not in" in r.checks[0].detail
+    (tmp_path / "gpusnap_cuda.so").write_bytes(b"not elf")
+    r = doctor.DoctorReport()
+    doctor._check_plugin(r)
+    assert r.checks[0].status == "fail"
+    shutil.copy(sys.executable if Path(sys.executable).read_bytes()[:4] == b"\x7fELF"
+                else "/bin/true", tmp_path / "gpusnap_cuda.so")
+    r = doctor.DoctorReport()
+    doctor._check_plugin(r)
+    assert r.checks[0].status == "ok"
+    monkeypatch.setenv("GPUSNAP_PLUGIN_DIR", str(tmp_path / "nope"))
+    r = doctor.DoctorReport()
+    doctor._check_plugin(r)
+    assert r.checks[0].status == "warn" and "does not exist" in r.checks[0].detail
+
+
+def test_plugin_dir_default(monkeypatch):
+    monkeypatch.delenv("GPUSNAP_PLUGIN_DIR", raising=False)
+    d = paths.plugin_dir()
+    assert d == paths.source_root() / "build" / "plugins" or d == paths.SYSTEM_PLUGIN_DIR
+    assert paths.plugin_path().name == "gpusnap_cuda.so"
+
+
+# ---------------------------------------------------------------- a job
+
+def test_missing_process():
+    r = run_doctor(2 ** 22 + 11)
+    assert statuses(r, "process") == ["fail"] and not r.ok
+
+
+def test_plain_job_has_nothing_in_the_way():
+    p = subprocess.Popen(["sleep", "30"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        r = run_doctor(p.pid)
+        job = [c for c in r.checks if c.name in ("process", "TCP", "unix sockets", "terminal",
+                                                  "GPU", "uid", "ptrace", "self")]
+        assert {c.name: c.status for c in job} == {"process": "ok", "GPU": "ok"}, r.format_text()
+        assert "CPU-only" in r.by_name("GPU")[0].detail
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_tcp_connection_is_flagged():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+    code = (f"import socket,time; s=socket.create_connection(('127.0.0.1',{port})); "
+            "print('ok',flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ok"
+        conn, _ = srv.accept()
+        r = run_doctor(p.pid)
+        c = r.by_name("TCP")
+        assert c and c[0].status == "fail", r.format_text()
+        assert f"127.0.0.1:{port}" in c[0].detail and "ESTABLISHED" in c[0].detail
+        assert "--tcp-established" in c[0].fix
+        assert not r.ok
+        conn.close()
+    finally:
+        p.kill()
+        p.wait()
+        srv.close()
+
+
+def test_listening_socket_is_fine():
+    code = ("import socket,time; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(); "
+            "print(s.getsockname()[1],flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        port = p.stdout.readline().strip()
+        r = run_doctor(p.pid)
+        assert not r.by_name("TCP")
+        assert r.by_name("TCP listen")[0].status == "ok" and port in r.by_name("TCP listen")[0].detail
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_controlling_terminal_is_flagged():
+    master, slave = os.openpty()
+
+    def take_tty():
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+    p = subprocess.Popen(["sleep", "30"], stdin=slave, stdout=slave, stderr=slave,
+                         preexec_fn=take_tty, pass_fds=(slave,))
+    try:
+        assert doctor.proc_stat(p.pid)["tty_nr"] != 0
+        r = run_doctor(p.pid)
+        c = r.by_name("terminal")
+        assert c and c[0].status == "info" and "--shell-job" in c[0].detail
+        assert "/dev/pts/" in c[0].detail
+    finally:
+        p.kill()
+        p.wait()
+        os.close(master)
+        os.close(slave)
+
+
+def test_external_unix_socket_is_flagged(tmp_path):
+    if not shutil.which("ss"):
+        pytest.skip("ss not installed")
+    path = str(tmp_path / "ext.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen()
+    code = (f"import socket,time; s=socket.socket(socket.AF_UNIX); s.connect({path!r}); "
+            "print('ok',flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ok"
+        conn, _ = srv.accept()
+        r = run_doctor(p.pid)
+        c = r.by_name("unix sockets")
+        assert c and c[0].status == "fail", r.format_text()
+        assert f"pid {os.getpid()}" in c[0].detail   # the test process holds the peer
+        conn.close()
+    finally:
+        p.kill()
+        p.wait()
+        srv.close()
+
+
+def test_socketpair_inside_the_tree_is_fine():
+    code = ("import socket,os,time; a,b=socket.socketpair(); pid=os.fork()\n"
+            "if pid==0: time.sleep(60)\n"
+            "print('ok',flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ok"
+        r = run_doctor(p.pid)
+        assert not r.by_name("unix sockets"), r.format_text()
+    finally:
+        os.killpg(p.pid, 9)
+        p.wait()
+
+
+@needs_root
+def test_other_uid_without_cap_sys_resource():
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        pytest.skip("no user nobody")
+    p = subprocess.Popen(["sleep", "30"], user=nobody, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        r = run_doctor(p.pid)
+        c = r.by_name("uid")
+        if doctor.has_cap(doctor.CAP_SYS_RESOURCE):
+            assert c and c[0].status == "ok"
+        else:
+            assert c and c[0].status == "fail" and "CAP_SYS_RESOURCE" in c[0].detail
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_mps_environment_is_flagged_for_cuda_jobs_only():
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY="/tmp/nvidia-mps")
+    p = subprocess.Popen(["sleep", "30"], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        r = run_doctor(p.pid)
+        assert r.by_name("MPS")[0].status == "warn"
+        assert r.by_name("GPU")[0].status == "ok"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_own_ancestor_is_refused():
+    r = run_doctor(os.getppid())
+    assert statuses(r, "self") == ["fail"]

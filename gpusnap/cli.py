@@ -32,7 +32,7 @@ app = typer.Typer(
 schedule_app = typer.Typer(help="Periodic snapshots from cron, with retention.", no_args_is_help=True)
 app.add_typer(schedule_app, name="schedule")
 
-out = Console(highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 _json_mode = False
 
@@ -222,15 +222,14 @@ def inspect(
     """Show a snapshot: processes, memory, page statistics, sizes, GPU information."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import locate
-    from gpusnap.repo import inspect as inspect_mod
+    from gpusnap import describe, locate
 
     repository, snap = locate.open_snapshot(snapshot, repo)
-    report = inspect_mod.inspect_snapshot(repository, snap)
+    report = describe.describe(repository, snap)
     if json_:
         _emit_json(report)
         return
-    inspect_mod.render(report, out)
+    describe.render(report, out)
 
 
 @app.command()

@@ -90,19 +90,17 @@ def _free_bytes(path: Path) -> int:
 
 
 def _gpu_facts(pids: list[int]) -> dict | None:
-    """GPU inventory of the tree, recorded in the manifest (None where there is no driver)."""
+    """The GPU section of the manifest (machine GPUs, which process uses which), recorded
+    before CRIU runs: a checkpointed process has released its device files. CPU-only trees
+    skip the driver probe entirely."""
     try:
-        from gpusnap.gpu import driver as gpu_driver, procs as gpu_procs
-    except ImportError:
-        return None
-    try:
-        info = gpu_driver.driver_info()
-        if not info:
+        from gpusnap.gpu import procs as gpu_procs
+
+        if not any(gpu_procs.scan_process(pid) for pid in pids):
             return None
-        per_proc = gpu_procs.process_gpus(pids)
+        return gpu_procs.gpu_manifest(pids)
     except Exception:  # noqa: BLE001 - GPU facts are informative; a dump must not fail on them
         return None
-    return {"driver": info, "processes": per_proc}
 
 
 def _read_cuda_report(path: Path) -> list[int]:

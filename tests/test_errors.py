@@ -160,9 +160,20 @@ def test_interrupted_dump_leaves_job_running_and_no_snapshot(sample_job, repo):
     job.wait_steps(3)
     dumper = subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    # interrupt once the stream is flowing
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not list(Path("/tmp").glob("gpusnap-dump-*/streamer-capture.sock")):
+    # interrupt once CRIU (our dumper's child) is running and the stream is flowing
+    def criu_child() -> bool:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    st = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                if st[st.index("(") + 1:st.rindex(")")] == "criu" and int(st[st.rindex(")") + 2:].split()[1]) == dumper.pid:
+                    return True
+        return False
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not criu_child():
         time.sleep(0.01)
     time.sleep(0.2)
     dumper.send_signal(signal.SIGINT)

@@ -212,10 +212,12 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     t0 = time.monotonic()
     if req.compress not in COMPRESSORS:
         raise UsageError(f"--compress must be one of {', '.join(COMPRESSORS)}, not {req.compress!r}")
+    if req.name:
+        check_name(req.name)
     runner.require_privileges("dump")
     runner.criu_info()
     proc.require_process(req.pid)
-    name = check_name(req.name) if req.name else default_name(req.pid)
+    name = req.name or default_name(req.pid)
     pids = proc.tree(req.pid)
     estimate = proc.rss_bytes(pids)
     shell_job = proc.needs_shell_job(pids)

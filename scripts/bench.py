@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""gpusnap against raw CRIU, side by side in one run (design.md section 7). Needs root.
+
+    python scripts/bench.py [--mb 512] [--reps 3] [--kinds fp32,inference,random,relocate]
+                            [--dir /var/tmp/gpusnap-bench] [--json FILE] [--no-verify]
+
+For every workload of tests/jobs/workloads.py and every repetition, on a fresh job:
+  1. raw  `criu dump -t PID -D RAW --leave-running`  and  `gpusnap dump PID --repo R --json`
+     (the order alternates between repetitions; `sync` before each timed step, so neither
+     pays for the other's writeback; RAW and R are on the same filesystem, under --dir);
+     raw CRIU does not fsync its images, gpusnap fsyncs its packs: the time raw CRIU's
+     own `sync` then takes is reported too (raw+sync).
+  2. relocate only: the job moves its weights to a new allocation, and a second gpusnap
+     dump gives the incremental size (bytes stored by the second / by the first dump).
+  3. the job is killed (reaped, PID free), raw `criu restore -d -D RAW` is timed, that job
+     killed, then `gpusnap restore SNAPSHOT --json` (the last gpusnap snapshot) is timed,
+     and the restored job must finish with the digest of an uninterrupted run.
+Wall times are the whole command as a user runs it (process start-up included). gpusnap's
+own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
+runs; CRIU, its child, is not counted). Page cache: warm for both (nothing is dropped;
+the images restore from what was just written).
+
+Medians over the repetitions are printed as a table of ratios against the targets, and
+written with every sample to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from jobs.workloads import expected_digest  # noqa: E402
+
+PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+WORKLOAD = ROOT / "tests" / "jobs" / "workloads.py"
+KINDS = ("fp32", "inference", "random", "relocate")
+SIZE_TARGET = {"fp32": 0.88, "inference": 0.2, "random": 1.01, "relocate": None}
+DUMP_TARGET = RESTORE_TARGET = 1.0
+INCR_TARGET = 0.05
+
+
+def criu_path() -> str:
+    return shutil.which("criu") or "/usr/sbin/criu"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return st[st.rindex(")") + 2] not in "ZX"
+
+
+def wait_pid_free(pid: int, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists():
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"PID {pid} still exists after {timeout} s")
+
+
+def kill(pid: int, popen: subprocess.Popen | None = None) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if popen is not None:
+        popen.wait(timeout=30)   # our own child: reap it
+    wait_pid_free(pid)           # a restored job is not our child: init reaps it
+
+
+def wait_file(path: Path, timeout: float = 300, pid: int | None = None) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return path.read_text()
+        if pid is not None and not pid_alive(pid):
+            raise RuntimeError(f"job {pid} died before {path} appeared")
+        time.sleep(0.02)
+    raise RuntimeError(f"{path} did not appear in {timeout} s")
+
+
+def dir_bytes(d: Path) -> tuple[int, int]:
+    """(sum of file sizes, bytes of pages-*.img)."""
+    total = pages = 0
+    for p in d.rglob("*"):
+        if p.is_file() and p.suffix == ".img":
+            n = p.stat().st_size
+            total += n
+            if p.name.startswith("pages-"):
+                pages += n
+    return total, pages
+
+
+def timed(cmd: list[str], poll_hwm: bool = False, **kw) -> dict:
+    """Run cmd; wall time, rc, stdout, and (poll_hwm) the process's own VmHWM in KiB."""
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    hwm = 0
+    status = Path(f"/proc/{p.pid}/status")
+    if poll_hwm:
+        while p.poll() is None:
+            try:
+                for line in status.read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        hwm = max(hwm, int(line.split()[1]))
+                        break
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                pass
+            time.sleep(0.005)
+    out, err = p.communicate()
+    wall = time.monotonic() - t0
+    return {"wall": wall, "rc": p.returncode, "stdout": out.decode(errors="replace"),
+            "stderr": err.decode(errors="replace")[-3000:], "hwm_kib": hwm or None}
+
+
+def check(res: dict, what: str) -> dict:
+    if res["rc"] != 0:
+        raise RuntimeError(f"{what} failed (rc {res['rc']}):\n{res['stdout'][-2000:]}\n{res['stderr']}")
+    return res
+
+
+class Job:
+    def __init__(self, out: Path, kind: str, mb: int):
+        self.out, self.kind, self.mb = out, kind, mb
+        out.mkdir(parents=True)
+        self.stdio = open(out / "stdio.txt", "ab")
+        self.popen = subprocess.Popen([PY, str(WORKLOAD), str(out), "--kind", kind, "--mb", str(mb)],
+                                      stdin=subprocess.DEVNULL, stdout=self.stdio, stderr=self.stdio,
+                                      start_new_session=True)
+        self.pid = self.popen.pid
+        self.gen = 0
+        wait_file(out / "ready", pid=self.pid)
+
+    def relocate(self) -> dict:
+        self.gen += 1
+        (self.out / f"relocate.{self.gen}").touch()
+        return json.loads(wait_file(self.out / f"relocated.{self.gen}", pid=self.pid))
+
+    def finish(self) -> str:
+        (self.out / "finish").touch()
+        return wait_file(self.out / "result", pid=self.pid).strip()
+
+
+def gpusnap_dump(pid: int, repo: Path) -> dict:
+    os.sync()
+    r = check(timed([PY, "-m", "gpusnap", "dump", str(pid), "--repo", str(repo), "--name", "bench", "--json"],
+                    poll_hwm=True, cwd=ROOT), "gpusnap dump")
+    r["info"] = json.loads(r["stdout"].strip().splitlines()[-1])
+    return r
+
+
+def raw_dump(pid: int, raw: Path) -> dict:
+    os.sync()
+    raw.mkdir(parents=True)
+    r = check(timed([criu_path(), "dump", "-t", str(pid), "-D", str(raw), "--leave-running",
+                     "-o", "dump.log", "-v2"]), "criu dump")
+    t0 = time.monotonic()
+    os.sync()
+    r["sync"] = time.monotonic() - t0
+    r["bytes"], r["pages_bytes"] = dir_bytes(raw)
+    return r
+
+
+def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: dict) -> dict:
+    d = base / f"{kind}-{rep}"
+    job = Job(d / "job", kind, mb)
+    raw, repo = d / "raw", d / "repo"
+    s: dict = {"kind": kind, "rep": rep, "pid": job.pid}
+    try:
+        if rep % 2 == 0:
+            s["raw_dump"] = raw_dump(job.pid, raw)
+            s["gs_dump"] = gpusnap_dump(job.pid, repo)
+        else:
+            s["gs_dump"] = gpusnap_dump(job.pid, repo)
+            s["raw_dump"] = raw_dump(job.pid, raw)
+        snapshot = s["gs_dump"]["info"]["snapshot"]
+        if kind == "relocate":
+            moved = job.relocate()
+            assert moved["old"] != moved["new"], moved
+            s["gs_dump2"] = gpusnap_dump(job.pid, repo)
+            snapshot = s["gs_dump2"]["info"]["snapshot"]
+        kill(job.pid, job.popen)
+
+        os.sync()
+        s["raw_restore"] = check(timed([criu_path(), "restore", "-d", "-D", str(raw), "-o", "restore.log", "-v2"]),
+                                 "criu restore")
+        if not pid_alive(job.pid):
+            raise RuntimeError("raw CRIU restore did not bring the job back")
+        kill(job.pid)
+
+        os.sync()
+        r = check(timed([PY, "-m", "gpusnap", "restore", snapshot, "--repo", str(repo), "--json"],
+                        poll_hwm=True, cwd=ROOT), "gpusnap restore")
+        r["info"] = json.loads(r["stdout"].strip().splitlines()[-1])
+        s["gs_restore"] = r
+        if verify:
+            got = job.finish()
+            key = (kind, job.gen)
+            if key not in expected:
+                expected[key] = expected_digest(kind, mb, 1, relocations=job.gen)
+            s["digest_ok"] = got == expected[key]
+            if not s["digest_ok"]:
+                print(f"  !! {kind} rep {rep}: restored job's digest differs from an uninterrupted run",
+                      file=sys.stderr)
+        kill(job.pid)
+    finally:
+        if pid_alive(job.pid):
+            kill(job.pid, job.popen if job.popen.poll() is None else None)
+        job.popen.poll()
+        job.stdio.close()
+        shutil.rmtree(d, ignore_errors=True)
+    for k in ("raw_dump", "gs_dump", "gs_dump2", "raw_restore", "gs_restore"):
+        if k in s:
+            s[k].pop("stdout", None)
+            if s[k].get("rc") == 0:
+                s[k].pop("stderr", None)
+    return s
+
+
+def summarize(kind: str, samples: list[dict]) -> dict:
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    raw_d = [s["raw_dump"]["wall"] for s in samples]
+    raw_ds = [s["raw_dump"]["wall"] + s["raw_dump"]["sync"] for s in samples]
+    gs_d = [s["gs_dump"]["wall"] for s in samples]
+    gs_in = [s["gs_dump"]["info"]["seconds"] for s in samples]
+    raw_r = [s["raw_restore"]["wall"] for s in samples]
+    gs_r = [s["gs_restore"]["wall"] for s in samples]
+    raw_b = [s["raw_dump"]["bytes"] for s in samples]
+    gs_b = [s["gs_dump"]["info"]["bytes_stored"] for s in samples]
+    gs_raw = [s["gs_dump"]["info"]["bytes_raw"] for s in samples]
+    m = {
+        "kind": kind, "reps": len(samples),
+        "raw_dump_s": med(raw_d), "raw_dump_sync_s": med(raw_ds), "gpusnap_dump_s": med(gs_d),
+        "gpusnap_dump_internal_s": med(gs_in),
+        "dump_ratio": med([g / r for g, r in zip(gs_d, raw_d)]),
+        "dump_ratio_vs_raw_sync": med([g / r for g, r in zip(gs_d, raw_ds)]),
+        "raw_restore_s": med(raw_r), "gpusnap_restore_s": med(gs_r),
+        "restore_ratio": med([g / r for g, r in zip(gs_r, raw_r)]),
+        "raw_bytes": med(raw_b), "criu_stream_bytes": med(gs_raw), "gpusnap_bytes": med(gs_b),
+        "size_ratio": med([g / r for g, r in zip(gs_b, raw_b)]),
+        "gpusnap_dump_MBps": med([b / t / 1e6 for b, t in zip(gs_raw, gs_d)]),
+        "raw_dump_MBps": med([b / t / 1e6 for b, t in zip(raw_b, raw_d)]),
+        "dump_peak_rss_mib": med([s["gs_dump"]["hwm_kib"] / 1024 for s in samples]),
+        "restore_peak_rss_mib": med([s["gs_restore"]["hwm_kib"] / 1024 for s in samples]),
+        "digest_ok": all(s.get("digest_ok", True) for s in samples),
+        "verified": all("digest_ok" in s for s in samples),
+    }
+    if kind == "relocate":
+        m["incremental_ratio"] = med([s["gs_dump2"]["info"]["bytes_stored"] / s["gs_dump"]["info"]["bytes_stored"]
+                                      for s in samples])
+        m["gpusnap_dump2_s"] = med([s["gs_dump2"]["wall"] for s in samples])
+        m["dump2_ratio"] = med([s["gs_dump2"]["wall"] / r for s, r in zip(samples, raw_d)])
+    return m
+
+
+def table(summaries: list[dict], mb: int) -> str:
+    rows = []
+    hdr = ("workload", "measure", "raw CRIU", "gpusnap", "ratio", "target", "")
+    def fmt_ok(v, t):
+        return "" if t is None or v is None else ("ok" if v <= t else "MISSED")
+    for m in summaries:
+        k = m["kind"]
+        rows.append((k, "dump wall s", f"{m['raw_dump_s']:.2f}", f"{m['gpusnap_dump_s']:.2f}",
+                     f"{m['dump_ratio']:.2f}", f"<= {DUMP_TARGET}", fmt_ok(m["dump_ratio"], DUMP_TARGET)))
+        rows.append(("", "  (raw + sync) s", f"{m['raw_dump_sync_s']:.2f}", "",
+                     f"{m['dump_ratio_vs_raw_sync']:.2f}", "", ""))
+        rows.append(("", "  (gpusnap's own 'seconds')", "", f"{m['gpusnap_dump_internal_s']:.2f}",
+                     f"{m['gpusnap_dump_internal_s'] / m['raw_dump_s']:.2f}", "", ""))
+        rows.append(("", "  MB/s (CRIU stream bytes)", f"{m['raw_dump_MBps']:.0f}", f"{m['gpusnap_dump_MBps']:.0f}",
+                     "", "", ""))
+        rows.append(("", "restore wall s", f"{m['raw_restore_s']:.2f}", f"{m['gpusnap_restore_s']:.2f}",
+                     f"{m['restore_ratio']:.2f}", f"<= {RESTORE_TARGET}", fmt_ok(m["restore_ratio"], RESTORE_TARGET)))
+        t = SIZE_TARGET[k]
+        rows.append(("", "size MiB", f"{m['raw_bytes'] / 2**20:.1f}", f"{m['gpusnap_bytes'] / 2**20:.1f}",
+                     f"{m['size_ratio']:.3f}", f"<= {t}" if t else "", fmt_ok(m["size_ratio"], t)))
+        if "incremental_ratio" in m:
+            rows.append(("", "incremental size", "", f"{m['gpusnap_dump2_s']:.2f} s",
+                         f"{m['incremental_ratio']:.4f}", f"<= {INCR_TARGET}",
+                         fmt_ok(m["incremental_ratio"], INCR_TARGET)))
+        if "dump2_ratio" in m:
+            rows.append(("", "second dump wall s", "", f"{m['gpusnap_dump2_s']:.2f}", f"{m['dump2_ratio']:.2f}",
+                         "", ""))
+        rows.append(("", "peak RSS MiB d/r", "", f"{m['dump_peak_rss_mib']:.0f} / {m['restore_peak_rss_mib']:.0f}",
+                     "", "bounded", ""))
+        rows.append(("", "digest after restore", "", "same" if m["digest_ok"] and m["verified"]
+                     else ("not checked" if not m["verified"] else "DIFFERS"), "", "", ""))
+    widths = [max(len(str(r[i])) for r in [hdr, *rows]) for i in range(len(hdr))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([f"gpusnap vs raw CRIU, {mb} MiB workloads, medians", line(hdr),
+                      line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/gpusnap-bench"))
+    ap.add_argument("--json", type=Path, help="write medians and every sample here")
+    ap.add_argument("--no-verify", action="store_true", help="skip checking the restored job's digest")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench needs root: it dumps and restores real processes with CRIU", file=sys.stderr)
+        return 1
+    kinds = [k for k in args.kinds.split(",") if k]
+    for k in kinds:
+        if k not in KINDS:
+            ap.error(f"unknown kind {k!r}")
+    base = args.dir / f"run-{os.getpid()}"
+    base.mkdir(parents=True)
+    expected: dict = {}
+    samples: dict[str, list] = {k: [] for k in kinds}
+    try:
+        for rep in range(args.reps):
+            for k in kinds:
+                t0 = time.monotonic()
+                s = one_rep(k, args.mb, base, rep, not args.no_verify, expected)
+                samples[k].append(s)
+                print(f"[{k} rep {rep + 1}/{args.reps}] dump raw {s['raw_dump']['wall']:.2f}s "
+                      f"gpusnap {s['gs_dump']['wall']:.2f}s; restore raw {s['raw_restore']['wall']:.2f}s "
+                      f"gpusnap {s['gs_restore']['wall']:.2f}s ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        try:
+            args.dir.rmdir()
+        except OSError:
+            pass
+    summaries = [summarize(k, samples[k]) for k in kinds]
+    sys.stderr.flush()
+    print(table(summaries, args.mb), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "mb": args.mb, "reps": args.reps, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+            "targets": {"dump_ratio": DUMP_TARGET, "restore_ratio": RESTORE_TARGET, "size": SIZE_TARGET,
+                        "incremental_ratio": INCR_TARGET},
+            "page_cache": "warm (nothing dropped; restores read what was just written)",
+            "summary": summaries, "samples": samples}, indent=1) + "\n")
+    ok = all(m["digest_ok"] for m in summaries)
+    return 0 if ok else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,9 @@ class CriuInfo:
         return ".".join(map(str, self.version))
 
 
+_info_cache: dict[str, "CriuInfo"] = {}  # one `criu --version` per process
+
+
 def criu_path() -> str | None:
     return os.environ.get("GPUSNAP_CRIU") or shutil.which("criu") or next(
         (p for p in ("/usr/sbin/criu", "/sbin/criu", "/usr/local/sbin/criu") if os.access(p, os.X_OK)), None)
@@ -39,6 +42,8 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 def criu_info() -> CriuInfo:
     """Locate CRIU and check it is >= 4.0, or raise CriuUnavailable saying how to get it."""
     path = criu_path()
+    if path is not None and path in _info_cache:
+        return _info_cache[path]
     if path is None:
         raise CriuUnavailable("CRIU is not installed (no `criu` on PATH)", hint=INSTALL_HINT)
     try:
@@ -50,7 +55,8 @@ def criu_info() -> CriuInfo:
         raise CriuUnavailable(f"cannot tell the version of {path} (`criu --version` said {out.strip()!r})",
                               hint=INSTALL_HINT)
     check_version(version, path)
-    return CriuInfo(path=path, version=version)
+    _info_cache[path] = CriuInfo(path=path, version=version)
+    return _info_cache[path]
 
 
 def check_version(version: tuple[int, ...], path: str) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -16,7 +17,7 @@ from typing import Iterator
 import blake3
 
 from ..errors import CorruptSnapshot, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
-from . import fsutil
+from . import fsutil, native
 from .codec import codec_id
 from .format import (
     BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
@@ -27,6 +28,10 @@ from .store import BlobReader, RepoIndex, pack_path
 SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
 READ_CHUNK = 1 << 20
 _ZCHUNK = bytes(READ_CHUNK)
+_ZVIEW = memoryview(_ZCHUNK)
+_ZIDS = bytes(READ_CHUNK // PAGE_SIZE * PAGE_ID_LEN)
+_ZKINDS = bytes(READ_CHUNK // PAGE_SIZE)
+_ONES = b"\x01" * (READ_CHUNK // PAGE_SIZE)
 
 
 class Repository:
@@ -198,6 +203,52 @@ class Repository:
         return repo_usage(self)
 
 
+PREFETCH_MIN = 8 << 20     # pages images at least this big are read ahead in a thread
+PREFETCH_DEPTH = 3         # chunks (<= 1 MiB each) read ahead
+
+
+def _prefetched(it: Iterator[bytes], depth: int = PREFETCH_DEPTH) -> Iterator[bytes]:
+    """Run the generator `it` in a helper thread, `depth` items ahead; exceptions reach the
+    caller in order. Closing this generator early stops and closes `it` (in its thread)."""
+    q: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for x in it:
+                if not put((0, x)):
+                    return
+            put((1, None))
+        except BaseException as e:   # noqa: BLE001 - handed to the consumer
+            put((2, e))
+        finally:
+            it.close()
+
+    t = threading.Thread(target=run, name="gpusnap-read-ahead", daemon=True)
+    t.start()
+    try:
+        while True:
+            tag, x = q.get()
+            if tag == 0:
+                yield x
+            elif tag == 1:
+                return
+            else:
+                raise x
+    finally:
+        stop.set()
+        t.join()
+
+
 class Snapshot:
     def __init__(self, repo: Repository, path: Path):
         self.repo = repo
@@ -334,6 +385,14 @@ class Snapshot:
         """The original bytes of an image, in chunks of at most 1 MiB; every page and blob is
         checked against its checksum before it is yielded."""
         im = self.image(filename)
+        if im["type"] == "pages" and im.get("size", 0) >= PREFETCH_MIN:
+            # Big pages image: build and check chunks one step ahead in a helper thread
+            # (the checks run without the GIL) while the caller writes the previous one.
+            yield from _prefetched(self._read_image(im))
+        else:
+            yield from self._read_image(im)
+
+    def _read_image(self, im) -> Iterator[bytes]:
         idx = self.repo._load_index()
         reader = BlobReader(self.repo.path, idx)
         try:
@@ -378,50 +437,72 @@ class Snapshot:
             raise self._corrupt(f"image {name} does not match its recorded size/checksum")
 
     def _read_pages_image(self, im, idx, reader):
+        """Pages are gathered into output chunks (slices of the decompressed groups, one
+        copy) and each chunk's pages are checked against their ids in one native call
+        (gpusnap/repo/native.py, GIL released); zero pages are produced here, not checked."""
         name = im["name"]
         page_loc = idx.page_loc
-        blobs = idx.blobs
-        b3 = blake3.blake3
+        verify = native.verify
         out: list = []
         outn = 0
+        ids_parts: list[bytes] = []
+        kinds = bytearray()
+        has_data = False
         cur_bno = -1
-        cur = b""
+        curv = None
         limit = READ_CHUNK
         for rec in self.iter_page_refs(name):
             kind = rec[0]
             if kind == "pages":
                 ids = rec[1]
-                for o in range(0, len(ids), PAGE_ID_LEN):
-                    pid = ids[o:o + PAGE_ID_LEN]
-                    loc = page_loc.get(pid)
-                    if loc is None:
-                        extra = f" (damaged index files: {', '.join(sorted(idx.bad_files))})" if idx.bad_files else ""
-                        raise self._corrupt(f"page {pid.hex()} of {name} is not in the repository index{extra}")
-                    bno = loc >> 8
-                    if bno != cur_bno:
-                        cur = self._get_blob(reader, idx, bno, f"pages of {name}")
-                        cur_bno = bno
-                    s = (loc & 0xFF) * PAGE_SIZE
-                    page = cur[s:s + PAGE_SIZE]
-                    if b3(page).digest(16) != pid:
-                        raise self._corrupt(f"a page of {name} fails its checksum", blobs[bno].pack)
-                    out.append(page)
-                    outn += PAGE_SIZE
+                n = len(ids) // PAGE_ID_LEN
+                o = 0
+                while o < n:
+                    take = min((limit - outn) // PAGE_SIZE, n - o)
+                    if take <= 0:          # (only after a tail, which is last anyway)
+                        take = n - o
+                    seg = ids[o * PAGE_ID_LEN:(o + take) * PAGE_ID_LEN]
+                    ids_parts.append(seg)
+                    kinds += _ONES[:take]
+                    has_data = True
+                    rs = re = -1
+                    for p in range(0, take * PAGE_ID_LEN, PAGE_ID_LEN):
+                        pid = seg[p:p + PAGE_ID_LEN]
+                        loc = page_loc.get(pid)
+                        if loc is None:
+                            extra = f" (damaged index files: {', '.join(sorted(idx.bad_files))})" if idx.bad_files else ""
+                            raise self._corrupt(f"page {pid.hex()} of {name} is not in the repository index{extra}")
+                        bno = loc >> 8
+                        s = (loc & 0xFF) * PAGE_SIZE
+                        if bno == cur_bno and s == re:
+                            re += PAGE_SIZE
+                            continue
+                        if re > rs:
+                            out.append(curv[rs:re])
+                        if bno != cur_bno:
+                            curv = memoryview(self._get_blob(reader, idx, bno, f"pages of {name}"))
+                            cur_bno = bno
+                        rs, re = s, s + PAGE_SIZE
+                    out.append(curv[rs:re])
+                    outn += take * PAGE_SIZE
+                    o += take
                     if outn >= limit:
-                        yield b"".join(out)
-                        out = []
-                        outn = 0
+                        yield self._finish_chunk(out, ids_parts, kinds, has_data, verify, idx, name)
+                        out, outn, ids_parts, kinds, has_data = [], 0, [], bytearray(), False
             elif kind == "zero":
                 left = rec[1] * PAGE_SIZE
                 while left:
                     k = min(left, limit - outn)
-                    out.append(_ZCHUNK[:k] if k != READ_CHUNK else _ZCHUNK)
+                    if k <= 0:
+                        k = left
+                    out.append(_ZCHUNK if k == READ_CHUNK else _ZVIEW[:k])
+                    ids_parts.append(_ZIDS[:k // PAGE_SIZE * PAGE_ID_LEN] if k <= READ_CHUNK else bytes(k // PAGE_SIZE * PAGE_ID_LEN))
+                    kinds += _ZKINDS[:k // PAGE_SIZE] if k <= READ_CHUNK else bytes(k // PAGE_SIZE)
                     outn += k
                     left -= k
                     if outn >= limit:
-                        yield b"".join(out) if len(out) > 1 else out[0]
-                        out = []
-                        outn = 0
+                        yield self._finish_chunk(out, ids_parts, kinds, has_data, verify, idx, name)
+                        out, outn, ids_parts, kinds, has_data = [], 0, [], bytearray(), False
             else:
                 data = self._data_blob(rec[2], idx, reader, name)
                 if len(data) != rec[1]:
@@ -429,4 +510,15 @@ class Snapshot:
                 out.append(data)
                 outn += len(data)
         if out:
-            yield b"".join(out)
+            yield self._finish_chunk(out, ids_parts, kinds, has_data, verify, idx, name)
+
+    def _finish_chunk(self, out, ids_parts, kinds, has_data, verify, idx, name) -> bytes:
+        data = out[0] if len(out) == 1 and type(out[0]) is bytes else b"".join(out)
+        if has_data:
+            ids = b"".join(ids_parts)
+            bad = verify(data, len(kinds), ids, kinds)
+            if bad >= 0:
+                loc = idx.page_loc.get(ids[bad * PAGE_ID_LEN:(bad + 1) * PAGE_ID_LEN])
+                pack = idx.blobs[loc >> 8].pack if loc is not None else None
+                raise self._corrupt(f"a page of {name} fails its checksum", pack)
+        return data

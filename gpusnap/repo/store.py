@@ -120,41 +120,77 @@ class PackWriter:
             fsutil.unlink_quiet(pack_path(self.root, ph))
         self.done = []
 
-    # -- the writer thread ---------------------------------------------------------------
+    # -- the background threads ----------------------------------------------------------
+    # The writer thread writes the bytes (os.writev releases the GIL; the kernel copy into
+    # the page cache costs about as much as blake3) and passes them on to the hasher
+    # thread, which hashes them in order (blake3 releases the GIL on large inputs), then
+    # fsyncs, names and renames each finished pack. Two threads, so writing and hashing
+    # of new data overlap with each other and with the page pipeline.
     def _run(self) -> None:
         fd = -1
-        h = None
         tmp = None
-        size = 0
         q = self._q
+        hq: queue.Queue = queue.Queue(self.QUEUE_MAX * 2)
+        ht = threading.Thread(target=self._hash_run, args=(hq,), name="gpusnap-pack-hasher", daemon=True)
+        ht.start()
+        try:
+            while True:
+                op, a, b = q.get()
+                if op == "stop":
+                    break
+                if self._err is not None:
+                    continue          # drain after an error so producers never block
+                try:
+                    if op == "open":
+                        tmp, fd = fsutil.create_tmp(self.root / "tmp", "pack-")
+                        self._tmps.append(tmp)
+                        hdr = encode_pack_header()
+                        _write_all(fd, [hdr])
+                        hq.put(("open", hdr, None))
+                    elif op == "blob":
+                        _write_all(fd, [a, b])
+                        hq.put(("blob", a, b))
+                    elif op == "close":
+                        tr = encode_pack_trailer(len(a))
+                        _write_all(fd, [tr])
+                        hq.put(("close", tr, (fd, tmp, a)))
+                        fd = -1       # the hasher closes it after the fsync
+                except BaseException as e:     # reported to the next add()/finish()
+                    self._err = e
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            hq.put(("stop", None, None))
+            ht.join()
+
+    def _hash_run(self, hq: queue.Queue) -> None:
+        h = None
+        size = 0
         while True:
-            op, a, b = q.get()
+            op, a, b = hq.get()
             if op == "stop":
                 break
+            if op == "close" and self._err is not None:
+                os.close(b[0])
+                continue
             if self._err is not None:
-                continue          # drain after an error so producers never block
+                continue
             try:
                 if op == "open":
-                    tmp, fd = fsutil.create_tmp(self.root / "tmp", "pack-")
-                    self._tmps.append(tmp)
-                    h = blake3.blake3()
-                    hdr = encode_pack_header()
-                    _write_all(fd, [hdr])
-                    h.update(hdr)
-                    size = len(hdr)
+                    h = blake3.blake3(a)
+                    size = len(a)
                 elif op == "blob":
-                    _write_all(fd, [a, b])
                     h.update(a)
                     h.update(b)
                     size += len(a) + len(b)
                 elif op == "close":
-                    tr = encode_pack_trailer(len(a))
-                    _write_all(fd, [tr])
-                    h.update(tr)
-                    size += len(tr)
-                    os.fsync(fd)
-                    os.close(fd)
-                    fd = -1
+                    fd, tmp, blobs = b
+                    h.update(a)
+                    size += len(a)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
                     ph = h.digest()
                     dest = pack_path(self.root, ph)
                     fsutil.mkdir_private(dest.parent)
@@ -162,11 +198,9 @@ class PackWriter:
                     fsutil.fsync_dir(dest.parent)
                     self._tmps.remove(tmp)
                     self.bytes_written += size
-                    self.done.append((ph, a))
-            except BaseException as e:     # reported to the next add()/finish()
+                    self.done.append((ph, blobs))
+            except BaseException as e:
                 self._err = e
-        if fd >= 0:
-            os.close(fd)
 
 
 def _write_all(fd: int, bufs: list) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import threading
 import time
@@ -11,10 +12,10 @@ from pathlib import Path
 import blake3
 
 from ..errors import CorruptSnapshot, GpusnapError, NoSpace, RepositoryError
-from . import fsutil
+from . import fsutil, native
 from .codec import compress
 from .format import (
-    BLOB_ID_LEN, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
+    BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
     encode_manifest, encode_pl_tail, FORMAT_VERSION,
 )
 from .store import PackWriter, write_index_file
@@ -25,9 +26,6 @@ DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
 # After a group fails to compress, skip trying for this many groups (doubling up to
 # the max), then probe again: incompressible memory costs no wasted compressor time.
 SKIP_MAX = 8
-
-_ZP = bytes(PAGE_SIZE)
-_Z64 = bytes(16 * PAGE_SIZE)
 
 
 def is_pages_image(filename: str) -> bool:
@@ -130,13 +128,22 @@ class DataSink(ImageSink):
 
 
 class PagesSink(ImageSink):
-    """pages-*.img: the page pipeline (zero runs, blake3 page ids, dedup, grouped compression)."""
+    """pages-*.img: the page pipeline (zero runs, blake3 page ids, dedup, grouped compression).
+
+    Two stages per image: the writing thread scans each batch (zero test and page ids in
+    native code without the GIL, gpusnap/repo/native.py), builds the page list and
+    decides dedup; full groups of new pages go to this sink's compressor thread, which
+    compresses them (lz4/zstd release the GIL on large buffers) and hands them to the
+    pack writer. So one big image keeps two cores busy."""
+
+    QUEUE_MAX = 16        # groups waiting for the compressor (<= 1 MiB each with 16 pages)
 
     def __init__(self, w, filename, no):
         super().__init__(w, filename, no)
         self.buf = bytearray()
-        self.group: list[bytes] = []
+        self.pieces: list = []         # the current group: buffer slices of whole pages
         self.group_ids: list[bytes] = []
+        self.gn = 0                    # pages in the current group
         self.zero_pending = 0
         self.skip = 0
         self.skip_next = 1
@@ -147,6 +154,9 @@ class PagesSink(ImageSink):
         self.pl = os.fdopen(fd, "wb", buffering=1 << 16)
         self.pl_h = blake3.blake3()
         self.pl_size = 0
+        self._q: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._err: BaseException | None = None
 
     def _pl_write(self, b: bytes) -> None:
         self.pl.write(b)
@@ -175,80 +185,130 @@ class PagesSink(ImageSink):
             buf += data[take:]
 
     def _process(self, buf: bytes, end: int) -> None:
-        """The hot loop. buf[0:end] is whole pages."""
-        b3 = blake3.blake3
+        """The hot loop. buf[0:end] is whole pages; buf is immutable (bytes): groups keep
+        slices of it until the compressor is done with them."""
+        if self._err is not None:
+            raise self._err
+        npages = end // PAGE_SIZE
+        kinds, ids, ndata = native.scan(buf, npages)
+        ids = bytes(ids)
         w = self.w
         known = w.known_pages
         claimed = w.claimed_pages
         claim = claimed.setdefault
         me = self
-        group, group_ids = self.group, self.group_ids
-        gp = w.group_pages
         zero = self.zero_pending
-        run: list[bytes] = []
         out: list[bytes] = []
+        newidx: list[int] = []
+        newids: list[bytes] = []
         nzero = ndedup = 0
-        startswith = buf.startswith
-        for blk in range(0, end, 65536):
-            if blk + 65536 <= end and startswith(_Z64, blk):
-                zero += 16
-                if run:
-                    out.append(PL_RECORD.pack(PL_PAGES, len(run)))
-                    out.extend(run)
-                    run = []
-                nzero += 16
+        pos = 0
+        pack = PL_RECORD.pack
+        find = kinds.find
+        while pos < npages:
+            if not kinds[pos]:
+                j = find(1, pos)
+                if j < 0:
+                    j = npages
+                zero += j - pos
+                nzero += j - pos
+                pos = j
                 continue
-            for i in range(blk, min(blk + 65536, end), PAGE_SIZE):
-                if startswith(_ZP, i):
-                    zero += 1
-                    nzero += 1
-                    if run:
-                        out.append(PL_RECORD.pack(PL_PAGES, len(run)))
-                        out.extend(run)
-                        run = []
-                    continue
-                page = buf[i:i + PAGE_SIZE]
-                pid = b3(page).digest(16)
-                if zero:
-                    out.append(PL_RECORD.pack(PL_ZERO, zero))
-                    zero = 0
-                run.append(pid)
+            j = find(0, pos)
+            if j < 0:
+                j = npages
+            if zero:
+                out.append(pack(PL_ZERO, zero))
+                zero = 0
+            out.append(pack(PL_PAGES, j - pos))
+            out.append(ids[pos * ID_LEN:j * ID_LEN])
+            i = pos
+            for o in range(pos * ID_LEN, j * ID_LEN, ID_LEN):
+                pid = ids[o:o + ID_LEN]
                 if pid in known or pid in claimed or claim(pid, me) is not me:
                     ndedup += 1
-                    continue
-                group.append(page)
-                group_ids.append(pid)
-                if len(group) >= gp:
-                    self._flush_group()
-        if run:
-            out.append(PL_RECORD.pack(PL_PAGES, len(run)))
-            out.extend(run)
+                else:
+                    newidx.append(i)
+                    newids.append(pid)
+                i += 1
+            pos = j
         self.zero_pending = zero
         if out:
             self._pl_write(b"".join(out))
         c = self.c
-        c.pages_total += end // PAGE_SIZE
+        c.pages_total += npages
         c.pages_zero += nzero
         c.pages_dedup += ndedup
+        if newidx:
+            self._add_new(memoryview(buf), newidx, newids)
+
+    def _add_new(self, mv, newidx: list[int], newids: list[bytes]) -> None:
+        """Append the new pages (indices into mv, in order) to groups; a run of consecutive
+        pages becomes one slice, so a group of adjacent pages costs no copy at all."""
+        gp = self.w.group_pages
+        k = 0
+        nn = len(newidx)
+        while k < nn:
+            pieces = self.pieces          # (a new list after each flush)
+            take = min(gp - self.gn, nn - k)
+            a = newidx[k]
+            b = newidx[k + take - 1]
+            if b - a == take - 1:
+                pieces.append(mv[a * PAGE_SIZE:(b + 1) * PAGE_SIZE])
+            else:
+                pieces.extend(mv[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in newidx[k:k + take])
+            self.group_ids.extend(newids[k:k + take])
+            self.gn += take
+            k += take
+            if self.gn >= gp:
+                self._flush_group()
 
     def _flush_group(self) -> None:
-        group, ids = self.group, self.group_ids
-        n = len(group)
+        n = self.gn
         if not n:
             return
-        raw = b"".join(group)
+        item = (self.pieces, b"".join(self.group_ids), n)
+        self.pieces = []
+        self.group_ids = []
+        self.gn = 0
+        if self._thread is None:
+            self._q = queue.Queue(self.QUEUE_MAX)
+            self._thread = threading.Thread(target=self._compressor, name=f"gpusnap-pages-{self.no}",
+                                            daemon=True)
+            self._thread.start()
+        if self._err is not None:
+            raise self._err
+        self._q.put(item)
+
+    def _compressor(self) -> None:
+        q = self._q
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            if self._err is not None:
+                continue                  # drain after an error so the producer never blocks
+            try:
+                self._store_group(*item)
+            except BaseException as e:    # reported to the next write()/close()
+                self._err = e
+
+    def _store_group(self, pieces: list, ids: bytes, n: int) -> None:
+        raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         w = self.w
-        if self.skip:
-            self.skip -= 1
+        if self.skip or w.codec == CODEC_NONE:
+            self.skip = max(self.skip - 1, 0)
             codec, payload = CODEC_NONE, raw
         else:
             codec, payload = compress(raw, w.codec)
-            if codec == CODEC_NONE and w.codec != CODEC_NONE:
-                self.skip = self.skip_next
-                self.skip_next = min(self.skip_next * 2, SKIP_MAX)
+            if codec == CODEC_NONE:
+                payload = raw
+                if w.codec != CODEC_NONE:
+                    self.skip = self.skip_next
+                    self.skip_next = min(self.skip_next * 2, SKIP_MAX)
             else:
                 self.skip_next = 1
-        w.packer.add(KIND_PAGES, codec, n, len(raw), payload, b"".join(ids))
+        w.packer.add(KIND_PAGES, codec, n, len(raw), payload, ids)
         c = self.c
         if codec == CODEC_NONE:
             c.pages_raw += n
@@ -256,8 +316,13 @@ class PagesSink(ImageSink):
             c.pages_compressed += n
         c.bytes_new_raw += len(raw)
         c.bytes_new_stored += len(payload)
-        group.clear()
-        ids.clear()
+
+    def _stop_compressor(self) -> None:
+        # abort() (main thread) and close() (the image's drain thread) may both get here
+        t, self._thread = self._thread, None
+        if t is not None:
+            self._q.put(None)
+            t.join()
 
     def _close(self) -> dict:
         buf = self.buf
@@ -267,6 +332,9 @@ class PagesSink(ImageSink):
             del buf[:take]
             self._process(chunk, take)
         self._flush_group()
+        self._stop_compressor()
+        if self._err is not None:
+            raise self._err
         if self.zero_pending:
             self._pl_write(PL_RECORD.pack(PL_ZERO, self.zero_pending))
             self.zero_pending = 0
@@ -286,6 +354,8 @@ class PagesSink(ImageSink):
                 "pages_compressed": self.c.pages_compressed, "pages_raw": self.c.pages_raw}
 
     def _abort(self) -> None:
+        self._err = self._err or RepositoryError("snapshot aborted")
+        self._stop_compressor()
         try:
             self.pl.close()
         except OSError:

@@ -37,7 +37,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 _json_mode = False
 
 RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True,
-                       help="Repository directory [default: /var/lib/gpusnap].")
+                       help="Repository directory (default /var/lib/gpusnap).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
 
 
@@ -102,7 +102,7 @@ def dump(
                                         help="Find the job by a regular expression on its command line."),
     pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
     repo: Optional[Path] = RepoOpt,
-    name: Optional[str] = typer.Option(None, "--name", help="Snapshot name [default: the job's command name]."),
+    name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
     compress: str = typer.Option("lz4", "--compress", metavar="lz4|zstd|none",
                                  help="Codec for new pages."),

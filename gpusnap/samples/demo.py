@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
                           _mib(r.bytes_raw), _mib(r.bytes_stored),
                           f"{r.bytes_stored / r.bytes_raw:.1%}" if r.bytes_raw else "-", f"{r.seconds:.2f} s")
         console.print(table)
-        console.print(f"restore: {restored.seconds:.2f} s; repository: {repo}")
+        where = (f"repository: {repo}" if (args.keep or args.repo)
+                 else "the temporary repository is removed now (--keep keeps it)")
+        console.print(f"restore: {restored.seconds:.2f} s; {where}")
         return 0 if ok else 1
     except GpusnapError as e:
         console.print(f"[bold red]demo failed: {e.message}[/]")

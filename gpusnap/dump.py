@@ -28,7 +28,7 @@ from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interr
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
-COMPRESSORS = ("lz4", "zstd", "none")
+COMPRESSORS = ("auto", "lz4", "zstd", "none")
 NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 Progress = Callable[[int, int], None]  # (bytes streamed so far, estimated total)
@@ -40,7 +40,7 @@ class DumpRequest:
     repo: Path
     name: str | None = None
     leave_running: bool = True
-    compress: str = "lz4"
+    compress: str = "auto"
     lock_timeout_ms: int | None = None
     tcp_established: bool = False
     keep_last: int | None = None  # retention for this name, applied right after the commit

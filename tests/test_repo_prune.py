@@ -92,7 +92,8 @@ class Crash(Exception):
     pass
 
 
-STEPS = ["snapshot-renamed", "snapshots-deleted", "packs-rewritten", "index-written", "index-deleted-one",
+STEPS = ["snapshot-renamed", "snapshots-deleted", "packs-rewritten", "index-written", "locations-one",
+         "locations-written", "index-deleted-one",
          "index-replaced", "pack-deleted"]
 
 

@@ -25,7 +25,10 @@ PACK_HASH_LEN = 32        # pack name = blake3(whole pack file)
 CODEC_NONE = 0
 CODEC_LZ4 = 1
 CODEC_ZSTD = 2
-CODECS = {CODEC_NONE: "none", CODEC_LZ4: "lz4", CODEC_ZSTD: "zstd"}
+CODEC_SHUF4_ZSTD = 3      # byte planes of 4-byte elements (fp32), each plane zstd or raw
+CODEC_SHUF2_ZSTD = 4      # the same for 2-byte elements (bf16/fp16)
+CODECS = {CODEC_NONE: "none", CODEC_LZ4: "lz4", CODEC_ZSTD: "zstd",
+          CODEC_SHUF4_ZSTD: "shuffle4-zstd", CODEC_SHUF2_ZSTD: "shuffle2-zstd"}
 CODEC_BY_NAME = {v: k for k, v in CODECS.items()}
 
 # ---- blob kinds ---------------------------------------------------------------------

@@ -6,6 +6,12 @@ fallback that gives identical results.
     verify(buf, npages, ids, kinds=None)
                               -> index of the first page whose blake3-128 is not its id, or -1;
                                  pages with kinds[i] == 0 are not checked
+    shuffle(data, k)          -> bytes: byte planes of k-byte elements (k = 2 or 4), the last
+                                 len % k bytes unchanged after them (native/pages/gs_shuffle.c)
+    unshuffle(data, k)        -> bytes: the inverse
+    plane_bits(buf, plane_stride, nplanes, step, count)
+                              -> sampled order-0 entropy (milli-bits per byte) of each plane:
+                                 plane p's samples are buf[p*plane_stride + j*step], j < count
 
 The library is found at $GPUSNAP_NATIVE_LIB, else <source root>/build/lib/libgpusnap_pages.so,
 else /usr/local/lib/gpusnap/libgpusnap_pages.so. GPUSNAP_NATIVE=0 forces the Python path.
@@ -67,6 +73,14 @@ def _load():
         lib.gs_verify.restype = ctypes.c_long
         lib.gs_hash_pages.argtypes = [vp, sz, vp]
         lib.gs_hash_pages.restype = None
+        if hasattr(lib, "gs_shuffle"):      # absent in libraries built before the shuffle codecs
+            ui = ctypes.c_uint
+            lib.gs_shuffle.argtypes = lib.gs_unshuffle.argtypes = [vp, sz, ui, vp, ui]
+            lib.gs_shuffle.restype = lib.gs_unshuffle.restype = ctypes.c_int
+            lib.gs_plane_bits.argtypes = [vp, sz, ui, sz, sz, vp]
+            lib.gs_plane_bits.restype = ctypes.c_int
+            lib.gs_shuffle_simd.argtypes = []
+            lib.gs_shuffle_simd.restype = ctypes.c_int
         _lib, lib_path = lib, p
         return
     _load_error = "; ".join(errors)
@@ -163,3 +177,107 @@ if _lib is not None:
     scan, verify = scan_native, verify_native
 else:
     scan, verify = scan_python, verify_python
+
+
+# -- byte shuffle for the float-aware codecs (gpusnap/repo/codec.py) -------------------------
+SHUFFLE_PORTABLE = 1     # flags for *_native: force the portable C code (tests)
+_U32x4 = ctypes.c_uint32 * 4    # (creating a ctypes array type per call costs ~10 us)
+
+
+def shuffle_available() -> bool:
+    return _lib is not None and hasattr(_lib, "gs_shuffle")
+
+
+def shuffle_simd() -> bool:
+    """True when the native shuffle runs its AVX2 code."""
+    return shuffle_available() and bool(_lib.gs_shuffle_simd())
+
+
+def _shuf_native(fn, data, k: int, flags: int) -> bytes:
+    if k not in (2, 4):
+        raise ValueError("element size must be 2 or 4")
+    n = len(data)
+    if not n:
+        return b""
+    out = bytearray(n)
+    a, keep = _addr(data)
+    oc = (ctypes.c_char * n).from_buffer(out)
+    fn(a, n, k, oc, flags)
+    del keep, oc
+    return bytes(out)
+
+
+def shuffle_native(data, k: int, flags: int = 0) -> bytes:
+    return _shuf_native(_lib.gs_shuffle, data, k, flags)
+
+
+def unshuffle_native(data, k: int, flags: int = 0) -> bytes:
+    return _shuf_native(_lib.gs_unshuffle, data, k, flags)
+
+
+def _check_planes(buf, plane_stride: int, nplanes: int, step: int, count: int) -> None:
+    if step < 1 or plane_stride < 0 or nplanes < 0 or count < 0 or nplanes > 64:
+        raise ValueError("bad plane_bits arguments")
+    if count and nplanes and (nplanes - 1) * plane_stride + (count - 1) * step >= len(buf):
+        raise ValueError("plane samples outside the buffer")
+
+
+def plane_bits_native(buf, plane_stride: int, nplanes: int, step: int, count: int) -> list[int]:
+    _check_planes(buf, plane_stride, nplanes, step, count)
+    out = (_U32x4 if nplanes <= 4 else ctypes.c_uint32 * nplanes)()
+    if not count:
+        return [8000] * nplanes
+    a, keep = _addr(buf)
+    _lib.gs_plane_bits(a, plane_stride, nplanes, step, count, out)
+    del keep
+    return list(out[:nplanes])
+
+
+def shuffle_python(data, k: int) -> bytes:
+    if k not in (2, 4):
+        raise ValueError("element size must be 2 or 4")
+    b = bytes(data)
+    end = len(b) // k * k
+    return b"".join([b[i:end:k] for i in range(k)]) + b[end:]
+
+
+def unshuffle_python(data, k: int) -> bytes:
+    if k not in (2, 4):
+        raise ValueError("element size must be 2 or 4")
+    b = bytes(data)
+    m = len(b) // k
+    out = bytearray(len(b))
+    for i in range(k):
+        out[i:m * k:k] = b[i * m:(i + 1) * m]
+    out[m * k:] = b[m * k:]
+    return bytes(out)
+
+
+def plane_bits_python(buf, plane_stride: int, nplanes: int, step: int, count: int) -> list[int]:
+    """The formula of gs_plane_bits, step by step in the same order (same doubles)."""
+    import math
+    _check_planes(buf, plane_stride, nplanes, step, count)
+    mv = buf if isinstance(buf, bytes) else memoryview(buf).cast("B")
+    res = []
+    for p in range(nplanes):
+        if not count:
+            res.append(8000)
+            continue
+        o = p * plane_stride
+        s = bytes(mv[o:o + (count - 1) * step + 1:step])
+        hist = [0] * 256
+        for x in s:
+            hist[x] += 1
+        acc = 0.0
+        for c in hist:
+            if c > 1:
+                acc += float(c) * math.log2(float(c))
+        bits = math.log2(float(count)) - acc / float(count)
+        res.append(min(max(int(bits * 1000.0), 0), 8000))
+    return res
+
+
+if shuffle_available():
+    shuffle, unshuffle, plane_bits = shuffle_native, unshuffle_native, plane_bits_native
+else:
+    shuffle, unshuffle, plane_bits = shuffle_python, unshuffle_python, plane_bits_python

@@ -4,6 +4,8 @@ Execution order (each step leaves a repository that verifies):
  1. rename doomed snapshot dirs to snapshots/.del-* (atomic; invisible to readers), delete them
  2. write rewritten packs (only the still-used pages of partly used packs)
  3. write ONE new index file describing every kept blob, fsync
+ 3b. rewrite the locations file of every survivor that names a pack about to go (from the
+    new index alone; atomic per file); with nothing to delete, write missing ones only
  4. delete every other index file
  5. delete packs no index names (deleted, rewritten, orphans of interrupted dumps)
  6. delete leftovers: tmp/*, snapshots/.tmp-*, snapshots/.del-*
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..errors import CorruptSnapshot, RepositoryError
-from . import fsutil
+from . import fsutil, locations
 from .codec import compress, decompress
 from .format import (
     BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError,
@@ -222,6 +224,11 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                 kept.append((ph, recs))
             res_idx = write_index_file(root, kept + list(new_packs))
             fault("index-written")
+            # 3b. locations files of the survivors that name a pack about to go (docs/format.md §5.4)
+            live = set(keep_packs) | {ph for ph, _ in new_packs}
+            new_only = RepoIndex.load(root, [res_idx[0].name]) if res_idx else RepoIndex()
+            res["locations_written"] = locations.refresh(repo, survivors, new_only, live, fault)
+            fault("locations-written")
             # 4. old index files
             new_name = res_idx[0].name if res_idx else None
             for n in os.listdir(root / "index"):
@@ -229,6 +236,9 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                     fsutil.unlink_quiet(root / "index" / n)
                     fault("index-deleted-one")
             fsutil.fsync_dir(root / "index")
+        else:
+            # nothing moves: only write missing/unusable locations files (older snapshots)
+            res["locations_written"] = locations.refresh(repo, survivors, idx, None, fault)
         fault("index-replaced")
 
         # 5. packs nobody indexes any more

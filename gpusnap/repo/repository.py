@@ -17,7 +17,7 @@ from typing import Iterator
 import blake3
 
 from ..errors import CorruptSnapshot, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
-from . import fsutil, native
+from . import fsutil, locations, native
 from .codec import codec_id
 from .format import (
     BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
@@ -135,7 +135,7 @@ class Repository:
             return self._index
 
     # -- snapshots ---------------------------------------------------------------------------
-    def new_snapshot(self, name: str, compress: str = "lz4", meta: dict | None = None, **kw) -> "SnapshotWriter":
+    def new_snapshot(self, name: str, compress: str = "auto", meta: dict | None = None, **kw) -> "SnapshotWriter":
         from .writer import SnapshotWriter
         if not isinstance(name, str) or not SNAPSHOT_NAME.match(name):
             raise UsageError(f"bad snapshot name {name!r}",
@@ -187,15 +187,16 @@ class Repository:
         if ref and not ref.startswith(".") and (self.path / "snapshots" / ref).is_dir():
             return Snapshot(self, self.path / "snapshots" / ref)
         snaps = self.snapshots()
-        byid = [s for s in snaps if ref and s.id.startswith(ref.lower())]
-        if len(byid) == 1:
-            return byid[0]
-        if len(byid) > 1 and len(ref) >= 4:
-            raise SnapshotNotFound(f"snapshot id prefix {ref} is ambiguous ({len(byid)} snapshots)",
-                                   "give more digits of the id")
+        # A name wins over an id prefix: "a" must not pick whichever id happens to start with a.
         byname = [s for s in snaps if s.name == ref]
         if byname:
             return byname[-1]
+        byid = [s for s in snaps if len(ref) >= 4 and s.id.startswith(ref.lower())]
+        if len(byid) == 1:
+            return byid[0]
+        if len(byid) > 1:
+            raise SnapshotNotFound(f"snapshot id prefix {ref} is ambiguous ({len(byid)} snapshots)",
+                                   "give more digits of the id")
         raise SnapshotNotFound(f"no snapshot {ref!r} in repository {self.path}", "list them with: gpusnap ls")
 
     def usage(self) -> dict:
@@ -269,6 +270,28 @@ class Snapshot:
         self.name = self.manifest["name"]
         self.created = float(self.manifest["created"])
         self._images = {im["name"]: im for im in self.manifest["images"]}
+        self._image_no = {im["name"]: i for i, im in enumerate(self.manifest["images"])}
+        self._loc_mutex = threading.Lock()
+        self._loc = None                  # locations.Locations, False = not usable, None = not tried
+        self.loc_reason: str | None = None
+
+    def locations(self):
+        """The snapshot's checked locations file (docs/format.md §5.4), or None when it is
+        missing, damaged or stale (then reads go through the repository index)."""
+        with self._loc_mutex:
+            if self._loc is None:
+                try:
+                    loc = locations.Locations.open(self.path, locations.image_digests(self.manifest))
+                    try:
+                        loc.check_packs(self.repo.path)
+                    except BaseException:
+                        loc.close()
+                        raise
+                    self._loc = loc
+                except locations.LocationsInvalid as e:
+                    self._loc = False
+                    self.loc_reason = str(e)
+            return self._loc or None
 
     def __repr__(self):
         return f"<Snapshot {self.path.name} id={self.id}>"
@@ -345,7 +368,16 @@ class Snapshot:
     # -- structure check --------------------------------------------------------------
     def check_structure(self) -> None:
         """Cheap pre-restore check: page lists verify, every id is in the index, every pack
-        it needs exists and is long enough. Raises CorruptSnapshot."""
+        it needs exists and is long enough. Raises CorruptSnapshot.
+
+        With a usable locations file (checked when opened: checksum, images, packs present
+        and long enough) only the page lists are checked here, in bounded memory; the rest
+        goes through the repository index."""
+        if self.locations() is not None:
+            for im in self._images.values():
+                if im["type"] == "pages":
+                    self._check_pagelist(im)
+            return
         idx = self.repo._load_index()
         pages, data = self.referenced_ids()
         need: dict[bytes, int] = {}
@@ -393,6 +425,10 @@ class Snapshot:
             yield from self._read_image(im)
 
     def _read_image(self, im) -> Iterator[bytes]:
+        loc = self.locations()
+        if loc is not None:
+            yield from locations.read_image(self, im, loc, self._image_no[im["name"]])
+            return
         idx = self.repo._load_index()
         reader = BlobReader(self.repo.path, idx)
         try:

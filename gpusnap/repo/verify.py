@@ -14,6 +14,7 @@ from .codec import decompress
 from .format import (
     BLOB_HEADER, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, parse_pack,
 )
+from . import locations
 from .repository import Repository, Snapshot
 from .store import RepoIndex, pack_path
 
@@ -133,6 +134,13 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
             rep.add("snapshot", s.path.name, f"{missing} pages/blobs it needs are not in the index"
                     + (" (damaged index files: " + ", ".join(sorted(idx.bad_files)) + ")" if idx.bad_files else ""))
             rep.affected_snapshots.append(s.path.name)
+            continue
+        problem, note = locations.check(s, idx)
+        if problem:
+            rep.add("snapshot", s.path.name, problem + " (a restore would fail; prune rewrites the file)")
+            rep.affected_snapshots.append(s.path.name)
+        elif note:
+            rep.notes.append(note)
 
     # -- packs -----------------------------------------------------------------------
     by_pack: dict[bytes, list[int]] = {}

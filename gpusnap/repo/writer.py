@@ -12,8 +12,8 @@ from pathlib import Path
 import blake3
 
 from ..errors import CorruptSnapshot, GpusnapError, NoSpace, RepositoryError
-from . import fsutil, native
-from .codec import compress
+from . import fsutil, locations, native
+from .codec import codec_name, compress
 from .format import (
     BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
     encode_manifest, encode_pl_tail, FORMAT_VERSION,
@@ -136,7 +136,7 @@ class PagesSink(ImageSink):
     compresses them (lz4/zstd release the GIL on large buffers) and hands them to the
     pack writer. So one big image keeps two cores busy."""
 
-    QUEUE_MAX = 16        # groups waiting for the compressor (<= 1 MiB each with 16 pages)
+    QUEUE_MAX = 4         # batches of groups waiting for the compressor (~1 MiB each)
 
     def __init__(self, w, filename, no):
         super().__init__(w, filename, no)
@@ -144,6 +144,7 @@ class PagesSink(ImageSink):
         self.pieces: list = []         # the current group: buffer slices of whole pages
         self.group_ids: list[bytes] = []
         self.gn = 0                    # pages in the current group
+        self.ready: list = []          # full groups of this batch, handed over in one piece
         self.zero_pending = 0
         self.skip = 0
         self.skip_next = 1
@@ -241,6 +242,7 @@ class PagesSink(ImageSink):
         c.pages_dedup += ndedup
         if newidx:
             self._add_new(memoryview(buf), newidx, newids)
+            self._hand_over()
 
     def _add_new(self, mv, newidx: list[int], newids: list[bytes]) -> None:
         """Append the new pages (indices into mv, in order) to groups; a run of consecutive
@@ -267,10 +269,16 @@ class PagesSink(ImageSink):
         n = self.gn
         if not n:
             return
-        item = (self.pieces, b"".join(self.group_ids), n)
+        self.ready.append((self.pieces, b"".join(self.group_ids), n))
         self.pieces = []
         self.group_ids = []
         self.gn = 0
+
+    def _hand_over(self) -> None:
+        """Pass the batch's full groups to the compressor thread as one queue item (a queue
+        hand-off per group cost more than the group's own bookkeeping)."""
+        if not self.ready:
+            return
         if self._thread is None:
             self._q = queue.Queue(self.QUEUE_MAX)
             self._thread = threading.Thread(target=self._compressor, name=f"gpusnap-pages-{self.no}",
@@ -278,22 +286,24 @@ class PagesSink(ImageSink):
             self._thread.start()
         if self._err is not None:
             raise self._err
-        self._q.put(item)
+        batch, self.ready = self.ready, []
+        self._q.put(batch)
 
     def _compressor(self) -> None:
         q = self._q
         while True:
-            item = q.get()
-            if item is None:
+            batch = q.get()
+            if batch is None:
                 break
             if self._err is not None:
                 continue                  # drain after an error so the producer never blocks
             try:
-                self._store_group(*item)
+                self.w.packer.add_many([self._store_group(*g) for g in batch])
             except BaseException as e:    # reported to the next write()/close()
                 self._err = e
 
-    def _store_group(self, pieces: list, ids: bytes, n: int) -> None:
+    def _store_group(self, pieces: list, ids: bytes, n: int) -> tuple:
+        """Compress one group (or not): -> the blob for PackWriter.add_many()."""
         raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         w = self.w
         if self.skip or w.codec == CODEC_NONE:
@@ -308,7 +318,6 @@ class PagesSink(ImageSink):
                     self.skip_next = min(self.skip_next * 2, SKIP_MAX)
             else:
                 self.skip_next = 1
-        w.packer.add(KIND_PAGES, codec, n, len(raw), payload, ids)
         c = self.c
         if codec == CODEC_NONE:
             c.pages_raw += n
@@ -316,6 +325,7 @@ class PagesSink(ImageSink):
             c.pages_compressed += n
         c.bytes_new_raw += len(raw)
         c.bytes_new_stored += len(payload)
+        return (KIND_PAGES, codec, n, len(raw), payload, ids)
 
     def _stop_compressor(self) -> None:
         # abort() (main thread) and close() (the image's drain thread) may both get here
@@ -332,6 +342,7 @@ class PagesSink(ImageSink):
             del buf[:take]
             self._process(chunk, take)
         self._flush_group()
+        self._hand_over()
         self._stop_compressor()
         if self._err is not None:
             raise self._err
@@ -374,6 +385,7 @@ class SnapshotWriter:
         self.group_pages = group_pages
         self.created = time.time()
         idx = repo._load_index(refresh=True)
+        self.index = idx                  # for the locations file at commit (locations.py)
         self.known_pages = idx.page_loc
         self.known_data = idx.data_loc
         self.claimed_pages: dict = {}
@@ -426,6 +438,8 @@ class SnapshotWriter:
             packs = self.packer.finish()
             ires = write_index_file(root, packs)
             index_bytes = ires[1] if ires else 0
+            # -- locations hook (gpusnap/repo/locations.py, docs/format.md §5.4) --
+            loc_bytes = locations.write_at_commit(self, packs)
             t = self._totals()
             if extra_meta:
                 self.meta.update(extra_meta)
@@ -433,12 +447,13 @@ class SnapshotWriter:
             stats = t.as_dict()
             stats["bytes_packs"] = self.packer.bytes_written
             stats["bytes_index"] = index_bytes
+            stats["bytes_locations"] = loc_bytes
             stats["packs_new"] = len(packs)
             body = {
                 "format": "gpusnap-snapshot", "version": FORMAT_VERSION,
                 "repo_id": self.repo.config["id"], "name": self.name, "created": self.created,
                 "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
-                "compress": {0: "none", 1: "lz4", 2: "zstd"}[self.codec], "group_pages": self.group_pages,
+                "compress": codec_name(self.codec), "group_pages": self.group_pages,
                 "meta": self.meta,
                 "images": [self.images[k] for k in sorted(self.images)],
                 "stats": stats,
@@ -447,7 +462,7 @@ class SnapshotWriter:
             data, sid = encode_manifest(body)
             stats["bytes_stored"] = 0
             for _ in range(3):   # the number's own digits change the manifest size: iterate to a fixed point
-                total = self.packer.bytes_written + index_bytes + pl_bytes + len(data)
+                total = self.packer.bytes_written + index_bytes + loc_bytes + pl_bytes + len(data)
                 if stats["bytes_stored"] == total:
                     break
                 stats["bytes_stored"] = total

@@ -20,7 +20,10 @@ same arguments and the same events (`expected_digest()` recomputes it without a 
 
 Kinds (sizes are fractions of --mb, rounded to whole pages):
   fp32       training-like fp32 state: weights N(0, 0.02) 1/3, Adam first moment
-             N(0, 1e-3) 1/3, second moment U(0, 1e-6) 1/3 (no zero pages)
+             N(0, 1e-3) 1/3, second moment 1/3 (no zero pages): v = s^2 * G with a
+             per-parameter gradient scale s = 1e-3 * exp(N(0, 0.75)) (log-normal, as gradient
+             magnitudes are) and G ~ Gamma(8, 1/8) (an average of squared gradients), so v is
+             non-negative and spans several orders of magnitude like a real Adam state
   inference  fp16 weights 10 %, used KV cache (fp16 N(0, 1)) 5 %, the rest of the KV cache
              allocated, written once and zeroed (resident zero pages) 85 %
   random     incompressible bytes
@@ -89,7 +92,8 @@ def build(kind: str, mb: int, seed: int) -> dict[str, mmap.mmap]:
         third = _pages(size / 3)
         for name, gen in (("weights", lambda n: rng.normal(0, 0.02, n)),
                           ("exp_avg", lambda n: rng.normal(0, 1e-3, n)),
-                          ("exp_avg_sq", lambda n: rng.random(n) * 1e-6)):
+                          ("exp_avg_sq", lambda n: (1e-3 * np.exp(rng.normal(0, 0.75, n))) ** 2
+                                                   * rng.gamma(8, 1 / 8, n))):
             b = bufs[name] = _alloc(third)
             a = _f32(b)
             step = 1 << 22

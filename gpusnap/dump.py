@@ -232,6 +232,8 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     meta = {
         "pid": req.pid,
         "pids": pids,
+        # every thread id too, so restore can check they are free without decoding images
+        "tids": sorted({t for p in pids for t in proc.threads(p)}),
         "cmdline": proc.cmdline(req.pid),
         "hostname": os.uname().nodename,
         "kernel": os.uname().release,
@@ -263,15 +265,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=_criu_env(req, workdir), start_new_session=True)
-            while criu.poll() is None:
-                if progress:
-                    progress(server.bytes, estimate)
-                if server.failed:
-                    server.abort()  # break the stream: CRIU fails and resumes the job
-                try:
-                    criu.wait(timeout=0.1)
-                except subprocess.TimeoutExpired:
-                    pass
+            runner.supervise(criu, server, progress, estimate)
             if criu.returncode != 0 or server.failed:
                 server.abort()
                 raise _failure(server.error(), criu.returncode, log,

@@ -174,3 +174,31 @@ def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
         return str(dst)
     except OSError:
         return None
+
+
+def supervise(criu, server, progress=None, total: int = 0) -> None:
+    """Wait for a CRIU child while its image stream flows: report progress, and break the
+    stream as soon as the streamer fails (CRIU then fails cleanly and, on dump, resumes the
+    job). A pidfd wakes us the moment CRIU exits, rather than on the next poll."""
+    import select
+
+    try:
+        pidfd = os.pidfd_open(criu.pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        while criu.poll() is None:
+            if progress:
+                progress(server.bytes, total)
+            if server.failed:
+                server.abort()
+            if pidfd is not None:
+                select.select([pidfd], [], [], 0.1)
+            else:
+                try:
+                    criu.wait(timeout=0.1)
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)

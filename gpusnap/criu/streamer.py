@@ -33,8 +33,11 @@ from gpusnap.errors import GpusnapError, NoSpace, StreamProtocolError
 
 CAPTURE_SOCKET = "streamer-capture.sock"
 SERVE_SOCKET = "streamer-serve.sock"
-CHUNK = 1 << 20
 PIPE_SIZE = 1 << 20
+# Move data in quarters of the pipe: a 1 MiB write into a 1 MiB pipe waits until the reader
+# has emptied it completely, so the two sides take turns instead of overlapping (measured
+# here: 1.0 GB/s with 1 MiB transfers, 2.8 GB/s with 256 KiB ones).
+CHUNK = PIPE_SIZE // 4
 
 
 class ImageSink(Protocol):
@@ -295,7 +298,7 @@ class ServeServer(_Server):
                     return
                 view = memoryview(chunk)
                 while view:
-                    n = os.write(fd, view)
+                    n = os.write(fd, view[:CHUNK])
                     view = view[n:]
                 self._count(name, len(chunk))
         except BrokenPipeError:

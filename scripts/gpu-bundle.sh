@@ -83,16 +83,20 @@ chmod +x "$B/bin/criu"
 
 # ---------------------------------------------------------------- plugin
 cp build/plugins/gpusnap_cuda.so "$B/plugins/"
+# the native page scanner (optional: gpusnap falls back to Python without it)
+mkdir -p "$B/lib"
+[ -f build/lib/libgpusnap_pages.so ] && cp build/lib/libgpusnap_pages.so "$B/lib/"
 
 # ---------------------------------------------------------------- Python
 cp -r .venv/pycriu-*/pycriu "$B/python/"
 find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
-# the runtime dependencies of gpusnap, minus cuda-python (about 12 MB a Python version)
+# the runtime dependencies of gpusnap, minus cuda-python (about 12 MB a Python version) and
+# numpy (the GPU machine's PyTorch brings its own, and three copies would not fit)
 mapfile -t reqs < <(.venv/bin/python - <<'EOF'
 import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
 for d in deps:
-    if not re.match(r"cuda-python|cuda-bindings", d):
+    if not re.match(r"cuda-python|cuda-bindings|numpy", d):
         print(d)
 EOF
 )

@@ -165,6 +165,7 @@ elif [ "$DEVICE" = cuda ]; then
   die 2 "the CUDA plugin gpusnap_cuda.so is in neither $B/plugins nor build/plugins"
 fi
 say "plugin dir: ${GPUSNAP_PLUGIN_DIR:-none}"
+[ -f "$B/lib/libgpusnap_pages.so" ] && export GPUSNAP_NATIVE_LIB=$B/lib/libgpusnap_pages.so
 
 say "gpusnap doctor / ps (for the record)"
 gpusnap doctor >"$logs/doctor.txt" 2>&1 || true

@@ -461,3 +461,13 @@ def check_manifest(m) -> None:
                 raise FormatError(f"image {name}: blob list inconsistent with size")
         else:
             raise FormatError(f"image {name}: unknown type {t!r}")
+
+
+# Restore reads images in chunks of READ_CHUNK; ready-made zero pages, zero page ids and
+# page-kind bytes for whole chunks save an allocation per chunk.
+READ_CHUNK = 1 << 20
+_ZCHUNK = bytes(READ_CHUNK)
+_ZVIEW = memoryview(_ZCHUNK)
+_ZIDS = bytes(READ_CHUNK // PAGE_SIZE * PAGE_ID_LEN)
+_ZKINDS = bytes(READ_CHUNK // PAGE_SIZE)
+_ONES = b"\x01" * (READ_CHUNK // PAGE_SIZE)

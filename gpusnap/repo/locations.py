@@ -206,12 +206,7 @@ def image_digests(manifest: dict) -> list[bytes]:
 # restore through a locations file
 # =====================================================================================
 
-READ_CHUNK = 1 << 20
-_ZCHUNK = bytes(READ_CHUNK)
-_ZVIEW = memoryview(_ZCHUNK)
-_ZIDS = bytes(READ_CHUNK // PAGE_SIZE * PAGE_ID_LEN)
-_ZKINDS = bytes(READ_CHUNK // PAGE_SIZE)
-_ONES = b"\x01" * (READ_CHUNK // PAGE_SIZE)
+from .format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK  # noqa: E402
 
 
 class RunReader:

@@ -25,7 +25,7 @@ from .format import (
     BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError,
 )
 from .repository import Repository
-from .store import BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
+from .store import PendingBlob, BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
 
 import blake3
 
@@ -263,15 +263,7 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
         return res
 
 
-@dataclass
-class _Rec:
-    offset: int
-    kind: int
-    codec: int
-    n_pages: int
-    raw_len: int
-    stored_len: int
-    ids: bytes
+_Rec = PendingBlob  # a blob header read back from a pack: the same fields
 
 
 def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:

@@ -26,12 +26,7 @@ from .format import (
 from .store import BlobReader, RepoIndex, pack_path
 
 SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
-READ_CHUNK = 1 << 20
-_ZCHUNK = bytes(READ_CHUNK)
-_ZVIEW = memoryview(_ZCHUNK)
-_ZIDS = bytes(READ_CHUNK // PAGE_SIZE * PAGE_ID_LEN)
-_ZKINDS = bytes(READ_CHUNK // PAGE_SIZE)
-_ONES = b"\x01" * (READ_CHUNK // PAGE_SIZE)
+from .format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK  # noqa: E402
 
 
 class Repository:

@@ -281,7 +281,7 @@ def prune(
     from gpusnap.repo.repository import Repository
 
     repository = Repository.open(locate.repo_path(repo))
-    with repository.writer_lock():
+    with repository.writer_lock(), repository.readers_lock(exclusive=not dry_run):
         plan = prune_mod.plan_prune(repository.snapshots(), keep_last=keep_last, name=name)
         result = prune_mod.execute_prune(repository, plan, dry_run=dry_run)
     data = result.to_dict() if hasattr(result, "to_dict") else {"result": str(result)}

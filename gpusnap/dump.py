@@ -170,7 +170,8 @@ def _retain(repo, name: str, keep_last: int) -> list[str]:
 
     plan = prune_mod.plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
     if plan.delete:
-        prune_mod.execute_prune(repo, plan, dry_run=False)
+        with repo.readers_lock(exclusive=True):
+            prune_mod.execute_prune(repo, plan, dry_run=False)
     return list(plan.delete)
 
 

@@ -90,6 +90,11 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
     runner.require_privileges("restore")
     info = runner.criu_info()
     repository, snap = locate.open_snapshot(ref, repo)
+    with repository.readers_lock():
+        return _restore(repository, snap, info, gpu_map, progress, t0)
+
+
+def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))

@@ -56,3 +56,15 @@ def test_two_objects_in_one_process_exclude(tmp_path):
                 pass
     with b.writer_lock():
         pass
+
+
+def test_prune_waits_for_no_reader(tmp_path):
+    """A restore reads under a shared lock; prune needs it exclusive and says who is in the way."""
+    repo = Repository.open(tmp_path / "r", create=True)
+    other = Repository.open(tmp_path / "r")
+    with repo.readers_lock(), other.readers_lock():       # two restores at once are fine
+        with pytest.raises(RepositoryLocked, match="a restore is reading"):
+            with Repository.open(tmp_path / "r").readers_lock(exclusive=True):
+                pass
+    with repo.readers_lock(exclusive=True):                 # free again once they are done
+        pass

@@ -117,6 +117,26 @@ class Repository:
                         os.ftruncate(fd, 0)
                     os.close(fd)     # closing the only fd releases the flock
 
+    @contextlib.contextmanager
+    def readers_lock(self, exclusive: bool = False):
+        """Restores read shared (they wait for a prune to finish); prune takes it exclusive
+        and refuses while a restore is reading, so it never deletes data under a reader.
+        Dumps only add data and do not take it."""
+        lp = self.path / "locks" / "readers"
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if exclusive:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise RepositoryLocked(f"a restore is reading repository {self.path}",
+                                           "prune again when it has finished") from None
+            else:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            yield self
+        finally:
+            os.close(fd)
+
     def holds_lock(self) -> bool:
         return self._lock_depth > 0
 

@@ -19,7 +19,7 @@ FORMAT_VERSION = 1
 PAGE_SIZE = 4096
 PAGE_ID_LEN = 16          # page id = first 16 bytes of blake3(page)
 BLOB_ID_LEN = 32          # data blob id = blake3(raw bytes), 32 bytes
-PACK_HASH_LEN = 32        # pack name = blake3(whole pack file)
+PACK_HASH_LEN = 32        # pack name = blake3 of the pack's descriptor (§3; old packs: of the whole file)
 
 # ---- codecs -------------------------------------------------------------------------
 CODEC_NONE = 0
@@ -49,6 +49,7 @@ BLOB_MAGIC = b"GB"
 BLOB_HEADER = struct.Struct("<2sBBHHII")     # magic, kind, codec, n_pages, reserved, raw_len, stored_len (16)
 PACK_TRAILER_MAGIC = b"GSNPEND\x00"
 PACK_TRAILER = struct.Struct("<8sII")        # magic, n_blobs, reserved (16 bytes)
+PACK_NAME_MAGIC = b"GSNPNAME"                # first 8 bytes of a pack's descriptor (docs/format.md §3)
 
 # ---- index files --------------------------------------------------------------------
 INDEX_MAGIC = b"GSNIDX\x00\x00"
@@ -143,6 +144,16 @@ def parse_pack_header(data: bytes) -> None:
         raise FormatError(f"unsupported pack version {version}")
     if flags or reserved:
         raise FormatError("pack header reserved fields not zero")
+
+
+def pack_namer():
+    """A blake3 hasher holding the start of a pack's descriptor (docs/format.md §3):
+    PACK_NAME_MAGIC + pack header. Feed it, per blob in pack order, the 16-byte blob header
+    and the blob's ids (index record ids), then the 16-byte trailer; its digest is the
+    pack's name."""
+    h = blake3.blake3(PACK_NAME_MAGIC)
+    h.update(encode_pack_header())
+    return h
 
 
 def encode_blob_header(kind: int, codec: int, n_pages: int, raw_len: int, stored_len: int) -> bytes:

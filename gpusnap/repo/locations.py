@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -554,6 +555,18 @@ def index_resolver(idx) -> Resolver:
         b = blobs[bno]
         return (b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len)
     return Resolver([idx.page_loc], [idx.data_loc], blob)
+
+
+def preload_numpy() -> None:
+    """Import numpy (~0.1 s) in a background thread while the dump streams, so that
+    write_at_commit() finds it loaded instead of importing it on the commit path. The
+    import lock makes a concurrent `import numpy` wait for this one."""
+    def run():
+        try:
+            import numpy  # noqa: F401
+        except BaseException:       # write_at_commit's own import reports it
+            pass
+    threading.Thread(target=run, name="gpusnap-preload-numpy", daemon=True).start()
 
 
 def write_at_commit(writer, packs: list) -> int:

@@ -8,14 +8,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import blake3
-
 from . import fsutil
 from .codec import decompress
 from .format import (
     BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, IndexBlob,
-    encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, parse_blob_header,
-    parse_index, HEX64,
+    encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, pack_namer,
+    parse_blob_header, parse_index, HEX64,
 )
 
 DEFAULT_PACK_TARGET = 32 << 20
@@ -44,14 +42,19 @@ class PendingBlob:
 
 class PackWriter:
     """Appends blobs to a temporary pack; at target size the pack is finished: trailer,
-    fsync, rename to packs/ab/<blake3 of the file>.
+    fsync, rename to packs/ab/<pack name>.
+
+    The pack's name is the blake3 of its descriptor (docs/format.md §3): the pack header,
+    every blob header with the blob's ids, and the trailer, hashed here as blobs are added
+    (~300 bytes per 16-page group), not the payload: every page and data blob is checked
+    against its id when it is read, so hashing every pack byte a second time (after the page
+    ids already hashed every page once) bought nothing but ~2 µs per page.
 
     add() is thread-safe and cheap: it assigns the blob its offset and hands the bytes to
-    one background thread that hashes (blake3 releases the GIL on large inputs) and
-    writes them (os.writev releases it too), so on two cores the pack's own hashing and
-    the kernel copy overlap with the page pipeline. The queue is bounded (backpressure):
-    at most QUEUE_MAX hand-offs (add_many() calls, ~1 MiB each from the page pipeline,
-    or one pack segment) wait in memory."""
+    one background thread that writes them (os.writev releases the GIL), so the kernel copy
+    overlaps with the page pipeline. The queue is bounded (backpressure): at most QUEUE_MAX
+    hand-offs (add_many() calls, ~1 MiB each from the page pipeline, or one pack segment)
+    wait in memory."""
 
     QUEUE_MAX = 8
 
@@ -63,6 +66,7 @@ class PackWriter:
         self.bytes_written = 0
         self._pos = 0                 # size of the current pack so far (0 = no current pack)
         self._blobs: list[PendingBlob] = []
+        self._namer = None            # blake3 of the current pack's descriptor so far
         self._q: queue.Queue = queue.Queue(self.QUEUE_MAX)
         self._err: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -89,23 +93,39 @@ class PackWriter:
                 self._thread.start()
             put = self._q.put
             bufs: list = []
+            desc: list = []
             for kind, codec, n_pages, raw_len, payload, ids in items:
                 if self._pos == 0:
                     put(("open", None, None))
                     self._pos = PACK_HEADER_SIZE
                     self._blobs = []
+                    self._namer = pack_namer()
                 stored = len(payload)
                 self._blobs.append(PendingBlob(self._pos, kind, codec, n_pages, raw_len, stored, ids))
-                bufs.append(encode_blob_header(kind, codec, n_pages, raw_len, stored))
+                hdr = encode_blob_header(kind, codec, n_pages, raw_len, stored)
+                bufs.append(hdr)
                 bufs.append(payload)
+                desc.append(hdr)
+                desc.append(ids)
                 self._pos += BLOB_HEADER.size + stored
                 if self._pos >= self.target:
                     put(("blobs", bufs, None))
                     bufs = []
-                    put(("close", self._blobs, None))
-                    self._pos = 0
+                    self._close_pack(desc)
+                    desc = []
             if bufs:
                 put(("blobs", bufs, None))
+            if desc:
+                self._namer.update(b"".join(desc))
+
+    def _close_pack(self, desc: list) -> None:
+        """(lock held) Finish the current pack's name and queue its trailer."""
+        tr = encode_pack_trailer(len(self._blobs))
+        desc.append(tr)
+        self._namer.update(b"".join(desc))
+        self._q.put(("close", tr, (self._blobs, self._namer.digest())))
+        self._namer = None
+        self._pos = 0
 
     def finish(self) -> list[tuple[bytes, list[PendingBlob]]]:
         with self.lock:
@@ -113,8 +133,7 @@ class PackWriter:
                 self._closed = True
                 if self._thread is not None:
                     if self._pos:
-                        self._q.put(("close", self._blobs, None))
-                        self._pos = 0
+                        self._close_pack([])
                     self._q.put(("stop", None, None))
         if self._thread is not None:
             self._thread.join()
@@ -139,29 +158,24 @@ class PackWriter:
         self.done = []
 
     # -- the background threads ----------------------------------------------------------
-    # Three threads, so that writing, hashing and flushing to disk overlap with each other
-    # and with the page pipeline:
+    # Two threads, so that writing and flushing to disk overlap with each other and with
+    # the page pipeline:
     #   writer: writes the bytes (os.writev releases the GIL; the kernel copy into the page
-    #           cache costs about as much as blake3) and passes them on to
-    #   hasher: hashes them in order (blake3 releases the GIL on large inputs); at the end of
-    #           a pack it names it and passes it on to
+    #           cache is the main cost left per byte) and passes finished packs on to
     #   syncer: starts writeback early (sync_file_range every SYNC_STEP bytes, as the writer
     #           reports progress), then per finished pack fsync, close, rename. The parent
     #           directories are fsynced once, in finish(), before the caller writes the
     #           index (docs/format.md §5.3: every pack is durable and renamed first).
-    # An fsync in the hasher used to stall the whole pipeline for the time the disk took to
-    # write each 32 MiB pack: ~0.6-0.9 s of a 512 MiB dump on the team's machines.
+    # An fsync in the pipeline used to stall it for the time the disk took to write each
+    # 32 MiB pack: ~0.6-0.9 s of a 512 MiB dump on the team's machines.
     SYNC_STEP = 8 << 20
 
     def _run(self) -> None:
         fd = -1
         tmp = None
         q = self._q
-        hq: queue.Queue = queue.Queue(self.QUEUE_MAX * 2)
         sq: queue.Queue = queue.Queue()
-        ht = threading.Thread(target=self._hash_run, args=(hq, sq), name="gpusnap-pack-hasher", daemon=True)
         st = threading.Thread(target=self._sync_run, args=(sq,), name="gpusnap-pack-syncer", daemon=True)
-        ht.start()
         st.start()
         pos = flushed = 0
         step = self.SYNC_STEP
@@ -175,7 +189,6 @@ class PackWriter:
                 try:
                     if op == "blobs":
                         _write_all(fd, a)
-                        hq.put(("blobs", a, None))
                         pos += sum(map(len, a))
                         if pos - flushed >= step:
                             sq.put(("flush", fd, (flushed, pos - flushed)))
@@ -185,53 +198,20 @@ class PackWriter:
                         self._tmps.append(tmp)
                         hdr = encode_pack_header()
                         _write_all(fd, [hdr])
-                        hq.put(("open", hdr, None))
                         pos, flushed = len(hdr), 0
                     elif op == "close":
-                        tr = encode_pack_trailer(len(a))
-                        _write_all(fd, [tr])
-                        hq.put(("close", tr, (fd, tmp, a)))
+                        blobs, name = b
+                        _write_all(fd, [a])
+                        pos += len(a)
+                        sq.put(("close", (fd, tmp, blobs), (name, pos)))
                         fd = -1       # the syncer closes it after the fsync
                 except BaseException as e:     # reported to the next add()/finish()
                     self._err = e
         finally:
             if fd >= 0:
                 os.close(fd)
-            hq.put(("stop", None, None))
-            ht.join()
-            st.join()
-
-    def _hash_run(self, hq: queue.Queue, sq: queue.Queue) -> None:
-        h = None
-        size = 0
-        try:
-            while True:
-                op, a, b = hq.get()
-                if op == "stop":
-                    break
-                if self._err is not None:
-                    if op == "close":
-                        sq.put(("close", b, None))   # the syncer closes the fd and forgets it
-                    continue
-                try:
-                    if op == "blobs":
-                        for x in a:
-                            h.update(x)
-                            size += len(x)
-                    elif op == "open":
-                        h = blake3.blake3(a)
-                        size = len(a)
-                    elif op == "close":
-                        h.update(a)
-                        size += len(a)
-                        sq.put(("close", b, (h.digest(), size)))
-                        h = None
-                except BaseException as e:
-                    self._err = e
-                    if op == "close":
-                        sq.put(("close", b, None))
-        finally:
             sq.put(("stop", None, None))
+            st.join()
 
     def _sync_run(self, sq: queue.Queue) -> None:
         while True:

@@ -384,6 +384,7 @@ class SnapshotWriter:
         self.meta = dict(meta or {})
         self.group_pages = group_pages
         self.created = time.time()
+        locations.preload_numpy()         # needed at commit; loads while the dump streams
         idx = repo._load_index(refresh=True)
         self.index = idx                  # for the locations file at commit (locations.py)
         self.known_pages = idx.page_loc

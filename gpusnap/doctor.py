@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from gpusnap import paths
+from gpusnap import proc as gsproc
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 
@@ -459,6 +460,12 @@ def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bo
         r.add("ptrace", "fail", "traced by another process (" +
               ", ".join(f"{p} by {t}" for p, t in traced) + "): CRIU cannot seize it",
               "detach the debugger/strace first")
+
+    # session
+    outside = [p for p in tree if gsproc.session_outside_namespace(p)]
+    if outside:
+        r.add("session", "fail", f"the session leader of {outside[0]} is outside its PID namespace: "
+              "CRIU cannot dump it", "start the job in a session of its own (`setsid CMD`)")
 
     # terminal
     tty = [p for p in tree if (s := proc_stat(p)) and s["tty_nr"] != 0]

@@ -24,7 +24,7 @@ from gpusnap import paths, proc
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
-from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
+from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, NotDumpable, UsageError
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
@@ -221,6 +221,13 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     name = req.name or default_name(req.pid)
     pids = proc.tree(req.pid)
     estimate = proc.rss_bytes(pids)
+    outside = [p for p in pids if proc.session_outside_namespace(p)]
+    if outside:
+        raise NotDumpable(
+            f"the session leader of PID {outside[0]} is outside its PID namespace, "
+            "so CRIU could not recreate its session on restore",
+            hint="start the job in a session of its own (`setsid CMD`, or start_new_session=True "
+                 "in Python); the job was not touched")
     shell_job = proc.needs_shell_job(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",

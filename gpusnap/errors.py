@@ -112,6 +112,13 @@ class StreamProtocolError(GpusnapError):
     title = "image stream error"
 
 
+class NotDumpable(GpusnapError):
+    """The process is in a state CRIU cannot snapshot (found before anything is touched)."""
+
+    exit_code = 16
+    title = "cannot snapshot this process"
+
+
 class Interrupted(GpusnapError):
     exit_code = 130
     title = "interrupted"

@@ -122,6 +122,22 @@ def needs_shell_job(pids: list[int]) -> bool:
     return False
 
 
+def session_outside_namespace(pid: int) -> bool:
+    """True when the session leader of `pid` is not visible in the PID namespace `pid` lives
+    in (its session id there is 0). CRIU refuses such a task: it could not recreate the
+    session on restore. This happens to processes whose session was created by a parent
+    outside a container, e.g. a job started by a container's init without setsid."""
+    try:
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSsid:"):
+                # one id per nested namespace, outermost first; the last is the task's own
+                return line.split()[-1] == "0"
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+    st = read_stat(pid)  # kernels without NSsid (before 4.1)
+    return st is not None and st.session == 0
+
+
 def cmdline(pid: int) -> str:
     try:
         raw = (PROC / str(pid) / "cmdline").read_bytes()

@@ -55,15 +55,27 @@ def repo(tmp_path) -> Path:
 class SampleJob:
     """A running gpusnap.samples.job tree (parent, threads, child over pipes, growing log)."""
 
-    def __init__(self, out: Path, *, steps=300, mb=64, threads=3, step_ms=20, setsid=True, seed=1234):
+    def __init__(self, out: Path, *, steps=300, mb=64, threads=3, step_ms=20, from_shell=False, seed=1234):
+        """from_shell: start the job as a background command of a shell (`sh -c 'job &'`) that
+        leads its own session, so the job's session and process group leader is the shell,
+        outside the dumped tree, as for a job started by hand from a terminal."""
         self.out = out
         self.args = ["--steps", steps, "--mb", mb, "--threads", threads, "--step-ms", step_ms, "--seed", seed]
         out.mkdir(parents=True, exist_ok=True)
         self._stdio = open(out / "stdio.txt", "ab")
-        self.popen = subprocess.Popen([PY, "-m", "gpusnap.samples.job", str(out), *map(str, self.args)],
-                                      stdin=subprocess.DEVNULL, stdout=self._stdio, stderr=self._stdio,
-                                      cwd=ROOT, start_new_session=setsid)
+        cmd = [PY, "-m", "gpusnap.samples.job", str(out), *map(str, self.args)]
+        if from_shell:
+            pidfile = out / "shell-child"
+            cmd = ["sh", "-c", '"$@" & echo $! > "$0.tmp" && mv "$0.tmp" "$0"; wait', str(pidfile), *cmd]
+        self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._stdio, stderr=self._stdio,
+                                      cwd=ROOT, start_new_session=True)
         self.pid = self.popen.pid
+        if from_shell:
+            deadline = time.monotonic() + 30
+            while not pidfile.exists():
+                assert time.monotonic() < deadline and self.popen.poll() is None, "the shell did not start the job"
+                time.sleep(0.02)
+            self.pid = int(pidfile.read_text())
         self.pids: list[int] = []
 
     def wait_steps(self, n: int, timeout: float = 60) -> int:
@@ -167,7 +179,7 @@ def reference(tmp_path_factory):
 
 def kill_pids(pids) -> None:
     """Kill restored processes by PID (they are not our children: nothing to reap). Never by
-    process group: a job that was not started with setsid shares the test runner's group."""
+    process group: a job started from a shell shares the shell's group."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -11,11 +11,13 @@ import socket
 import subprocess
 import sys
 import termios
+import time
 from pathlib import Path
 
 import pytest
 
 from gpusnap import doctor, paths
+from gpusnap import proc as gsproc
 from gpusnap.doctor import run_doctor
 from gpusnap.gpu import driver as gdriver
 
@@ -182,12 +184,31 @@ def test_plain_job_has_nothing_in_the_way():
     try:
         r = run_doctor(p.pid)
         job = [c for c in r.checks if c.name in ("process", "TCP", "unix sockets", "terminal",
-                                                  "GPU", "uid", "ptrace", "self")]
+                                                  "GPU", "uid", "ptrace", "self", "session")]
         assert {c.name: c.status for c in job} == {"process": "ok", "GPU": "ok"}, r.format_text()
         assert "CPU-only" in r.by_name("GPU")[0].detail
     finally:
         p.kill()
         p.wait()
+
+
+@needs_root
+def test_session_leader_outside_the_pid_namespace_is_flagged():
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"], stdin=subprocess.DEVNULL)
+    target = None
+    try:
+        deadline = time.monotonic() + 10
+        while not (kids := gsproc.children(holder.pid)):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        target = kids[0]
+        r = run_doctor(target)
+        assert statuses(r, "session") == ["fail"] and not r.ok, r.format_text()
+    finally:
+        if target:
+            os.kill(target, 9)
+        holder.kill()
+        holder.wait()
 
 
 def test_tcp_connection_is_flagged():

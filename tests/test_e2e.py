@@ -3,14 +3,18 @@ check it finishes with exactly the result of an uninterrupted run."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import stat
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
+from gpusnap import proc
 
 pytestmark = pytest.mark.criu
 
@@ -67,15 +71,45 @@ def test_exit_stops_the_job_after_storing(sample_job, repo, reference):
 
 
 def test_job_started_from_a_shell_without_setsid(sample_job, repo, reference):
-    """A job in someone else's session and process group (here: pytest's) needs --shell-job;
-    gpusnap works that out itself."""
+    """A job started from a shell (`job &`) is in the shell's session and process group, both
+    outside the dumped tree: that needs --shell-job, and gpusnap works it out itself."""
     kw = dict(steps=200, mb=16, threads=2)
     expected = reference(**kw)
-    job = sample_job(**kw, step_ms=20, setsid=False)
+    job = sample_job(**kw, step_ms=20, from_shell=True)
     job.wait_steps(5)
+    st = proc.read_stat(job.pid)
+    assert st.session == job.popen.pid and st.pgrp == job.popen.pid  # the shell leads both
     info = run_json("dump", job.pid, "--repo", repo)
     job.kill()
     _restore_and_finish(job, info["snapshot"], repo, expected)
+
+
+def test_session_leader_outside_the_pid_namespace_is_refused_untouched(repo, tmp_path):
+    """CRIU cannot dump a task whose session leader is outside its PID namespace (its session
+    id there is 0; CI runners and container inits start jobs like that). gpusnap says so before
+    touching the job: its own exit code, the job keeps running, no snapshot appears."""
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "600"], stdin=subprocess.DEVNULL)
+    target = None
+    try:
+        deadline = time.monotonic() + 10
+        while not proc.children(holder.pid):
+            assert time.monotonic() < deadline, "unshare did not start its child"
+            time.sleep(0.02)
+        target = proc.children(holder.pid)[0]
+        assert proc.session_outside_namespace(target)
+        res = run_gpusnap("dump", target, "--repo", repo, "--json")
+        assert res.returncode == 16, res.stdout + res.stderr
+        err = json.loads(res.stdout)
+        assert err["error"] == "cannot snapshot this process"
+        assert "outside its PID namespace" in err["message"] and "setsid" in err["hint"]
+        assert proc.read_stat(target).state in ("S", "R")  # running, not left stopped
+        listing = run_gpusnap("ls", "--repo", repo, "--json")
+        assert listing.returncode != 0 or json.loads(listing.stdout)["snapshots"] == []
+    finally:
+        if target:
+            kill_pids([target])  # the namespace's init: unshare's death would not end it
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
 
 
 def test_restore_by_name_from_repo_and_ls(sample_job, repo, reference):

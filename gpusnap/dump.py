@@ -63,6 +63,10 @@ class DumpResult:
     log: str | None = None
     pruned: list[str] = field(default_factory=list)
     prune_error: str | None = None
+    # wall seconds per phase: preflight, criu (CRIU running, pages streaming in), drain (the
+    # page pipeline and pack writes finishing after CRIU exits), commit (index, manifest,
+    # fsyncs, rename), retention
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -255,6 +259,14 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         meta["gpu"] = gpu
 
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    phases: dict[str, float] = {}
+    mark = [t0]
+
+    def phase(name: str) -> None:
+        now = time.monotonic()
+        phases[name] = round(now - mark[0], 3)
+        mark[0] = now
+
     with repo.writer_lock():
         writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
         workdir = Path(tempfile.mkdtemp(prefix="gpusnap-dump-"))
@@ -268,12 +280,14 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         try:
             server = CaptureServer(workdir, writer.image_sink).start()
             gate = PostDumpGate(workdir, server)
+            phase("preflight")
             criu = subprocess.Popen(
                 [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=_criu_env(req, workdir), start_new_session=True)
             runner.supervise(criu, server, progress, estimate)
+            phase("criu")
             if criu.returncode != 0 or server.failed:
                 server.abort()
                 raise _failure(server.error(), criu.returncode, log,
@@ -282,9 +296,11 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             server.finish(timeout=30)
             if progress:
                 progress(server.bytes, max(estimate, server.bytes))
+            phase("drain")
             cuda_pids = _read_cuda_report(workdir / "cuda-report")
             snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0})
             kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
+            phase("commit")
             if stopped:
                 _kill_tree(pids)
                 stopped = False
@@ -295,6 +311,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                     pruned = _retain(repo, snap.name, req.keep_last)
                 except GpusnapError as e:  # the snapshot is safe; retention can wait for the next run
                     prune_error = e.message
+                phase("retention")
         except (KeyboardInterrupt, _Terminate):
             if server is not None:
                 server.abort()
@@ -320,4 +337,4 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
-        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error)
+        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error, phases=phases)

@@ -394,8 +394,8 @@ def _read_pages(snap, name, runs, next_run, blob, data_blob):
 
 class Resolver:
     """Where pages and data blobs are. Pages: first the sorted table set by
-    set_sorted_pages() (numpy, no per-page Python), then page_maps (page id ->
-    blob_no << 8 | slot) in order. Data: data_maps (blob id -> blob_no) in order.
+    set_sorted_pages() (numpy, no per-page Python), then page_maps (dicts or
+    pagetable.PageTables: page id -> blob_no << 8 | slot) in order. Data: data_maps (blob id -> blob_no) in order.
     blob(blob_no) -> (pack name, offset, kind, codec, n_pages, raw_len, stored_len)."""
 
     def __init__(self, page_maps: list, data_maps: list, blob: Callable[[int], tuple]):
@@ -431,6 +431,16 @@ class Resolver:
         if todo is None:
             todo = range(n)
         for m in self.page_maps:
+            if hasattr(m, "get_many"):         # a pagetable.PageTable: one call for all
+                sub = b"".join(ids[i * PAGE_ID_LEN:(i + 1) * PAGE_ID_LEN] for i in todo)
+                found = np.frombuffer(m.get_many(sub), dtype=np.int64)
+                hit = found >= 0
+                sel = np.asarray(todo, dtype=np.int64)
+                out[sel[hit]] = found[hit]
+                todo = sel[~hit].tolist()
+                if not todo:
+                    break
+                continue
             get = m.get
             left = []
             for i in todo:
@@ -561,6 +571,10 @@ def preload_numpy() -> None:
     """Import numpy (~0.1 s) in a background thread while the dump streams, so that
     write_at_commit() finds it loaded instead of importing it on the commit path. The
     import lock makes a concurrent `import numpy` wait for this one."""
+    # numpy's OpenBLAS starts a thread per core that spins after use; gpusnap does no linear
+    # algebra and its cores belong to CRIU and the page pipeline (read once, at load time)
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
     def run():
         try:
             import numpy  # noqa: F401

@@ -321,15 +321,45 @@ class BlobLoc:
 
 @dataclass
 class RepoIndex:
-    """Union of all index files. page_loc: page id -> blob_no << 8 | slot;
-    data_loc: blob id -> blob_no. The first index file (by name) to list an id wins."""
+    """Union of all index files. Page ids -> blob_no << 8 | slot, as a dict (page_loc,
+    built on first use) or as a PageTable (page_table(), built on first use: the dump's
+    choice, a third of the memory); data_loc: blob id -> blob_no. The first index file (by
+    name) to list an id wins."""
 
     blobs: list[BlobLoc] = field(default_factory=list)
-    page_loc: dict = field(default_factory=dict)
     data_loc: dict = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
     bad_files: dict = field(default_factory=dict)     # name -> reason
     blob_file: list[int] = field(default_factory=list)  # blob_no -> index into files
+    _page_loc: dict | None = field(default=None, repr=False)
+    _page_table: object = field(default=None, repr=False)
+
+    @property
+    def page_loc(self) -> dict:
+        if self._page_loc is None:
+            d: dict = {}
+            setd = d.setdefault
+            for bno, b in enumerate(self.blobs):
+                if b.kind == KIND_PAGES:
+                    ids = b.ids
+                    base = bno << 8
+                    for s in range(b.n_pages):
+                        setd(ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN], base | s)
+            self._page_loc = d
+        return self._page_loc
+
+    def page_table(self):
+        """The page locations as a pagetable.PageTable (native when the library is there)."""
+        if self._page_table is None:
+            from .pagetable import PageTable
+            t = PageTable(hint=sum(b.n_pages for b in self.blobs if b.kind == KIND_PAGES))
+            step = 1 << 16                # blobs per call: bounds the joined ids (~16 MiB)
+            for lo in range(0, len(self.blobs), step):
+                part = [(bno, b) for bno, b in enumerate(self.blobs[lo:lo + step], lo) if b.kind == KIND_PAGES]
+                t.add_runs(b"".join(b.ids for _, b in part), [bno << 8 for bno, _ in part],
+                           [b.n_pages for _, b in part])
+            self._page_table = t
+        return self._page_table
 
     @classmethod
     def load(cls, root: Path, names: list[str] | None = None) -> "RepoIndex":
@@ -358,20 +388,17 @@ class RepoIndex:
         return idx
 
     def add_file(self, name, parsed) -> None:
+        if self._page_loc is not None or self._page_table is not None:
+            raise RuntimeError("add_file() after the page locations were built")
         fno = len(self.files)
         self.files.append(name)
-        page_loc, data_loc = self.page_loc, self.data_loc
+        data_loc = self.data_loc
         for b in parsed.blobs:
             bno = len(self.blobs)
             self.blobs.append(BlobLoc(parsed.packs[b.pack_no], b.offset, b.kind, b.codec, b.n_pages,
                                       b.raw_len, b.stored_len, b.ids))
             self.blob_file.append(fno)
-            if b.kind == KIND_PAGES:
-                ids = b.ids
-                base = bno << 8
-                for s in range(b.n_pages):
-                    page_loc.setdefault(ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN], base | s)
-            else:
+            if b.kind != KIND_PAGES:
                 data_loc.setdefault(b.ids, bno)
 
     def packs(self) -> dict[bytes, int]:

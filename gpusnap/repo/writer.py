@@ -12,7 +12,7 @@ from pathlib import Path
 import blake3
 
 from ..errors import CorruptSnapshot, GpusnapError, NoSpace, RepositoryError
-from . import fsutil, locations, native
+from . import fsutil, locations, native, pagetable
 from .codec import codec_name, compress
 from .format import (
     BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
@@ -194,15 +194,11 @@ class PagesSink(ImageSink):
         kinds, ids, ndata = native.scan(buf, npages)
         ids = bytes(ids)
         w = self.w
-        known = w.known_pages
-        claimed = w.claimed_pages
-        claim = claimed.setdefault
-        me = self
+        # the dedup decision for the whole batch in one call (pagetable.py: native, locked)
+        newidx = pagetable.claim(w.known_pages, w.claimed_pages, kinds, ids, npages)
         zero = self.zero_pending
         out: list[bytes] = []
-        newidx: list[int] = []
-        newids: list[bytes] = []
-        nzero = ndedup = 0
+        nzero = 0
         pos = 0
         pack = PL_RECORD.pack
         find = kinds.find
@@ -223,15 +219,6 @@ class PagesSink(ImageSink):
                 zero = 0
             out.append(pack(PL_PAGES, j - pos))
             out.append(ids[pos * ID_LEN:j * ID_LEN])
-            i = pos
-            for o in range(pos * ID_LEN, j * ID_LEN, ID_LEN):
-                pid = ids[o:o + ID_LEN]
-                if pid in known or pid in claimed or claim(pid, me) is not me:
-                    ndedup += 1
-                else:
-                    newidx.append(i)
-                    newids.append(pid)
-                i += 1
             pos = j
         self.zero_pending = zero
         if out:
@@ -239,9 +226,9 @@ class PagesSink(ImageSink):
         c = self.c
         c.pages_total += npages
         c.pages_zero += nzero
-        c.pages_dedup += ndedup
+        c.pages_dedup += ndata - len(newidx)
         if newidx:
-            self._add_new(memoryview(buf), newidx, newids)
+            self._add_new(memoryview(buf), newidx, [ids[i * ID_LEN:(i + 1) * ID_LEN] for i in newidx])
             self._hand_over()
 
     def _add_new(self, mv, newidx: list[int], newids: list[bytes]) -> None:
@@ -387,9 +374,9 @@ class SnapshotWriter:
         locations.preload_numpy()         # needed at commit; loads while the dump streams
         idx = repo._load_index(refresh=True)
         self.index = idx                  # for the locations file at commit (locations.py)
-        self.known_pages = idx.page_loc
+        self.known_pages = idx.page_table()
         self.known_data = idx.data_loc
-        self.claimed_pages: dict = {}
+        self.claimed_pages = pagetable.PageTable(native_=self.known_pages.is_native)
         self.claimed_data: dict = {}
         root = repo.path
         self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}"

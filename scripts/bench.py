@@ -10,11 +10,15 @@ For every workload of tests/jobs/workloads.py and every repetition, on a fresh j
      pays for the other's writeback; RAW and R are on the same filesystem, under --dir);
      raw CRIU does not fsync its images, gpusnap fsyncs its packs: the time raw CRIU's
      own `sync` then takes is reported too (raw+sync).
+  1b. CRIU's --stream mode alone (scripts/stream_floor.py): the same dump into a capture
+     server that drops every byte; the floor under gpusnap's 'criu' phase.
   2. relocate only: the job moves its weights to a new allocation, and a second gpusnap
      dump gives the incremental size (bytes stored by the second / by the first dump).
   3. the job is killed (reaped, PID free), raw `criu restore -d -D RAW` is timed, that job
      killed, then `gpusnap restore SNAPSHOT --json` (the last gpusnap snapshot) is timed,
-     and the restored job must finish with the digest of an uninterrupted run.
+     and the restored job must finish with the digest of an uninterrupted run. Between the
+     two, `criu restore --stream` fed unchanged from RAW (stream_floor.py) is timed and
+     that job killed: the floor under gpusnap's restore.
 Wall times are the whole command as a user runs it (process start-up included). gpusnap's
 own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
 runs; CRIU, its child, is not counted). Page cache: warm for both (nothing is dropped;
@@ -173,6 +177,13 @@ def raw_dump(pid: int, raw: Path) -> dict:
     return r
 
 
+def stream_floor(*args: str) -> float:
+    """CRIU's own seconds in --stream mode (scripts/stream_floor.py)."""
+    os.sync()
+    r = check(timed([PY, str(ROOT / "scripts" / "stream_floor.py"), *args], cwd=ROOT), "stream floor")
+    return json.loads(r["stdout"].strip().splitlines()[-1])["criu_s"]
+
+
 def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: dict) -> dict:
     d = base / f"{kind}-{rep}"
     job = Job(d / "job", kind, mb)
@@ -186,6 +197,7 @@ def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: di
             s["gs_dump"] = gpusnap_dump(job.pid, repo)
             s["raw_dump"] = raw_dump(job.pid, raw)
         snapshot = s["gs_dump"]["info"]["snapshot"]
+        s["floor_dump"] = stream_floor("dump", str(job.pid))
         if kind == "relocate":
             moved = job.relocate()
             assert moved["old"] != moved["new"], moved
@@ -198,6 +210,8 @@ def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: di
                                  "criu restore")
         if not pid_alive(job.pid):
             raise RuntimeError("raw CRIU restore did not bring the job back")
+        kill(job.pid)
+        s["floor_restore"] = stream_floor("restore", str(raw))
         kill(job.pid)
 
         os.sync()
@@ -254,6 +268,9 @@ def summarize(kind: str, samples: list[dict]) -> dict:
         "raw_dump_MBps": med([b / t / 1e6 for b, t in zip(raw_b, raw_d)]),
         "dump_peak_rss_mib": med([s["gs_dump"]["hwm_kib"] / 1024 for s in samples]),
         "restore_peak_rss_mib": med([s["gs_restore"]["hwm_kib"] / 1024 for s in samples]),
+        "stream_dump_floor_s": med([s["floor_dump"] for s in samples]),
+        "gpusnap_dump_criu_phase_s": med([s["gs_dump"]["info"].get("phases", {}).get("criu", 0) for s in samples]),
+        "stream_restore_floor_s": med([s["floor_restore"] for s in samples]),
         "digest_ok": all(s.get("digest_ok", True) for s in samples),
         "verified": all("digest_ok" in s for s in samples),
     }
@@ -278,10 +295,14 @@ def table(summaries: list[dict], mb: int) -> str:
                      f"{m['dump_ratio_vs_raw_sync']:.2f}", "", ""))
         rows.append(("", "  (gpusnap's own 'seconds')", "", f"{m['gpusnap_dump_internal_s']:.2f}",
                      f"{m['gpusnap_dump_internal_s'] / m['raw_dump_s']:.2f}", "", ""))
+        rows.append(("", "  CRIU --stream alone / gpusnap's 'criu' phase", f"{m['stream_dump_floor_s']:.2f}",
+                     f"{m['gpusnap_dump_criu_phase_s']:.2f}", "", "", ""))
         rows.append(("", "  MB/s (CRIU stream bytes)", f"{m['raw_dump_MBps']:.0f}", f"{m['gpusnap_dump_MBps']:.0f}",
                      "", "", ""))
         rows.append(("", "restore wall s", f"{m['raw_restore_s']:.2f}", f"{m['gpusnap_restore_s']:.2f}",
                      f"{m['restore_ratio']:.2f}", f"<= {RESTORE_TARGET}", fmt_ok(m["restore_ratio"], RESTORE_TARGET)))
+        rows.append(("", "  CRIU --stream restore alone", f"{m['stream_restore_floor_s']:.2f}", "",
+                     f"{m['stream_restore_floor_s'] / m['raw_restore_s']:.2f}", "", ""))
         t = SIZE_TARGET[k]
         rows.append(("", "size MiB", f"{m['raw_bytes'] / 2**20:.1f}", f"{m['gpusnap_bytes'] / 2**20:.1f}",
                      f"{m['size_ratio']:.3f}", f"<= {t}" if t else "", fmt_ok(m["size_ratio"], t)))

@@ -55,6 +55,27 @@ def test_restore_reads_through_locations(tmp_path):
     assert rep.ok and not [n for n in rep.notes if "locations" in n], (rep.problems, rep.notes)
 
 
+def test_batched_lookups_build_the_same_file(tmp_path, monkeypatch):
+    """build() resolves many short page records together (RESOLVE_BATCH pages at a time);
+    runs that span records, zero pages and a tail come out exactly as one record at a time."""
+    repo = Repository.open(tmp_path / "repo", create=True)
+    rnd = random.Random(5)
+    pages = [bytes(PAGE) if rnd.random() < 0.6 else (os.urandom(PAGE) if rnd.random() < 0.5 else text_page(rnd))
+             for _ in range(3000)]
+    img = b"".join(pages) + b"tail"
+    s1, _ = dump(repo, {"pages-1.img": img})
+    img2 = img[PAGE * 1000:-4] + os.urandom(PAGE * 40) + img[:PAGE * 1000]
+    s2, _ = dump(repo, {"pages-1.img": img2, "pages-2.img": img})
+    res = L.index_resolver(repo._load_index(refresh=True))
+    for snap in (s1, s2):
+        stored = (snap.path / L.LOC_NAME).read_bytes()
+        per_record = []
+        for batch in (1, 7, L.RESOLVE_BATCH):
+            monkeypatch.setattr(L, "RESOLVE_BATCH", batch)
+            per_record.append(L.build(snap.path, snap.manifest["images"], res))
+        assert per_record == [stored] * 3
+
+
 def test_locations_after_prune_and_repack(tmp_path):
     repo = Repository.open(tmp_path / "repo", create=True)
     rnd = random.Random(8)

@@ -474,6 +474,9 @@ class MissingData(Exception):
     pass
 
 
+RESOLVE_BATCH = 1 << 16   # pages whose locations are looked up in one pass (1 MiB of ids)
+
+
 def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
     """The locations file of a snapshot whose page lists are in snap_dir and whose manifest
     images (manifest order) are `images`. Raises MissingData if an id has no location."""
@@ -512,40 +515,59 @@ def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
         else:
             cur = -2                      # pending run: start loc, length
             length = 0
+            pending: list[bytes] = []     # ids of page records not resolved yet
+            npending = 0
+
+            def resolve(ids):
+                """Extend the pending run / add runs for the pages `ids` (n*16 bytes)."""
+                nonlocal cur, length
+                a = res.pages(ids)
+                if (a < 0).any():
+                    i = int(np.flatnonzero(a < 0)[0])
+                    raise MissingData(f"page {ids[i * PAGE_ID_LEN:(i + 1) * PAGE_ID_LEN].hex()} has no location")
+                # a run continues while the next page is the next slot of the same blob
+                cont = np.empty(len(a), dtype=bool)
+                cont[0] = length > 0 and a[0] == cur + length and (a[0] & 0xFF) != 0
+                if len(a) > 1:
+                    cont[1:] = (np.diff(a) == 1) & ((a[1:] & 0xFF) != 0)
+                starts = np.flatnonzero(~cont)
+                if len(starts) == 0:
+                    length += len(a)
+                    return
+                s0 = int(starts[0])
+                if length:
+                    add_run(cur >> 8, cur & 0xFF, length + s0)
+                bounds = starts.tolist() + [len(a)]
+                vals = a[starts].tolist()
+                for i in range(len(bounds) - 2):
+                    v = vals[i]
+                    add_run(v >> 8, v & 0xFF, bounds[i + 1] - bounds[i])
+                cur = vals[-1]
+                length = len(a) - bounds[-2]
+
             with open(Path(snap_dir) / im["pagelist"], "rb", buffering=1 << 20) as f:
                 for rec in iter_pagelist(f.read, im["size"]):
                     if rec[0] == "zero":
-                        continue
+                        continue              # zero pages have no location: runs go on
                     if rec[0] == "tail":
+                        if pending:
+                            resolve(b"".join(pending))
+                            pending, npending = [], 0
                         if length:
                             add_run(cur >> 8, cur & 0xFF, length)
                             length = 0
                         add_data(rec[2])
                         continue
-                    ids = rec[1]
-                    a = res.pages(ids)
-                    if (a < 0).any():
-                        i = int(np.flatnonzero(a < 0)[0])
-                        raise MissingData(f"page {ids[i * PAGE_ID_LEN:(i + 1) * PAGE_ID_LEN].hex()} has no location")
-                    # a run continues while the next page is the next slot of the same blob
-                    cont = np.empty(len(a), dtype=bool)
-                    cont[0] = length > 0 and a[0] == cur + length and (a[0] & 0xFF) != 0
-                    if len(a) > 1:
-                        cont[1:] = (np.diff(a) == 1) & ((a[1:] & 0xFF) != 0)
-                    starts = np.flatnonzero(~cont)
-                    if len(starts) == 0:
-                        length += len(a)
-                        continue
-                    s0 = int(starts[0])
-                    if length:
-                        add_run(cur >> 8, cur & 0xFF, length + s0)
-                    bounds = starts.tolist() + [len(a)]
-                    vals = a[starts].tolist()
-                    for i in range(len(bounds) - 2):
-                        v = vals[i]
-                        add_run(v >> 8, v & 0xFF, bounds[i + 1] - bounds[i])
-                    cur = vals[-1]
-                    length = len(a) - bounds[-2]
+                    # a page record is as short as the data between two zero pages: numpy
+                    # pays per call, so records are resolved together, RESOLVE_BATCH pages
+                    # at a time (the result is the same)
+                    pending.append(rec[1])
+                    npending += len(rec[1])
+                    if npending >= RESOLVE_BATCH * PAGE_ID_LEN:
+                        resolve(b"".join(pending))
+                        pending, npending = [], 0
+            if pending:
+                resolve(b"".join(pending))
             if length:
                 add_run(cur >> 8, cur & 0xFF, length)
         table.append((bytes.fromhex(im["digest"]), first, nruns - first))

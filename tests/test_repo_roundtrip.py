@@ -252,3 +252,32 @@ def test_memory_bounded_read(repo):
     snap, _ = dump(repo, {"pages-1.img": img}, chunk=1 << 20)
     sizes = [len(c) for c in snap.read_image("pages-1.img")]
     assert max(sizes) <= 1 << 20 and sum(sizes) == len(img)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_compressor_threads_keep_counts_exact(repo, monkeypatch, workers):
+    """Groups compressed by several threads at once: every page comes back, and the counts
+    (compressed + raw + dedup + zero = total) are exact; auto picks the float codec for
+    float data and lz4 for text whatever thread sees them."""
+    import numpy as np
+    from gpusnap.repo import writer
+    monkeypatch.setattr(writer, "COMPRESS_WORKERS", workers)
+    rnd = random.Random(9)
+    floats = np.random.default_rng(2).normal(0, 0.02, 600 * PAGE // 4).astype(np.float32).tobytes()
+    pages = [floats[i * PAGE:(i + 1) * PAGE] for i in range(600)]
+    pages += [text_page(rnd) for _ in range(200)] + [os.urandom(PAGE) for _ in range(300)] + [bytes(PAGE)] * 50
+    rnd.shuffle(pages)
+    img = b"".join(pages) + b"".join(pages[:100])
+    snap, st_ = dump(repo, {"pages-1.img": img}, compress="auto")
+    assert read_all(snap, "pages-1.img") == img
+    assert st_["pages_total"] == 1250
+    assert st_["pages_zero"] == 50 + sum(p == bytes(PAGE) for p in pages[:100])
+    assert st_["pages_compressed"] + st_["pages_raw"] + st_["pages_dedup"] + st_["pages_zero"] == 1250
+    codecs = {im_codec for im_codec in _blob_codecs(repo)}
+    assert {"lz4", "shuffle4-zstd", "none"} <= codecs, codecs
+
+
+def _blob_codecs(repo):
+    from gpusnap.repo.codec import codec_name
+    idx = repo._load_index(refresh=True)
+    return [codec_name(b.codec) for b in idx.blobs if b.kind == 1]

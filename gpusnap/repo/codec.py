@@ -151,14 +151,21 @@ def estimate_planes(data, k: int = 4) -> list[int]:
     return native.plane_bits(data, 1, k, step * k, count)
 
 
-def _auto(data) -> tuple[int, bytes | None]:
+def _auto(data, lz4_first: bool = True) -> tuple[int, bytes | None]:
+    """lz4_first=False (the caller saw lz4 lose to shuffle4-zstd on the groups before):
+    try shuffle4-zstd first, and lz4 only when shuffle4-zstd gains nothing."""
     n = len(data)
+    if not lz4_first and n >= 4:
+        bits = estimate_planes(data, 4)
+        sp = encode_shuffled(data, 4, bits)
+        if sp is not None and len(sp) <= n * GAIN_LIMIT:
+            return CODEC_SHUF4_ZSTD, sp
     out = lz4.block.compress(data, store_size=False)
     if len(out) <= n * AUTO_LZ4_GOOD:
         return CODEC_LZ4, out
     best_codec, best = (CODEC_LZ4, out) if len(out) <= n * GAIN_LIMIT else (CODEC_NONE, None)
     best_len = len(best) if best is not None else n
-    if n < 4:
+    if n < 4 or not lz4_first:
         return best_codec, best
     bits = estimate_planes(data, 4)
     m = n // 4
@@ -170,15 +177,16 @@ def _auto(data) -> tuple[int, bytes | None]:
     return best_codec, best
 
 
-def compress(data, codec: int) -> tuple[int, bytes]:
+def compress(data, codec: int, lz4_first: bool = True) -> tuple[int, bytes]:
     """-> (codec actually used, payload). Falls back to CODEC_NONE when the gain is small.
+    lz4_first: for auto, see _auto.
 
     ZstdCompressor objects are not thread-safe, so zstd uses one per call (cheap at level 3);
     the plane compressor of the shuffle codecs is one per thread.
     """
     n = len(data)
     if codec == CODEC_AUTO:
-        c, out = _auto(data)
+        c, out = _auto(data, lz4_first)
         if c == CODEC_NONE:
             return CODEC_NONE, bytes(data)
         return c, out

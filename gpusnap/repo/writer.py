@@ -13,9 +13,9 @@ import blake3
 
 from ..errors import CorruptSnapshot, GpusnapError, NoSpace, RepositoryError
 from . import fsutil, locations, native, pagetable
-from .codec import codec_name, compress
+from .codec import CODEC_AUTO, codec_name, compress
 from .format import (
-    BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
+    BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
     encode_manifest, encode_pl_tail, FORMAT_VERSION,
 )
 from .store import PackWriter, write_index_file
@@ -26,6 +26,19 @@ DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
 # After a group fails to compress, skip trying for this many groups (doubling up to
 # the max), then probe again: incompressible memory costs no wasted compressor time.
 SKIP_MAX = 8
+# Compressor threads per pages image: compression (lz4, zstd, the native shuffle) runs
+# without the GIL; on fp32 state one thread is busy ~80 % of CRIU's stream phase. One core
+# is left to CRIU and the page scan: on 2 cores a second compressor gained nothing (the
+# cores were the limit), so it takes 3 or more (up to 4). GPUSNAP_COMPRESS_THREADS=N sets it.
+def _compress_workers() -> int:
+    env = os.environ.get("GPUSNAP_COMPRESS_THREADS", "")
+    n = int(env) if env.isdigit() else (os.cpu_count() or 1) - 1
+    return max(1, min(4, n))
+
+
+COMPRESS_WORKERS = _compress_workers()
+LZ4_FUTILE = 4            # auto: lz4 lost this many groups in a row: stop trying it first...
+LZ4_PROBE = 16            # ...except on every 16th group
 
 
 def is_pages_image(filename: str) -> bool:
@@ -42,6 +55,17 @@ class _Counters:
 
     def as_dict(self):
         return {k: getattr(self, k) for k in self.__slots__}
+
+
+class _CompressState:
+    """One compressor thread's heuristics (PagesSink._store_group)."""
+    __slots__ = ("skip", "skip_next", "lz4_futile", "since_probe")
+
+    def __init__(self):
+        self.skip = 0             # groups left to store raw without trying
+        self.skip_next = 1
+        self.lz4_futile = 0       # groups in a row where lz4 lost to shuffle4-zstd
+        self.since_probe = 0
 
 
 class ImageSink:
@@ -136,7 +160,7 @@ class PagesSink(ImageSink):
     compresses them (lz4/zstd release the GIL on large buffers) and hands them to the
     pack writer. So one big image keeps two cores busy."""
 
-    QUEUE_MAX = 4         # batches of groups waiting for the compressor (~1 MiB each)
+    QUEUE_MAX = 4         # batches of groups waiting for the compressors (~1 MiB each)
 
     def __init__(self, w, filename, no):
         super().__init__(w, filename, no)
@@ -146,8 +170,6 @@ class PagesSink(ImageSink):
         self.gn = 0                    # pages in the current group
         self.ready: list = []          # full groups of this batch, handed over in one piece
         self.zero_pending = 0
-        self.skip = 0
-        self.skip_next = 1
         self.pl_name = f"pl-{no:06d}"
         self.pl_path = w.tmpdir / self.pl_name
         fd = os.open(self.pl_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -156,7 +178,8 @@ class PagesSink(ImageSink):
         self.pl_h = blake3.blake3()
         self.pl_size = 0
         self._q: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._count_lock = threading.Lock()
         self._err: BaseException | None = None
 
     def _pl_write(self, b: bytes) -> None:
@@ -262,50 +285,66 @@ class PagesSink(ImageSink):
         self.gn = 0
 
     def _hand_over(self) -> None:
-        """Pass the batch's full groups to the compressor thread as one queue item (a queue
+        """Pass the batch's full groups to the compressor threads as one queue item (a queue
         hand-off per group cost more than the group's own bookkeeping)."""
         if not self.ready:
             return
-        if self._thread is None:
+        if not self._threads:
             self._q = queue.Queue(self.QUEUE_MAX)
-            self._thread = threading.Thread(target=self._compressor, name=f"gpusnap-pages-{self.no}",
-                                            daemon=True)
-            self._thread.start()
+            nw = 1 if self.w.codec == CODEC_NONE else COMPRESS_WORKERS
+            self._threads = [threading.Thread(target=self._compressor, name=f"gpusnap-pages-{self.no}.{k}",
+                                              daemon=True) for k in range(nw)]
+            for t in self._threads:
+                t.start()
         if self._err is not None:
             raise self._err
         batch, self.ready = self.ready, []
         self._q.put(batch)
 
     def _compressor(self) -> None:
+        """One compressor thread: batches from the queue, in whatever order the threads take
+        them (blob order in packs is free). Its heuristics' state is its own, so each thread
+        decides from the data it sees; the counters are added up under a lock."""
         q = self._q
-        while True:
-            batch = q.get()
-            if batch is None:
-                break
-            if self._err is not None:
-                continue                  # drain after an error so the producer never blocks
-            try:
-                self.w.packer.add_many([self._store_group(*g) for g in batch])
-            except BaseException as e:    # reported to the next write()/close()
-                self._err = e
+        st = _CompressState()
+        c = _Counters()
+        try:
+            while True:
+                batch = q.get()
+                if batch is None:
+                    break
+                if self._err is not None:
+                    continue              # drain after an error so the producer never blocks
+                try:
+                    self.w.packer.add_many([self._store_group(st, c, *g) for g in batch])
+                except BaseException as e:    # reported to the next write()/close()
+                    self._err = e
+        finally:
+            with self._count_lock:
+                for k in ("pages_raw", "pages_compressed", "bytes_new_raw", "bytes_new_stored"):
+                    setattr(self.c, k, getattr(self.c, k) + getattr(c, k))
 
-    def _store_group(self, pieces: list, ids: bytes, n: int) -> tuple:
+    def _store_group(self, st: "_CompressState", c: _Counters, pieces: list, ids: bytes, n: int) -> tuple:
         """Compress one group (or not): -> the blob for PackWriter.add_many()."""
         raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         w = self.w
-        if self.skip or w.codec == CODEC_NONE:
-            self.skip = max(self.skip - 1, 0)
+        if st.skip or w.codec == CODEC_NONE:
+            st.skip = max(st.skip - 1, 0)
             codec, payload = CODEC_NONE, raw
         else:
-            codec, payload = compress(raw, w.codec)
+            lz4_first = w.codec != CODEC_AUTO or st.lz4_futile < LZ4_FUTILE or st.since_probe >= LZ4_PROBE
+            codec, payload = compress(raw, w.codec, lz4_first=lz4_first)
+            st.since_probe = 0 if lz4_first else st.since_probe + 1
             if codec == CODEC_NONE:
                 payload = raw
-                if w.codec != CODEC_NONE:
-                    self.skip = self.skip_next
-                    self.skip_next = min(self.skip_next * 2, SKIP_MAX)
+                st.skip = st.skip_next
+                st.skip_next = min(st.skip_next * 2, SKIP_MAX)
             else:
-                self.skip_next = 1
-        c = self.c
+                st.skip_next = 1
+            # auto: after LZ4_FUTILE groups in a row where lz4 lost to the float codec, stop
+            # trying lz4 first (its attempt was ~20 % of the compressor's time on fp32
+            # state) except on every LZ4_PROBE-th group
+            st.lz4_futile = st.lz4_futile + 1 if codec == CODEC_SHUF4_ZSTD else 0
         if codec == CODEC_NONE:
             c.pages_raw += n
         else:
@@ -316,9 +355,10 @@ class PagesSink(ImageSink):
 
     def _stop_compressor(self) -> None:
         # abort() (main thread) and close() (the image's drain thread) may both get here
-        t, self._thread = self._thread, None
-        if t is not None:
+        ts, self._threads = self._threads, []
+        for _ in ts:
             self._q.put(None)
+        for t in ts:
             t.join()
 
     def _close(self) -> dict:

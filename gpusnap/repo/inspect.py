@@ -2,27 +2,8 @@
 
 from __future__ import annotations
 
-from .format import BLOB_HEADER, PAGE_ID_LEN
+from .format import BLOB_HEADER, KIND_PAGES
 from .repository import Repository, Snapshot
-
-
-def _id_costs(repo: Repository):
-    """-> function id -> stored bytes attributed to it (a page's share of its blob)."""
-    idx = repo._load_index()
-
-    def cost(key: bytes) -> float:
-        if len(key) == PAGE_ID_LEN:
-            loc = idx.page_loc.get(key)
-            if loc is None:
-                return 0.0
-            b = idx.blobs[loc >> 8]
-            return (BLOB_HEADER.size + b.stored_len) / b.n_pages
-        bno = idx.data_loc.get(key)
-        if bno is None:
-            return 0.0
-        b = idx.blobs[bno]
-        return float(BLOB_HEADER.size + b.stored_len)
-    return cost
 
 
 def repo_usage(repo: Repository) -> dict:
@@ -30,30 +11,51 @@ def repo_usage(repo: Repository) -> dict:
 
     Stored bytes of a page are its share of the compressed blob holding it; a page or blob
     referenced by one snapshot only is "unique" (prune of that snapshot frees it), one
-    referenced by several is "shared". Metadata (page lists, manifests, index) is not counted."""
+    referenced by several is "shared". Metadata (page lists, manifests, index) is not counted.
+
+    Page ids are handled as numpy arrays of 16-byte values (sorted, counted, looked up in the
+    index's page table in bulk): 16 bytes per page reference instead of a Python set entry."""
+    import numpy as np
     snaps = repo.snapshots()
-    refs: list[set] = []
-    count: dict[bytes, int] = {}
+    idx = repo._load_index()
+    table = idx.page_table()
+    blob_cost = np.array([(BLOB_HEADER.size + b.stored_len) / max(b.n_pages, 1) if b.kind == KIND_PAGES
+                          else float(BLOB_HEADER.size + b.stored_len) for b in idx.blobs] or [0.0])
+    page_sets = []
+    data_sets = []
     for s in snaps:
-        pages, data = s.referenced_ids()
-        ids = pages | data
-        refs.append(ids)
-        for k in ids:
-            count[k] = count.get(k, 0) + 1
-    cost = _id_costs(repo)
+        raw, data = s.referenced_page_bytes()
+        page_sets.append(np.unique(np.frombuffer(raw, dtype="V16")))
+        data_sets.append(data)
+    # how many snapshots reference each page id / data blob id
+    if page_sets:
+        all_ids, counts = np.unique(np.concatenate(page_sets), return_counts=True)
+    else:
+        all_ids, counts = np.array([], dtype="V16"), np.array([], dtype=np.int64)
+    data_count: dict[bytes, int] = {}
+    for d in data_sets:
+        for k in d:
+            data_count[k] = data_count.get(k, 0) + 1
     out = {}
-    for s, ids in zip(snaps, refs):
+    for s, ids, data in zip(snaps, page_sets, data_sets):
         uniq = shared = 0.0
-        for k in ids:
-            c = cost(k)
-            if count[k] == 1:
+        if len(ids):
+            locs = np.frombuffer(table.get_many(ids.tobytes()), dtype=np.int64)
+            cost = np.where(locs >= 0, blob_cost[np.maximum(locs, 0) >> 8], 0.0)
+            single = counts[np.searchsorted(all_ids, ids)] == 1
+            uniq += float(cost[single].sum())
+            shared += float(cost[~single].sum())
+        for k in data:
+            bno = idx.data_loc.get(k)
+            c = float(blob_cost[bno]) if bno is not None else 0.0
+            if data_count[k] == 1:
                 uniq += c
             else:
                 shared += c
         out[s.path.name] = {"id": s.id, "name": s.name, "created": s.created,
                             "bytes_raw": s.stats.get("bytes_raw", 0),
                             "bytes_stored_at_dump": s.stats.get("bytes_stored", 0),
-                            "bytes_unique": int(uniq), "bytes_shared": int(shared)}
+                            "bytes_unique": int(round(uniq)), "bytes_shared": int(round(shared))}
     return out
 
 

@@ -380,6 +380,22 @@ class Snapshot:
                     data.add(rec[2])
         return pages, data
 
+    def referenced_page_bytes(self) -> tuple[bytes, set]:
+        """(the page ids of every page record, concatenated (16 bytes each, repeats kept),
+        data blob ids): referenced_ids() without a Python object per page."""
+        parts: list[bytes] = []
+        data: set = set()
+        for name, im in self._images.items():
+            if im["type"] == "blob":
+                data.update(bytes.fromhex(b) for b in im["blobs"])
+                continue
+            for rec in self.iter_page_refs(name):
+                if rec[0] == "pages":
+                    parts.append(rec[1])
+                elif rec[0] == "tail":
+                    data.add(rec[2])
+        return b"".join(parts), data
+
     # -- structure check --------------------------------------------------------------
     def check_structure(self) -> None:
         """Cheap pre-restore check: page lists verify, every id is in the index, every pack

@@ -586,7 +586,7 @@ def index_resolver(idx) -> Resolver:
     def blob(bno):
         b = blobs[bno]
         return (b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len)
-    return Resolver([idx.page_loc], [idx.data_loc], blob)
+    return Resolver([idx.page_table()], [idx.data_loc], blob)
 
 
 def preload_numpy() -> None:

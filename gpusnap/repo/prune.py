@@ -85,6 +85,50 @@ def plan_prune(snapshots_info, keep_last: int, name: str | None = None) -> Prune
     return plan
 
 
+class _UsedSlots:
+    """The blob slots (blob_no << 8 | slot) the surviving snapshots need, as one sorted numpy
+    array: page ids are looked up in the index's page table in bulk, never one by one."""
+
+    def __init__(self, idx: RepoIndex):
+        import numpy as np
+        self._np = np
+        self._table = idx.page_table()
+        self._parts: list = []
+        self._locs = None
+        self._count = None
+
+    def add(self, page_ids: bytes) -> bool:
+        """Mark the pages `page_ids` (16 bytes each) as needed; False if one is not indexed."""
+        np = self._np
+        ids = np.unique(np.frombuffer(page_ids, dtype="V16"))
+        if not len(ids):
+            return True
+        locs = np.frombuffer(self._table.get_many(ids.tobytes()), dtype=np.int64)
+        if (locs < 0).any():
+            return False
+        self._parts.append(locs)
+        self._locs = None
+        return True
+
+    def _done(self):
+        if self._locs is None:
+            np = self._np
+            self._locs = np.unique(np.concatenate(self._parts)) if self._parts else np.zeros(0, np.int64)
+            self._count = np.bincount(self._locs >> 8) if len(self._locs) else np.zeros(0, np.int64)
+        return self._locs
+
+    def count(self, bno: int) -> int:
+        """How many slots of blob `bno` are needed."""
+        self._done()
+        return int(self._count[bno]) if bno < len(self._count) else 0
+
+    def slots(self, bno: int) -> list[int]:
+        """The needed slots of blob `bno`, ascending."""
+        locs = self._done()
+        lo, hi = self._np.searchsorted(locs, [bno << 8, (bno + 1) << 8])
+        return (locs[lo:hi] & 0xFF).tolist()
+
+
 def snapshots_info(repo: Repository) -> list[dict]:
     return [{"id": s.id, "name": s.name, "created": s.created, "dir": s.path.name} for s in repo.snapshots()]
 
@@ -124,19 +168,13 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
         if idx.bad_files:
             raise RepositoryError(f"prune refuses to delete data while index files are damaged: "
                                   f"{', '.join(sorted(idx.bad_files))}", "run gpusnap verify")
-        used_slots: dict[int, set[int]] = {}
+        used_slots = _UsedSlots(idx)
         used_data: set[int] = set()
         for s in survivors:
-            try:
-                pages, data = s.referenced_ids()
-            except CorruptSnapshot:
-                raise
-            for pid in pages:
-                loc = idx.page_loc.get(pid)
-                if loc is None:
-                    raise RepositoryError(f"snapshot {s.path.name} needs pages missing from the index; prune stops",
-                                          "run gpusnap verify")
-                used_slots.setdefault(loc >> 8, set()).add(loc & 0xFF)
+            pages, data = s.referenced_page_bytes()
+            if not used_slots.add(pages):
+                raise RepositoryError(f"snapshot {s.path.name} needs pages missing from the index; prune stops",
+                                      "run gpusnap verify")
             for bid in data:
                 bno = idx.data_loc.get(bid)
                 if bno is None:
@@ -157,7 +195,7 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                 if b.kind == KIND_DATA:
                     used += sz if bno in used_data else 0
                 else:
-                    used += sz * len(used_slots.get(bno, ())) // b.n_pages
+                    used += sz * used_slots.count(bno) // b.n_pages
             if used == 0:
                 delete_packs.append(ph)
             elif total - used > repack_threshold * total:
@@ -194,7 +232,7 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                         codec, payload = compress(raw, b.codec if b.codec != CODEC_NONE else CODEC_LZ4)
                         writer.add(KIND_DATA, codec, 0, len(raw), payload, b.ids)
                         continue
-                    slots = sorted(used_slots.get(bno, ()))
+                    slots = used_slots.slots(bno)
                     if not slots:
                         continue
                     raw = _read_checked(reader, idx, bno)

@@ -367,18 +367,8 @@ class Snapshot:
 
     def referenced_ids(self) -> tuple[set, set]:
         """(page ids, data blob ids) this snapshot needs."""
-        pages, data = set(), set()
-        for name, im in self._images.items():
-            if im["type"] == "blob":
-                data.update(bytes.fromhex(b) for b in im["blobs"])
-                continue
-            for rec in self.iter_page_refs(name):
-                if rec[0] == "pages":
-                    ids = rec[1]
-                    pages.update(ids[i:i + PAGE_ID_LEN] for i in range(0, len(ids), PAGE_ID_LEN))
-                elif rec[0] == "tail":
-                    data.add(rec[2])
-        return pages, data
+        raw, data = self.referenced_page_bytes()
+        return {raw[i:i + PAGE_ID_LEN] for i in range(0, len(raw), PAGE_ID_LEN)}, data
 
     def referenced_page_bytes(self) -> tuple[bytes, set]:
         """(the page ids of every page record, concatenated (16 bytes each, repeats kept),

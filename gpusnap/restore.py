@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -32,6 +32,9 @@ class RestoreResult:
     snapshot: str
     seconds: float
     pids: list[int]
+    # wall seconds: preflight (snapshot checks, PIDs, GPUs), criu (CRIU restoring while the
+    # images stream out of the repository)
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +117,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
         return snap.read_image(name) if snap.has_image(name) else None
 
     server = ServeServer(workdir, source).start()
+    t_criu = time.monotonic()
     try:
         criu = subprocess.Popen(
             [info.path, "restore", "-D", str(workdir), "--stream", "--restore-detached",
@@ -132,6 +136,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
             raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                              last_lines=lines, hint=runner.explain(lines))
         server.finish(timeout=30)
+        t_end = time.monotonic()
         if progress:
             progress(total, total)
         try:
@@ -142,5 +147,6 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)
-    return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids)
+    return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
+                         phases={"preflight": round(t_criu - t0, 3), "criu": round(t_end - t_criu, 3)})
 

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.criu
 def _restore_and_finish(job, snapshot, repo, expected):
     restored = run_json("restore", snapshot, "--repo", repo)
     assert restored["pid"] == job.pid
+    ph = restored["phases"]
+    assert list(ph) == ["preflight", "criu"] and ph["criu"] > 0 and sum(ph.values()) <= restored["seconds"] + 0.01
     try:
         assert job.result() == expected
     finally:
@@ -42,6 +44,9 @@ def test_dump_keeps_job_running_then_restore_finishes_identically(sample_job, re
         assert key in info, key
     assert info["name"] == "e2e" and info["pid"] == job.pid
     assert info["bytes_raw"] > 256 << 20  # all of the job's memory went through the stream
+    ph = info["phases"]                    # where the time went, in order, adding up
+    assert list(ph) == ["preflight", "criu", "drain", "commit"] and min(ph.values()) >= 0
+    assert ph["criu"] > 0 and sum(ph.values()) <= info["seconds"] + 0.01
     assert info["pages_zero"] >= (256 << 20) // 4 // 4096 * 0.9  # the zeroed quarter
 
     # the job keeps running and making progress after the dump

@@ -143,22 +143,23 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
             except GpusnapError as e:
                 rep.add("snapshot", str(ref), str(e))
                 rep.affected_snapshots.append(str(ref))
+    import numpy as np
+    table = idx.page_table()
     blob_users: dict[int, set[str]] = {}
     for s in snaps:
         rep.snapshots_checked.append(s.path.name)
         try:
-            pages, data = s.referenced_ids()
+            pages, data = s.referenced_page_bytes()
         except CorruptSnapshot as e:
             rep.add("snapshot", s.path.name, str(e))
             rep.affected_snapshots.append(s.path.name)
             continue
-        missing = 0
-        for pid in pages:
-            loc = idx.page_loc.get(pid)
-            if loc is None:
-                missing += 1
-            else:
-                blob_users.setdefault(loc >> 8, set()).add(s.path.name)
+        # page ids in bulk (numpy + the index's page table), not one Python object per page
+        ids = np.unique(np.frombuffer(pages, dtype="V16"))
+        locs = np.frombuffer(table.get_many(ids.tobytes()), dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
+        missing = int((locs < 0).sum())
+        for bno in np.unique(locs[locs >= 0] >> 8).tolist():
+            blob_users.setdefault(bno, set()).add(s.path.name)
         for bid in data:
             bno = idx.data_loc.get(bid)
             if bno is None:

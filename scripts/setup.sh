@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything gpusnap needs on a fresh Debian 12 or 13 machine, as root; quick when already done.
-#   - CRIU >= 4.0 and the matching libcriu-dev (Debian 13: its own; Debian 12: from trixie,
-#     pinned low so nothing else moves)
-#   - build tools (cmake, gcc), python3-venv, BLAKE3's C sources (librust-blake3-dev)
-#   - .venv with gpusnap in editable mode, and Debian's pycriu made importable in it
+#   - Python 3, python3-venv, build tools (cmake, gcc), BLAKE3's C sources (librust-blake3-dev)
+#   - CRIU 4.2.1 built from Debian's source package into /opt/gpusnap/criu-4.2.1 (binary, plugin
+#     headers and pycriu of one build), linked as /usr/local/sbin/criu
+#   - .venv with gpusnap in editable mode, and that pycriu made importable in it
 #   - the CMake build of native/ (the CRIU plugin, the page scanner) into build/
 set -euo pipefail
 
@@ -19,70 +19,88 @@ die() { printf '\033[31m[setup] error:\033[0m %s\n' "$*" >&2; exit 1; }
 
 export DEBIAN_FRONTEND=noninteractive
 apt_updated=0
-apt_update() { [ $apt_updated = 1 ] || { apt-get update -q >/dev/null; apt_updated=1; }; }
-major() { local v=${1#*:}; echo "${v%%.*}"; }
+apt_update() { [ $apt_updated = 1 ] || { quiet apt-get update -q; apt_updated=1; }; }
 log=$(mktemp /tmp/gpusnap-setup.XXXXXX.log)
 quiet() { "$@" >>"$log" 2>&1 || { tail -n 30 "$log" >&2; die "failed: $* (full output in $log)"; }; }
-
-criu_ok() {
-  command -v criu >/dev/null 2>&1 || return 1
-  local v; v=$(criu --version 2>/dev/null | sed -n 's/^Version: *//p')
-  [ -n "$v" ] && [ "$(major "$v")" -ge 4 ] 2>/dev/null
-}
-
-add_trixie() {
-  # CRIU 3.17 (Debian 12's) cannot start on recent kernels and lacks the device plugin hooks.
-  # Take CRIU 4.x from trixie, pinned at priority 100 so nothing else is upgraded unless asked.
-  local src=/etc/apt/sources.list.d/gpusnap-trixie.sources mirror
-  [ -f "$src" ] && return 0
-  mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | grep -v security | head -n1 || true)
-  [ -n "$mirror" ] || mirror=$(awk '$1 == "deb" && $3 ~ /^(bookworm|trixie)$/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
-  [ -n "$mirror" ] || mirror=http://deb.debian.org/debian
-  say "adding Debian trixie ($mirror) for CRIU 4.x, pinned low"
-  printf 'Types: deb\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-    "$mirror" >"$src"
-  printf 'Package: *\nPin: release n=trixie\nPin-Priority: 100\n' >/etc/apt/preferences.d/gpusnap-trixie
-  apt_updated=0
-}
-
-# The suite is chosen by what apt offers, not by the release name: a Debian 12 machine that
-# took libc from trixie for CRIU reports itself as trixie afterwards.
-if ! criu_ok; then
-  apt_update
-  cand=$(apt-cache policy criu 2>/dev/null | sed -n 's/^ *Candidate: *//p')
-  if [ -n "$cand" ] && [ "$cand" != "(none)" ] && [ "$(major "$cand")" -ge 4 ]; then
-    say "installing criu $cand"
-    quiet apt-get install -y -q --no-install-recommends criu
-  else
-    add_trixie
-    apt_update
-    say "installing criu from trixie (this system offers ${cand:-none})"
-    quiet apt-get install -y -q --no-install-recommends -t trixie criu
-  fi
-fi
-criu_ok || die "CRIU >= 4.0 is required but '$(criu --version 2>/dev/null | head -n1)' is installed"
-criu_ver=$(dpkg-query -W -f='${Version}' criu 2>/dev/null) || die "criu is not installed from a Debian package"
-
-# The plugin header and the Python bindings must match the installed CRIU exactly.
-if [ "$(dpkg-query -W -f='${Version}' libcriu-dev 2>/dev/null || true)" != "$criu_ver" ]; then
-  say "installing libcriu-dev $criu_ver"
-  apt_update
-  quiet apt-get install -y -q --no-install-recommends "libcriu-dev=$criu_ver"
-fi
 
 pkgs=()
 for t in cmake:cmake gcc:gcc make:make pkg-config:pkg-config; do
   command -v "${t%%:*}" >/dev/null 2>&1 || pkgs+=("${t#*:}")
 done
+[ -x /usr/bin/python3 ] || pkgs+=(python3)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 compgen -G '/usr/share/cargo/registry/blake3-*/c/blake3.c' >/dev/null || pkgs+=(librust-blake3-dev)
 [ -f /usr/include/lz4.h ] || pkgs+=(liblz4-dev)
-/usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python >= 3.11 is required"
 if [ ${#pkgs[@]} -gt 0 ]; then
   say "installing ${pkgs[*]}"
   apt_update
   quiet apt-get install -y -q --no-install-recommends "${pkgs[@]}"
 fi
+/usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python >= 3.11 is required"
+
+# CRIU: gpusnap needs >= 4.2 (4.1 cannot dump a process holding an AF_INET socket on kernels
+# >= 6.16). Debian ships 4.2 only in sid, whose binaries would pull sid's libc and Python, so
+# CRIU is built here from Debian's own upstream tarball (sid's source package, fetched by apt with
+# a private configuration that changes no system source) against this release's -dev packages,
+# and installed under its own prefix. The binary, the plugin headers and pycriu come from that one
+# build, so they always match. docs/setup.md says why in full.
+CRIU_VERSION=4.2.1
+criu_prefix=/opt/gpusnap/criu-$CRIU_VERSION
+criu_build_deps=(gcc make pkg-config xz-utils protobuf-compiler protobuf-c-compiler libprotobuf-dev
+  libprotobuf-c-dev libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev
+  libnftables-dev libbsd-dev uuid-dev iptables)
+
+criu_built() {
+  [ -x "$criu_prefix/sbin/criu" ] && [ -f "$criu_prefix/include/criu/criu-plugin.h" ] &&
+    [ -f "$criu_prefix/python/pycriu/images/pb.py" ] &&
+    [ "$("$criu_prefix/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p')" = "$CRIU_VERSION" ]
+}
+
+debian_mirror() {
+  local m
+  m=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | grep -v security | head -n1 || true)
+  [ -n "$m" ] || m=$(awk '$1 == "deb" && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  echo "${m:-http://deb.debian.org/debian}"
+}
+
+build_criu() {
+  local tmp o
+  say "building CRIU $CRIU_VERSION from Debian's source package (about a minute)"
+  apt_update
+  quiet apt-get install -y -q --no-install-recommends "${criu_build_deps[@]}"
+  tmp=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)
+  mkdir -p "$tmp/lists/partial" "$tmp/src"
+  # A private apt configuration with only sid's deb-src: the system's sources stay as they are.
+  # sid's Release can be past its Valid-Until on a mirror; the check is off for this source only
+  # (its signature is still checked, and apt checks the tarball against the signed index).
+  printf 'deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg check-valid-until=no] %s sid main\n' \
+    "$(debian_mirror)" >"$tmp/sources.list"
+  o=(-o "Dir::Etc::sourcelist=$tmp/sources.list" -o Dir::Etc::sourceparts=- -o "Dir::State::Lists=$tmp/lists"
+     -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
+  quiet apt-get "${o[@]}" update
+  (cd "$tmp/src" && apt-get "${o[@]}" source --download-only --tar-only "criu=$CRIU_VERSION-*" >>"$log" 2>&1) ||
+    (cd "$tmp/src" && apt-get "${o[@]}" source --download-only "criu" >>"$log" 2>&1) || true
+  [ -f "$tmp/src/criu_$CRIU_VERSION.orig.tar.xz" ] || die "could not fetch criu_$CRIU_VERSION.orig.tar.xz from Debian's sid sources (see $log)"
+  tar -C "$tmp/src" -xf "$tmp/src/criu_$CRIU_VERSION.orig.tar.xz"
+  local s="$tmp/src/criu-$CRIU_VERSION"
+  quiet make -C "$s" -j"$(nproc)" criu
+  quiet make -C "$s" lib
+  rm -rf "$criu_prefix.new"
+  install -D -m 0755 "$s/criu/criu" "$criu_prefix.new/sbin/criu"
+  install -D -m 0644 "$s/criu/include/criu-plugin.h" "$criu_prefix.new/include/criu/criu-plugin.h"
+  install -D -m 0644 "$s/criu/include/criu-log.h" "$criu_prefix.new/include/criu/criu-log.h"
+  mkdir -p "$criu_prefix.new/python"
+  cp -r "$s/lib/pycriu" "$criu_prefix.new/python/"
+  find "$criu_prefix.new/python" -name Makefile -delete
+  rm -rf "$criu_prefix" && mv "$criu_prefix.new" "$criu_prefix"
+  rm -rf "$tmp"
+}
+
+criu_built || build_criu
+criu_built || die "CRIU $CRIU_VERSION did not build (see $log)"
+# /usr/local/sbin comes before /usr/sbin on root's PATH, so this shadows any Debian criu 4.1;
+# gpusnap itself looks here first whatever PATH says (gpusnap/criu/runner.py).
+ln -sfn "$criu_prefix/sbin/criu" /usr/local/sbin/criu
 
 venv=.venv
 if [ ! -x $venv/bin/python ]; then
@@ -97,23 +115,11 @@ if [ ! -f $stamp ] || [ pyproject.toml -nt $stamp ]; then
   touch $stamp
 fi
 
-# pycriu: Debian's python3-pycriu matches the installed CRIU, but installing it on Debian 12
-# would replace the system Python with trixie's. It is pure Python, so the .deb of the same
-# version is unpacked into the venv and a .pth file points at it; protobuf comes from pip.
-pyc_dir=$venv/pycriu-$criu_ver
-if [ ! -d "$pyc_dir/pycriu" ]; then
-  say "unpacking Debian's python3-pycriu $criu_ver into $venv"
-  tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
-  apt_update
-  (cd "$tmp" && apt-get download -q "python3-pycriu=$criu_ver" >>"$log" 2>&1) \
-    || die "could not download python3-pycriu=$criu_ver"
-  dpkg-deb -x "$tmp"/python3-pycriu_*.deb "$tmp/x"
-  rm -rf $venv/pycriu-*
-  mkdir -p "$pyc_dir"
-  cp -r "$tmp/x/usr/lib/python3/dist-packages/pycriu" "$pyc_dir/"
-fi
+# pycriu comes from the same CRIU build; a .pth file makes it importable in the venv.
+pyc_dir=$criu_prefix/python
 site=$($venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$here/$pyc_dir" >"$site/debian-pycriu.pth"
+rm -f "$site/debian-pycriu.pth"
+echo "$pyc_dir" >"$site/gpusnap-pycriu.pth"
 $venv/bin/python -c 'import pycriu.images' || die "pycriu is not importable in $venv"
 
 # Byte-compile gpusnap and pycriu now: where PYTHONDONTWRITEBYTECODE is set, every run
@@ -121,7 +127,7 @@ $venv/bin/python -c 'import pycriu.images' || die "pycriu is not importable in $
 quiet $venv/bin/python -m compileall -q gpusnap "$pyc_dir"
 
 say "building native/ with CMake"
-quiet cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
+quiet cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUSNAP_CRIU_INCLUDE="$criu_prefix/include"
 quiet cmake --build build -j"$(nproc)"
 
 rm -f "$log"

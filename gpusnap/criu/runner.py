@@ -11,9 +11,9 @@ from pathlib import Path
 
 from gpusnap.errors import CriuFailed, CriuUnavailable
 
-MIN_VERSION = (4, 0)
-INSTALL_HINT = ("install CRIU 4.x: on Debian 13 `apt-get install criu libcriu-dev`; on Debian 12 "
-                "from the trixie suite (`make setup` in the gpusnap checkout does it, pinned low)")
+MIN_VERSION = (4, 2)  # 4.1 cannot dump AF_INET sockets on kernels >= 6.16
+INSTALL_HINT = ("run `make setup` as root in the gpusnap checkout: it builds CRIU 4.2.1 from Debian's "
+                "source package into /opt/gpusnap and links it as /usr/local/sbin/criu")
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,16 @@ _info_cache: dict[str, "CriuInfo"] = {}  # one `criu --version` per process
 
 
 def criu_path() -> str | None:
-    return os.environ.get("GPUSNAP_CRIU") or shutil.which("criu") or next(
-        (p for p in ("/usr/sbin/criu", "/sbin/criu", "/usr/local/sbin/criu") if os.access(p, os.X_OK)), None)
+    """$GPUSNAP_CRIU, else the CRIU `make setup` builds (/usr/local/sbin/criu, looked up directly
+    because cron's PATH lacks that directory and a Debian criu 4.1 may sit in /usr/sbin), else PATH."""
+    env = os.environ.get("GPUSNAP_CRIU")
+    if env:
+        return env
+    for p in ("/usr/local/sbin/criu",):
+        if os.access(p, os.X_OK):
+            return p
+    return shutil.which("criu") or next(
+        (p for p in ("/usr/sbin/criu", "/sbin/criu") if os.access(p, os.X_OK)), None)
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:

@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import paths, proc
+from gpusnap import paths, preflight, proc
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
-from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, NotDumpable, UsageError
+from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
@@ -128,16 +128,13 @@ def _plugin_failure(log: Path) -> list[str]:
 
 
 
-def _criu_args(req: DumpRequest, workdir: Path, log: Path, shell_job: bool) -> list[str]:
+def _criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str]) -> list[str]:
     args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
             "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4"]
     # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
     # failure while storing can still hand the job back.
     args.append("--leave-running" if req.leave_running else "--leave-stopped")
-    if shell_job:
-        args.append("--shell-job")
-    if req.tcp_established:
-        args.append("--tcp-established")
+    args += options  # decided by the preflight: --shell-job, --tcp-established, --file-locks, ...
     return args
 
 
@@ -219,28 +216,16 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         raise UsageError(f"--compress must be one of {', '.join(COMPRESSORS)}, not {req.compress!r}")
     if req.name:
         check_name(req.name)
-    runner.require_privileges("dump")
-    runner.criu_info()
-    proc.require_process(req.pid)
+    plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
     name = req.name or default_name(req.pid)
-    pids = proc.tree(req.pid)
+    pids = plan.pids
     estimate = proc.rss_bytes(pids)
-    outside = [p for p in pids if proc.session_outside_namespace(p)]
-    if outside:
-        raise NotDumpable(
-            f"the session leader of PID {outside[0]} is outside its PID namespace, "
-            "so CRIU could not recreate its session on restore",
-            hint="start the job in a session of its own (`setsid CMD`, or start_new_session=True "
-                 "in Python); the job was not touched")
-    shell_job = proc.needs_shell_job(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
 
     repo = Repository.open(req.repo, create=True)
-    restore_flags = ["--shell-job"] if shell_job else []
-    if req.tcp_established:
-        restore_flags.append("--tcp-established")
+    restore_flags = list(plan.restore_flags)
     meta = {
         "pid": req.pid,
         "pids": pids,
@@ -253,6 +238,9 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         "restore_flags": restore_flags,
         "leave_running": req.leave_running,
         "compress": req.compress,
+        # what restore needs to judge the connections (peer still there?) and name the locks
+        "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
+        "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
     }
     gpu = _gpu_facts(pids)
     if gpu:
@@ -282,7 +270,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             gate = PostDumpGate(workdir, server)
             phase("preflight")
             criu = subprocess.Popen(
-                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
+                [runner.criu_info().path, *_criu_args(req, workdir, log, plan.dump_options),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=_criu_env(req, workdir), start_new_session=True)

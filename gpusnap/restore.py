@@ -105,7 +105,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
     _check_pids_free(pids, snap.path)
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
 

@@ -157,6 +157,9 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    tcp_close: bool = typer.Option(False, "--tcp-close",
+                                   help="Restore established TCP connections closed (the job sees a reset "
+                                        "and reconnects); the default when their peer is gone."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -170,13 +173,15 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close)
     if json_:
         _emit_json(result.to_dict())
     else:
         out.print(result.pid)
+        if result.tcp_closed and not quiet:
+            err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
 
 
 @app.command("ls")

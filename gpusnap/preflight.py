@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap import proc
+from gpusnap import netlock, proc
 from gpusnap.errors import (CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound,
                             UsageError)
 
@@ -236,24 +236,6 @@ def who_holds(inodes: set[int]) -> dict[int, tuple[int, str]]:
     return found
 
 
-def network_lock() -> tuple[list[str] | None, str]:
-    """CRIU's network lock for --tcp-established: (options, how), or (None, why not).
-    CRIU's default method runs `iptables` (and ip6tables) to drop the connections' packets
-    while they are frozen; without it, nftables when this CRIU was built with libnftables."""
-    if any(shutil.which(n) or os.access(f"/usr/sbin/{n}", os.X_OK) for n in ("iptables",)):
-        return [], "iptables"
-    from gpusnap.criu import runner
-
-    try:
-        criu = runner.criu_info().path
-    except GpusnapError:
-        return None, "CRIU is missing"
-    rc, _ = _run([criu, "check", "--feature", "nftables"], timeout=30)
-    if rc == 0:
-        return ["--network-lock", "nftables"], "nftables"
-    return None, "neither iptables nor CRIU's nftables support is available"
-
-
 # ---------------------------------------------------------------- file locks
 
 def _parse_lock_line(text: str) -> dict[str, Any] | None:
@@ -418,7 +400,7 @@ def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
         plan.add("TCP listen", "ok", "listening on " + ", ".join(s["local"] for s in plan.listening[:5])
                  + " (restored; the port must be free at restore time)")
     if plan.tcp or force_tcp:
-        opts, how = network_lock()
+        opts, how = netlock.network_lock()
         conns = ", ".join(f"{s['local']}→{s['remote']} {s['state']}" for s in plan.tcp[:5])
         if opts is None:
             plan.add("TCP", "fail", f"{len(plan.tcp)} open TCP connection(s): {conns}; dumping them needs "

@@ -70,12 +70,18 @@ def _progress(label: str, enabled: bool):
     return bar, update
 
 
-def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path]) -> int:
+def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
+                 name: Optional[str] = None, repo: Optional[Path] = None) -> int:
     from gpusnap import proc
 
     given = [x is not None for x in (pid, match, pidfile)]
+    if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
+        from gpusnap import jobrun, locate
+
+        return jobrun.find(name, locate.repo_path(repo)).pid
     if sum(given) != 1:
-        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
+        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE "
+                         "(or --name N of a job started with `gpusnap run`)")
     if pidfile is not None:
         try:
             return int(pidfile.read_text().split()[0])
@@ -125,7 +131,7 @@ def dump(
     from gpusnap import locate
     from gpusnap.dump import DumpRequest, dump as do_dump
 
-    target = _resolve_pid(pid, match, pidfile)
+    target = _resolve_pid(pid, match, pidfile, name, repo)
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
                       keep_last=keep_last)
@@ -333,7 +339,9 @@ def ps(json_: bool = JsonOpt) -> None:
 
 @schedule_app.command("add")
 def schedule_add(
-    match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
+    match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
+                                        help="Regular expression on the job's command line (default: the "
+                                             "job started with `gpusnap run --name NAME`)."),
     name: str = typer.Option(..., "--name", help="Snapshot name, also the schedule's name."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
@@ -346,6 +354,10 @@ def schedule_add(
     _json_mode = json_
     from gpusnap import schedule
 
+    if match is None:  # the job `gpusnap run --name NAME` started: it must exist now
+        from gpusnap import jobrun, locate
+
+        jobrun.find(name, locate.repo_path(repo))
     s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo)
     if json_:
         _emit_json(s.to_dict())
@@ -382,6 +394,33 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
         _emit_json(s.to_dict())
     else:
         out.print(f"removed {s.path}")
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default: the command's name); "
+                                                             "`dump --name N` and `restore N` find it."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Start a job the way that snapshots best (the recommended way to start one).
+
+    The job gets its own session and PID namespace (so a snapshot restores beside the running
+    original, without PID clashes); stdout and stderr go to files in REPO/jobs/NAME/.
+    Prints the job's PID.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import jobrun, locate
+
+    job = jobrun.start(command, locate.repo_path(repo), name=name)
+    if json_:
+        _emit_json(job.to_dict())
+        return
+    out.print(job.pid)
+    err.print(f"job {job.name} started (PID {job.pid}); output in {job.dir}; "
+              f"snapshot it with `gpusnap dump --name {job.name}`")
 
 
 @app.callback(invoke_without_command=True)

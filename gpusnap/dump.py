@@ -241,6 +241,8 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         # what restore needs to judge the connections (peer still there?) and name the locks
         "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
         "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
+        # restored into a new PID namespace: its PIDs never clash with running processes
+        "own_pid_namespace": plan.own_pid_namespace,
     }
     gpu = _gpu_facts(pids)
     if gpu:

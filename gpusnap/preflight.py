@@ -56,6 +56,7 @@ class Plan:
     restore_flags: list[str] = field(default_factory=list)   # what `criu restore` then needs
     locks: list[dict[str, Any]] = field(default_factory=list)
     tcp: list[dict[str, Any]] = field(default_factory=list)        # connections (not LISTEN)
+    own_pid_namespace: bool = False  # the root is PID 1 of a namespace of its own (`gpusnap run`)
     listening: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
@@ -327,6 +328,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
         plan.add("self", "fail", f"PID {pid} is gpusnap itself or one of its parents (e.g. the shell "
                  "it runs in); it cannot snapshot itself", "dump the job's own PID", UsageError)
 
+    _check_pidns(plan, pid)
     _check_uids(plan, pids)
     traced = [(p, t) for p in pids if (t := _status_field(p, "TracerPid")) and t != "0"]
     if traced:
@@ -344,6 +346,25 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
     _check_sockets(plan, pids, tcp_established)
     _check_locks(plan, pids)
     return plan
+
+
+def _nspid(pid: int) -> list[int]:
+    v = _status_field(pid, "NSpid")
+    return [int(x) for x in v.split()] if v else []
+
+
+def _check_pidns(plan: Plan, pid: int) -> None:
+    mine, its = _nspid(os.getpid()), _nspid(pid)
+    if len(its) <= len(mine):
+        return
+    if its[-1] == 1:
+        plan.own_pid_namespace = True
+        plan.add("PID namespace", "ok", f"PID {pid} is the init of its own PID namespace: CRIU dumps the "
+                 "namespace, and a restore recreates it, so it runs beside the original without PID clashes")
+    else:
+        plan.add("PID namespace", "fail", f"PID {pid} lives in a PID namespace of its own (PID {its[-1]} "
+                 "there) but is not its init; CRIU can dump a PID namespace only from its init",
+                 "dump the namespace's init instead (its PID 1)")
 
 
 def _check_uids(plan: Plan, pids: list[int]) -> None:

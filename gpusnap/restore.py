@@ -104,7 +104,9 @@ def _restore(repository, snap, info, gpu_map, progress, t0, tcp_close=False) -> 
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
     pids = snapshot_pids(snap)
-    _check_pids_free(pids, snap.path)
+    own_pidns = snap.manifest.get("meta", {}).get("own_pid_namespace") is True
+    if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
+        _check_pids_free(pids, snap.path)
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
     allowed = {"--shell-job", "--tcp-established", "--file-locks"}
@@ -147,8 +149,13 @@ def _restore(repository, snap, info, gpu_map, progress, t0, tcp_close=False) -> 
             progress(total, total)
         try:
             pid = int(pidfile.read_text().split()[0])
+            if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
+                pids = proc.tree(pid)
         except (OSError, ValueError, IndexError):
             pid = pids[0]
+            if own_pidns:  # never hand back the original's PIDs as the restored ones
+                raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown",
+                                 log_path=str(log)) from None
         runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
         if closed:
             netlock.unlock_closed(conns)

@@ -67,14 +67,16 @@ def gpusnap_executable() -> str:
     return str(candidate) if candidate.exists() else f"{sys.executable} -m gpusnap"
 
 
-def add(name: str, match: str, *, every: str | None = None, cron: str | None = None,
+def add(name: str, match: str | None, *, every: str | None = None, cron: str | None = None,
         keep_last: int = 4, repo: Path | None = None, exit_after: bool = False) -> Schedule:
     check_name(name)
     if keep_last < 1:
         raise UsageError("--keep-last must be at least 1")
     expr = cron_expr(every, cron)
     exe = gpusnap_executable()
-    args = ["dump", "--match", match, "--name", name, "--keep-last", str(keep_last), "--quiet"]
+    # no --match: `dump --name NAME` finds the job `gpusnap run --name NAME` started
+    args = ["dump", *(["--match", match] if match is not None else []), "--name", name,
+            "--keep-last", str(keep_last), "--quiet"]
     if repo:
         args += ["--repo", str(Path(repo).absolute())]
     if exit_after:

@@ -162,7 +162,7 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
         return stream_err
     lines = runner.log_errors(log)
     return CriuFailed(f"criu dump failed (exit status {rc}); the job was left running",
-                      log_path=kept, last_lines=lines, hint=runner.explain(lines))
+                      log_path=kept, last_lines=lines, hint=runner.explain_dump(lines))
 
 
 def _retain(repo, name: str, keep_last: int) -> list[str]:

@@ -423,6 +423,38 @@ def run(
               f"snapshot it with `gpusnap dump --name {job.name}`")
 
 
+@app.command("slurm-run", context_settings={"allow_interspersed_args": False})
+def slurm_run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: str = typer.Option(..., "--name", help="Job and snapshot name (one per job in the repository)."),
+    repo: Optional[Path] = RepoOpt,
+    every: Optional[str] = typer.Option(None, "--every", metavar="INTERVAL",
+                                        help="Also snapshot periodically (e.g. 10m), so a node failure loses "
+                                             "at most one interval."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
+                                            help="Keep only the newest N snapshots of this name."),
+    resume: str = typer.Option("auto", "--resume", metavar="auto|always|never",
+                               help="Restore the newest snapshot of the name: after a Slurm requeue (auto), "
+                                    "always, or never."),
+    requeue: bool = typer.Option(True, "--requeue/--no-requeue",
+                                 help="After the final snapshot, ask Slurm to requeue the job."),
+) -> None:
+    """Run a batch job that survives preemption, time limits and node failures (inside sbatch).
+
+    Starts the job (or, after a requeue, restores its newest snapshot); on USR1/TERM (use
+    `#SBATCH --signal=B:USR1@120`) takes a final snapshot and requeues. Exits with the job's status.
+    """
+    from gpusnap import locate, slurm
+
+    if resume not in ("auto", "always", "never"):
+        raise UsageError(f"--resume {resume!r}: use auto, always or never")
+    opts = slurm.Options(name=name, repo=locate.repo_path(repo), command=command,
+                         every_s=slurm.parse_interval(every) if every else None, keep_last=keep_last,
+                         resume=resume, requeue=requeue)
+    code = slurm.Supervisor(opts).run()
+    raise typer.Exit(code)
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),

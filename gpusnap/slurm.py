@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap import jobrun, proc
-from gpusnap.errors import UsageError
+from gpusnap.errors import RepositoryLocked, UsageError
 
 PR_SET_CHILD_SUBREAPER = 36
 EVENTS = "slurm.jsonl"
+LOCK_PATIENCE_FINAL_S = 60.0  # how long a final snapshot waits for another job's dump to finish
 
 
 @dataclass
@@ -194,7 +195,14 @@ class Supervisor:
             args += ["--keep-last", str(self.o.keep_last)]
         t0 = time.monotonic()
         runtime = self.runtime()
-        rc, r = self._gpusnap(*args)
+        # A shared repository has one writer at a time: another job's dump holds it for a few
+        # seconds, so wait for it (exit 10 is RepositoryLocked) rather than lose this snapshot.
+        patience = LOCK_PATIENCE_FINAL_S if final else max(5.0, (self.o.every_s or 60) / 2)
+        while True:
+            rc, r = self._gpusnap(*args)
+            if rc != RepositoryLocked.exit_code or time.monotonic() - t0 > patience:
+                break
+            time.sleep(1)
         secs = time.monotonic() - t0
         kind = "final-snapshot" if final else "snapshot"
         if rc == 0 or r.get("snapshot"):  # committed (a failed retention after it still counts)

@@ -7,6 +7,7 @@ place, `main()`. `--json` prints exactly one JSON object on stdout (an error obj
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -70,9 +71,8 @@ def _progress(label: str, enabled: bool):
     return bar, update
 
 
-def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path]) -> int:
-    from gpusnap import proc
-
+def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
+                 user: Optional[str] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
     if sum(given) != 1:
         raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
@@ -82,16 +82,9 @@ def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Pat
         except (OSError, ValueError, IndexError):
             raise UsageError(f"--pidfile {pidfile}: no PID could be read from it") from None
     if match is not None:
-        hits = proc.find_matching(match)
-        if not hits:
-            from gpusnap.errors import ProcessNotFound
+        from gpusnap import validate
 
-            raise ProcessNotFound(f"no running process matches {match!r}")
-        if len(hits) > 1:
-            listing = "; ".join(f"{p}: {proc.cmdline(p)[:60]}" for p in hits[:5])
-            raise UsageError(f"{len(hits)} process trees match {match!r} ({listing})",
-                             hint="make the pattern more specific, or pass the PID")
-        return hits[0]
+        return validate.find_job(match, None if user is None else validate.resolve_user(user))
     return pid  # type: ignore[return-value]
 
 
@@ -101,6 +94,8 @@ def dump(
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Find the job by a regular expression on its command line."),
     pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="With --match: only this user's processes."),
     repo: Optional[Path] = RepoOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
@@ -125,7 +120,9 @@ def dump(
     from gpusnap import locate
     from gpusnap.dump import DumpRequest, dump as do_dump
 
-    target = _resolve_pid(pid, match, pidfile)
+    if user is not None and match is None:
+        raise UsageError("--user only narrows --match")
+    target = _resolve_pid(pid, match, pidfile, user)
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
                       keep_last=keep_last)
@@ -136,10 +133,22 @@ def dump(
     else:
         result = do_dump(req)
     data = result.to_dict()
+    from gpusnap.dump import retention_error
+
+    failed = retention_error(result)
     if json_:
+        if failed is not None:
+            data.update({"error": failed.title, "message": failed.message, "exit_code": failed.exit_code,
+                         "hint": failed.hint})
         _emit_json(data)
+        if failed is not None:
+            raise typer.Exit(failed.exit_code)
         return
     out.print(result.snapshot)
+    for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if failed is not None:
+        raise failed
     if not quiet and err.is_terminal:
         ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
@@ -189,7 +198,7 @@ def ls_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
 
     root = locate.repo_path(repo)
     rows = []
-    if (root / "config").exists():
+    if os.path.lexists(root):     # a file, or a directory that is no repository: an error, not "empty"
         usage = Repository.open(root).usage()
         for dirname, row in usage.items():
             rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})

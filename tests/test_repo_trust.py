@@ -163,14 +163,24 @@ def test_repo_that_is_a_file_is_a_clean_error(tmp_path):
     assert j.returncode == 14 and j.stdout.count("\n") == 1
 
 
+@pytest.fixture
+def public_dir():
+    """A root-owned 0755 directory under /tmp that `nobody` can reach (pytest's tmp_path is
+    0700)."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="gpusnap-trust-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield __import__("pathlib").Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @root_only
 @pytest.mark.criu
 @pytest.mark.parametrize("attack", ["locks", "tmp"])
-def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, attack):
+def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, attack, public_dir):
     """The issue's repros: a repository a normal user can write, the user plants a symlink,
     root's next prune / dump --keep-last refuses (exit 14) and the victim is untouched."""
-    os.chmod(tmp_path, 0o755)
-    repo = tmp_path / "repo"
+    repo = public_dir / "repo"
     job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     run_gpusnap("dump", job.pid, "--repo", repo, "--name", "a", "--quiet", check=True)
@@ -194,10 +204,11 @@ def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, a
     # once root takes the repository back (and removes the plant), it works again
     subprocess.run(["chown", "-R", "root:", str(repo)], check=True)
     os.chmod(repo, 0o700)
-    os.unlink(repo / attack)
-    os.rename(repo / f"{attack}.old", repo / attack) if attack == "tmp" else shutil.rmtree(repo / "locks.old")
     if attack == "locks":
-        (repo / "locks").rmdir() if (repo / "locks").is_dir() and not (repo / "locks").is_symlink() else None
+        shutil.rmtree(repo / "locks")
+    else:
+        os.unlink(repo / "tmp")
+    os.rename(repo / f"{attack}.old", repo / attack)
     run_gpusnap("dump", job.pid, "--repo", repo, "--name", "a", "--keep-last", "1", "--quiet", check=True)
     assert [s["name"] for s in run_json("ls", "--repo", repo)["snapshots"]] == ["a"]
     assert run_gpusnap("verify", "--repo", repo).returncode == 0

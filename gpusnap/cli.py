@@ -338,40 +338,60 @@ def ps(json_: bool = JsonOpt) -> None:
 @schedule_app.command("add")
 def schedule_add(
     match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
-    name: str = typer.Option(..., "--name", help="Snapshot name, also the schedule's name."),
+    name: str = typer.Option(..., "--name", help="Schedule name, also the snapshot name ([A-Za-z0-9_-])."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
     keep_last: int = typer.Option(4, "--keep-last", metavar="N", min=1, help="Snapshots of this name to keep."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="Owner of the job (default: whoever owns what --match finds now); "
+                                            "only this user's processes are ever dumped."),
+    replace: bool = typer.Option(False, "--replace", help="Overwrite an existing schedule of this name."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Snapshot a job periodically (a file in /etc/cron.d), keeping the newest N."""
+    """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo)
+    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
+                     replace=replace)
+    moved = getattr(s, "replaced_repo", None)
     if json_:
-        _emit_json(s.to_dict())
-    else:
-        out.print(f"{s.path}: {s.cron}  {s.command}")
+        _emit_json({**s.to_dict(), "replaced_repo": moved})
+        return
+    out.print(f"{s.name}: {s.when}, job {s.match!r} of user {s.user}, repository {s.repo}, keep {s.keep_last}")
+    out.print(f"  {s.backend}: {', '.join(s.files)}; log {s.log}")
+    if moved:
+        err.print(f"[yellow]note: this schedule used repository {moved} before[/]")
 
 
 @schedule_app.command("ls")
 def schedule_ls(json_: bool = JsonOpt) -> None:
-    """List gpusnap's cron schedules."""
+    """List schedules: when, last run, result, next run; a job gone for runs in a row."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    items = schedule.list_schedules()
+    items = [schedule.status(s) for s in schedule.list_schedules()]
     if json_:
-        _emit_json({"schedules": [s.to_dict() for s in items]})
+        _emit_json({"schedules": items})
         return
-    for s in items:
-        out.print(f"{s.name}\t{s.cron}\t{s.command}")
     if not items:
         err.print("no schedules")
+        return
+    table = Table(box=None)
+    for col in ("name", "when", "user", "last run (UTC)", "result", "next run (UTC)", "repository"):
+        table.add_column(col)
+    for st in items:
+        result = st["result"] or "-"
+        if st["job_gone"]:
+            result = f"JOB GONE ({st['runs_without_job']} runs)"
+        elif not st["installed"]:
+            result += " (NOT INSTALLED)"
+        table.add_row(st["name"], st["when"], st["user"], st["last_run"] or "never", result,
+                      st["next_run"] or "-", st["repo"])
+    out.print(table)
 
 
 @schedule_app.command("rm")
@@ -385,7 +405,28 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
     if json_:
         _emit_json(s.to_dict())
     else:
-        out.print(f"removed {s.path}")
+        out.print(f"removed schedule {s.name} ({', '.join(s.files)})")
+
+
+@schedule_app.command("run")
+def schedule_run(
+    name: str = typer.Argument(...),
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", metavar="DIR",
+                                              help="Where the schedule's record is (default /etc/gpusnap/schedules)."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Run a schedule once, as its timer or cron line does; logs one JSON line."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    rec = schedule.run(name, config_dir)
+    for w in rec.get("warnings", []):
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if json_:
+        _emit_json(rec)
+    else:
+        out.print(rec.get("snapshot", ""))
 
 
 @app.callback(invoke_without_command=True)

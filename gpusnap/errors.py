@@ -126,6 +126,13 @@ class RetentionFailed(GpusnapError):
     title = "retention failed"
 
 
+class SchedulerUnavailable(GpusnapError):
+    """Neither systemd nor a cron daemon runs here: a schedule would never run."""
+
+    exit_code = 22
+    title = "no scheduler"
+
+
 class Interrupted(GpusnapError):
     exit_code = 130
     title = "interrupted"

@@ -261,7 +261,9 @@ def verify(
         refs = [str(snap.path)]
     else:
         repository, refs = Repository.open(locate.repo_path(repo)), None
-    report = verify_mod.verify(repository, refs, read_data=not structure_only)
+    # a prune deleting snapshots while verify reads them must not look like damage: wait for it
+    with repository.readers_lock():
+        report = verify_mod.verify(repository, refs, read_data=not structure_only)
     data = report.to_dict()
     if json_:
         _emit_json(data)

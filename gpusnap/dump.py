@@ -86,6 +86,21 @@ def check_name(name: str) -> str:
     return name
 
 
+PF_KTHREAD = 0x00200000
+
+
+def _refuse_kernel_thread(pid: int) -> None:
+    """A kernel thread (kthreadd, PID 2, and its children) has no memory of its own to dump."""
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+        flags = int(st[st.rindex(")") + 2:].split()[6])
+    except (OSError, ValueError, IndexError):
+        return
+    if flags & PF_KTHREAD:
+        raise NotDumpable(f"PID {pid} is a kernel thread; there is no process to snapshot",
+                          hint="give the PID of a user-space process (see `ps -ef`; kernel threads are in [brackets])")
+
+
 def _free_bytes(path: Path) -> int:
     p = path
     while not p.exists():
@@ -240,6 +255,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     runner.require_privileges("dump")
     runner.criu_info()
     proc.require_process(req.pid)
+    _refuse_kernel_thread(req.pid)
     name = req.name or default_name(req.pid)
     pids = proc.tree(req.pid)
     estimate = proc.rss_bytes(pids)

@@ -206,7 +206,7 @@ class Repository:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise RepositoryLocked(f"a restore or verify is reading repository {self.path}",
+                    raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
                                            "prune again when it has finished") from None
             else:
                 fcntl.flock(fd, fcntl.LOCK_SH)

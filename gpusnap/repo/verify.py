@@ -172,10 +172,12 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
         if missing and s.locations() is not None:
             # the snapshot's own locations file (checked: packs present, long enough) still
             # finds every page, and restore reads through it: the index is what is damaged
-            rep.add("index", ", ".join(sorted(idx.bad_files)) or "index",
-                    f"{missing} pages/blobs of snapshot {s.path.name} are not in the index (index files "
-                    "damaged or missing); the snapshot is intact and restores through its locations file; "
-                    "rebuild the index from the packs with `gpusnap repair`")
+            msg = (f"{missing} pages/blobs of snapshot {s.path.name} are not in the index; the snapshot "
+                   "restores through its locations file; `gpusnap repair` rebuilds the index from the packs")
+            if idx.bad_files:                   # (each damaged file is a problem of its own above)
+                rep.notes.append(msg)
+            else:
+                rep.add("index", "index", msg + " (an index file is missing)")
             continue
         if missing:
             rep.add("snapshot", s.path.name, f"{missing} pages/blobs it needs are not in the index"

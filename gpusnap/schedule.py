@@ -501,6 +501,26 @@ def next_run(s: Schedule, recs: list[dict], now: float) -> str | None:
     return _now_iso(now + span)
 
 
+def _legacy_cron_files(known: set[str]) -> list[Path]:
+    d = cron_dir()
+    out = []
+    try:
+        entries = sorted(d.glob(f"{PREFIX}*"))
+    except OSError:
+        return out
+    for p in entries:
+        if str(p) in known:
+            continue
+        try:
+            with open(p, "rb") as f:
+                head = f.read(len(MARK))
+        except OSError:
+            continue
+        if head == MARK.encode():
+            out.append(p)
+    return out
+
+
 def doctor_checks(add) -> None:
     """For `gpusnap doctor`: can schedules run here, and is each one healthy.
     `add(name, status, detail, fix)` as DoctorReport.add."""
@@ -514,6 +534,11 @@ def doctor_checks(add) -> None:
             "install a cron daemon (Debian/Ubuntu: apt install cron; Fedora/RHEL: dnf install cronie)")
     else:
         add("scheduler", "ok", why)
+    known = {f for s in items for f in s.files}
+    for p in _legacy_cron_files(known):
+        add(f"schedule file {p.name}", "warn",
+            f"{p} was written by an older gpusnap: its command line holds the job's arguments as text",
+            f"add the schedule again with --replace (or remove {p})")
     for s in items:
         st = status(s)
         if not st["installed"]:

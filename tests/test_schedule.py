@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, run_gpusnap, run_json
+from conftest import PY, ROOT, run_gpusnap, run_json
 from gpusnap import cronexpr, schedule, validate
 from gpusnap.errors import ProcessNotFound, UsageError
 
@@ -279,3 +279,27 @@ def test_the_cron_command_dumps_keeps_the_last_n_and_logs_json(sched_env, sample
     assert st["result"] == "ok" and st["last_run"] == recs[-1]["time"] and st["next_run"] and not st["job_gone"]
     assert job.alive()
     assert run_gpusnap("verify", "--repo", repo).returncode == 0
+
+
+def test_legacy_cron_file_is_flagged_by_doctor(sched_env):
+    os.makedirs(sched_env["GPUSNAP_CRON_DIR"])
+    old = os.path.join(sched_env["GPUSNAP_CRON_DIR"], "gpusnap-old")
+    with open(old, "w") as f:
+        f.write("# gpusnap schedule old\n*/30 * * * * root gpusnap dump --match 'x' --name old\n")
+    checks = {c["name"]: c for c in json.loads(run_gpusnap("doctor", "--json", env=sched_env).stdout)["checks"]}
+    assert checks["schedule file gpusnap-old"]["status"] == "warn"
+    p = run_gpusnap("schedule", "add", "--match", "x", "--name", "old", "--every", "30m", "--user", "root",
+                    env=sched_env)
+    assert p.returncode == 2 and "--replace" in p.stderr
+
+
+def test_not_root_gets_an_error_not_a_traceback(tmp_path):
+    env = {"GPUSNAP_SCHEDULER": "cron", "GPUSNAP_SCHEDULE_DIR": "/etc/gpusnap-test-not-writable/schedules",
+           "GPUSNAP_CRON_DIR": "/etc/cron.d", "GPUSNAP_LOG_DIR": "/var/log/gpusnap-test-nope",
+           "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", PY, "-m", "gpusnap",
+                        "schedule", "add", "--match", "x", "--name", "y", "--every", "30m", "--user", "root",
+                        "--repo", "/tmp/gpusnap-nobody-repo-none"],
+                       capture_output=True, text=True, env={**os.environ, **env}, cwd="/")
+    assert p.returncode == 3 and "Traceback" not in p.stderr and "sudo" in p.stderr, p.stderr
+    assert not os.path.exists("/etc/gpusnap-test-not-writable")

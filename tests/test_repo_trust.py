@@ -52,6 +52,16 @@ def test_repository_owned_by_another_user_is_refused(tmp_path):
     assert p.returncode == 14 and "hint" in p.stderr, p.stderr
 
 
+@root_only
+def test_no_repository_is_created_in_a_directory_another_user_owns(tmp_path):
+    d = tmp_path / "theirs"
+    d.mkdir()
+    os.chown(d, NOBODY, NOBODY)
+    with pytest.raises(RepositoryError, match="owned by uid"):
+        Repository.open(d, create=True)
+    assert os.listdir(d) == []
+
+
 @pytest.mark.parametrize("where", ["", "snapshots", "locks", "tmp", "packs", "index", "logs"])
 def test_group_or_world_writable_directory_is_refused(tmp_path, where):
     repo = _repo_with_history(tmp_path, 1)

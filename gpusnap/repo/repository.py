@@ -144,6 +144,10 @@ class Repository:
     def _create(path: Path) -> None:
         if (path / "config").exists() or os.path.lexists(path / "config"):
             return
+        if os.path.lexists(path):           # never write into a directory another user controls
+            bad = fsutil.untrusted_reason(os.lstat(path), want_dir=True)
+            if bad and bad != "is not a directory":
+                raise _untrusted(path, bad)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise RepositoryError(f"{path} exists, is not empty and is not a gpusnap repository",
                                   "choose an empty or new directory for the repository")

@@ -133,6 +133,10 @@ class Repository:
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise _untrusted(path / "config", "is a symbolic link") from None
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                from ..errors import NoSpace
+                raise NoSpace(f"no space to create repository {path}: {e.strerror}",
+                              "free some space, then dump again") from None
             raise RepositoryError(f"cannot read repository {path}: {e}") from None
         try:
             cfg = parse_config(data)

@@ -23,7 +23,7 @@ def test_kernel_thread_is_named_as_such():
 
 @pytest.mark.criu
 def test_dump_into_a_file_is_a_clean_error(sample_job, tmp_path):
-    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(2)
     f = tmp_path / "file"
     f.write_text("x")
@@ -85,7 +85,7 @@ def test_damaged_index_file_is_an_index_problem_not_a_snapshot_one(tmp_path, dam
 
 @pytest.mark.criu
 def test_two_restores_of_one_snapshot_the_loser_exits_7(sample_job, repo):
-    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     snap = run_json("dump", job.pid, "--repo", repo, "--name", "twice")["snapshot"]
     job.kill()

@@ -191,7 +191,7 @@ def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, a
     """The issue's repros: a repository a normal user can write, the user plants a symlink,
     root's next prune / dump --keep-last refuses (exit 14) and the victim is untouched."""
     repo = public_dir / "repo"
-    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     run_gpusnap("dump", job.pid, "--repo", repo, "--name", "a", "--quiet", check=True)
     # the clumsy set-up the issue found: a repository in a folder `nobody` owns, mode 0777

@@ -23,7 +23,7 @@ def _dump(job, repo, name, *extra):
 
 @pytest.mark.criu
 def test_failed_retention_exits_21_and_says_the_snapshot_is_committed(sample_job, repo):
-    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     for _ in range(2):
         assert _dump(job, repo, "r", "--quiet").returncode == 0
@@ -51,7 +51,7 @@ def test_failed_retention_exits_21_and_says_the_snapshot_is_committed(sample_job
 
 @pytest.mark.criu
 def test_unreadable_entries_never_block_retention(sample_job, repo, tmp_path):
-    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     assert _dump(job, repo, "other", "--quiet").returncode == 0
     other = next((repo / "snapshots").iterdir())
@@ -74,7 +74,7 @@ def test_unreadable_entries_never_block_retention(sample_job, repo, tmp_path):
 
 @pytest.mark.criu
 def test_logs_go_with_their_snapshots(sample_job, repo):
-    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     for _ in range(4):
         assert _dump(job, repo, "l", "--keep-last", "2", "--quiet").returncode == 0

@@ -33,7 +33,9 @@ def sleeper(tmp_path):
     """A real process whose command line holds a unique marker (owned by root)."""
     marker = f"gpusnap-sched-marker-{os.getpid()}-{abs(hash(str(tmp_path)))}"
     p = subprocess.Popen([PY, "-c", "import time,sys; time.sleep(600)", marker], start_new_session=True)
-    yield marker
+    while marker not in open(f"/proc/{p.pid}/cmdline").read():   # (exec'd once Popen returns)
+        assert p.poll() is None
+    yield marker, p
     p.kill()
     p.wait()
 
@@ -175,6 +177,8 @@ def test_add_of_an_existing_name_refuses_without_replace(sched_env, tmp_path):
 
 
 def test_owner_is_recorded_from_the_running_job(sched_env, sleeper, tmp_path):
+    sleeper, p = sleeper
+    assert p.poll() is None, "the marker process died"
     s = schedule.add("own", sleeper, every="30m", repo=tmp_path / "repo")
     assert s.uid == os.geteuid()
     with pytest.raises(UsageError, match="owner is unknown"):

@@ -222,3 +222,18 @@ def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, a
     run_gpusnap("dump", job.pid, "--repo", repo, "--name", "a", "--keep-last", "1", "--quiet", check=True)
     assert [s["name"] for s in run_json("ls", "--repo", repo)["snapshots"]] == ["a"]
     assert run_gpusnap("verify", "--repo", repo).returncode == 0
+
+
+def test_log_symlink_is_not_followed(tmp_path):
+    """A symlink planted in logs/ is never written through: the log goes elsewhere."""
+    from gpusnap.criu import runner
+    repo = _repo_with_history(tmp_path, 1)
+    victim = _victim(tmp_path)
+    (repo.path / "logs").mkdir(mode=0o700, exist_ok=True)
+    os.symlink(victim, repo.path / "logs" / "x-dump.log")
+    src = tmp_path / "criu.log"
+    src.write_text("criu log\n")
+    kept = runner.keep_log(repo.path, src, "x-dump")
+    assert kept and not kept.startswith(str(repo.path)) and open(kept).read() == "criu log\n"
+    assert open(victim).read() == "precious\n"
+    assert runner.keep_log(repo.path, src, "y-dump") == str(repo.path / "logs" / "y-dump.log")

@@ -190,3 +190,24 @@ def clear_dir(path, keep=lambda name: False) -> int:
     finally:
         os.close(dfd)
     return n
+
+
+def copy_into(src, dir_path, name: str) -> None:
+    """Copy `src` to dir_path/name as a private file, never through a symlink: the directory
+    is opened O_NOFOLLOW and the file created relative to it with O_NOFOLLOW."""
+    dfd = open_dir(dir_path)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        os.fchmod(fd, 0o600)
+        with open(src, "rb") as f:
+            while True:
+                b = f.read(1 << 20)
+                if not b:
+                    break
+                os.write(fd, b)
+    finally:
+        os.close(fd)

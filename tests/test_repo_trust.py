@@ -4,7 +4,6 @@ reached through a symlink or hard link, so a planted link never makes root trunc
 delete a file outside it. The issue's repros run as written: as `nobody`, then root's prune
 or `dump --keep-last` with the real CRIU."""
 
-import fcntl
 import os
 import pwd
 import shutil

@@ -67,6 +67,7 @@ class DumpResult:
     # page pipeline and pack writes finishing after CRIU exits), commit (index, manifest,
     # fsyncs, rename), retention
     phases: dict[str, float] = field(default_factory=dict)
+    criu_options: list[str] = field(default_factory=list)  # what the preflight chose (--file-locks, ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -327,4 +328,5 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
-        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error, phases=phases)
+        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error, phases=phases,
+        criu_options=list(plan.dump_options))

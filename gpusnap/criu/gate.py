@@ -7,6 +7,10 @@ script after the last image is closed and before the plugins' exit hook and the 
 gpusnap installs a tiny action script that blocks until the streamer has drained every
 pipe. If gpusnap dies, the script's connection fails, it exits non-zero, and CRIU resumes
 the job anyway: the gate can delay the job, never keep it frozen.
+
+"Drained" means copied out into staging (gpusnap/repo/staging.py), not stored: the gate
+opens as soon as every byte is staged, and then lets the ingest start if it was held back
+(`staging.go`), so the page pipeline never competes with the freeze for the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from gpusnap.criu.streamer import CaptureServer
@@ -47,6 +52,7 @@ class PostDumpGate:
         self._listener.settimeout(0.2)
         self._stop = threading.Event()
         self.opened = threading.Event()  # CRIU reached post-dump: the job is fully dumped
+        self.opened_at: float | None = None   # time.monotonic() when the gate let CRIU go on
         self.script.write_text(HOOK.format(python=sys.executable, timeout=timeout, sock=str(self.sock_path)))
         os.chmod(self.script, 0o700)
         self._thread = threading.Thread(target=self._serve, name="post-dump-gate", daemon=True)
@@ -67,7 +73,11 @@ class PostDumpGate:
                 except OSError:
                     pass
                 if ok:
+                    self.opened_at = time.monotonic()
                     self.opened.set()
+                staging = getattr(self.server, "staging", None)
+                if staging is not None:
+                    staging.go.set()    # the job resumes now: the pipeline may use the CPU
 
     def close(self) -> None:
         self._stop.set()

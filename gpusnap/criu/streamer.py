@@ -235,13 +235,23 @@ class _Server:
 
 
 class CaptureServer(_Server):
-    """Receives CRIU's images during `criu dump --stream`."""
+    """Receives CRIU's images during `criu dump --stream`.
+
+    With a Staging (gpusnap/repo/staging.py), each image has two threads: the drain moves
+    the pipe's bytes into staging and ends at the pipe's EOF (drained() counts only these,
+    so the post-dump gate opens once everything is staged), and the ingest feeds the sink
+    from staging once `staging.go` is set, releasing staging as it goes. Without one, the
+    drain writes into the sink directly."""
 
     socket_name = CAPTURE_SOCKET
 
-    def __init__(self, images_dir, sink_factory: SinkFactory):
+    def __init__(self, images_dir, sink_factory: SinkFactory, staging=None):
         super().__init__(images_dir)
         self._sink_factory = sink_factory
+        self.staging = staging
+        self._ingest: list[threading.Thread] = []
+        self._images: list = []
+        self.ingested = 0          # bytes handed to the sinks so far (progress)
 
     def _handle(self, name: str) -> None:
         fd = protocol.recv_fd(self._conn)
@@ -250,7 +260,86 @@ class CaptureServer(_Server):
         except BaseException as e:
             os.close(fd)
             raise _as_gpusnap_error(e, name)
-        self._spawn(self._drain, name, fd, sink)
+        if self.staging is None:
+            self._spawn(self._drain, name, fd, sink)
+            return
+        from gpusnap.repo.staging import StagedImage
+
+        image = StagedImage(self.staging, name)
+        self._images.append(image)
+        self._spawn(self._stage, name, fd, image)
+        t = threading.Thread(target=self._ingest_image, args=(name, image, sink), daemon=True,
+                             name=f"gpusnap-ingest-{name}")
+        self._ingest.append(t)
+        t.start()
+
+    def _stage(self, name: str, fd: int, image) -> None:
+        from gpusnap.repo.staging import StagingCancelled
+        from gpusnap.repo.writer import is_pages_image
+
+        _grow_pipe(fd)
+        try:
+            self.staging.stage_pipe(fd, image, is_pages_image(name), lambda n: self._count(name, n))
+        except StagingCancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the dump
+            self._record(_as_gpusnap_error(e, name))
+        finally:
+            os.close(fd)
+
+    def _ingest_image(self, name: str, image, sink: ImageSink) -> None:
+        from gpusnap.repo.staging import StagingCancelled
+
+        st = self.staging
+        try:
+            st.go.wait()
+            while True:
+                if self.failed:
+                    return
+                seg = image.take()
+                if seg is None:
+                    break
+                data = st.read(seg)
+                try:
+                    sink.write(data)
+                finally:
+                    if isinstance(data, memoryview):
+                        data.release()
+                    st.release(seg)
+                self.ingested += seg.length
+            sink.close()
+        except StagingCancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            self._record(_as_gpusnap_error(e, name))
+        finally:
+            image.discard()
+
+    def _record(self, err: GpusnapError) -> None:
+        super()._record(err)
+        if self.staging is not None:
+            self.staging.cancel()       # wake and stop every drain and ingest
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for the stream to end and the ingest to finish; raise the first error seen.
+        `timeout` bounds the wait for the connection and the drains only: the ingest takes
+        as long as the page pipeline needs."""
+        if self.staging is not None:
+            self.staging.go.set()      # CRIU is done: nothing more to protect
+            self._stop.set()
+            self._main.join(timeout)
+            for t in list(self._workers):
+                t.join(timeout)
+            for t in list(self._ingest):
+                t.join()
+        super().finish(timeout)
+
+    def abort(self) -> None:
+        if self.staging is not None:
+            self.staging.cancel()
+        super().abort()
+        for t in list(self._ingest):
+            t.join(5)
 
     def _drain(self, name: str, fd: int, sink: ImageSink) -> None:
         _grow_pipe(fd)

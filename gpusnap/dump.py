@@ -395,7 +395,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=_criu_env(req, workdir), start_new_session=True)
+                env={**_criu_env(req, workdir), **gate.env}, start_new_session=True)
             runner.supervise(criu, server, criu_progress, estimate)
             phase("criu")
             if criu.returncode != 0 or server.failed:

@@ -132,3 +132,48 @@ def test_kill_9_after_the_gate_leaves_the_job_running_and_nothing_behind(sample_
     assert run_gpusnap("verify", "--repo", repo).returncode == 0
     # the job was never harmed: it finishes with the uninterrupted result
     assert job.result() == expected
+
+
+def test_the_native_gate_exits_at_once_and_fails_safe(tmp_path):
+    """The action script CRIU runs inside the freeze: other actions pass at once; at
+    post-dump, no gpusnap to answer means a non-zero exit (so CRIU resumes the job)."""
+    import socket
+    import threading
+
+    from gpusnap.criu.gate import native_gate
+
+    gate = native_gate()
+    if gate is None:
+        pytest.skip("native gate not built (cmake --build build)")
+    sock = tmp_path / "g.sock"
+    env = dict(os.environ, CRTOOLS_SCRIPT_ACTION="pre-dump")
+    assert subprocess.run([gate, sock, "5"], env=env).returncode == 0
+    env["CRTOOLS_SCRIPT_ACTION"] = "post-dump"
+    assert subprocess.run([gate, sock, "5"], env=env).returncode == 1      # nobody listening
+    for answer, rc in ((b"1", 0), (b"0", 1), (b"", 1)):
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.unlink(missing_ok=True)
+        srv.bind(str(sock))
+        srv.listen(1)
+
+        def reply():
+            conn, _ = srv.accept()
+            if answer:
+                conn.sendall(answer)
+            conn.close()
+
+        t = threading.Thread(target=reply)
+        t.start()
+        assert subprocess.run([gate, sock, "5"], env=env).returncode == rc, answer
+        t.join()
+        srv.close()
+
+
+def test_python_gate_fallback_still_protects_the_pages(sample_job, repo, reference):
+    kw = dict(steps=200, mb=32, threads=2)
+    expected = reference(**kw)
+    job = sample_job(**kw, step_ms=20)
+    job.wait_steps(5)
+    info = run_json("dump", job.pid, "--repo", repo, env={"GPUSNAP_GATE": "/nonexistent"})
+    job.kill()
+    _restore_and_finish(job, info["snapshot"], repo, expected)

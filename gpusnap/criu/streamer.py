@@ -50,12 +50,16 @@ SinkFactory = Callable[[str], ImageSink]
 ImageSource = Callable[[str], "Iterable[bytes] | None"]
 
 
-def _grow_pipe(fd: int) -> None:
+CAPTURE_PIPE_SIZE = int(os.environ.get("GPUSNAP_CAPTURE_PIPE", PIPE_SIZE))
+
+
+def _grow_pipe(fd: int, size: int = PIPE_SIZE) -> None:
     # Fewer, larger reads: the default 64 KiB pipe costs a syscall pair every 16 pages.
     try:
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
     except OSError:
-        pass
+        if size > PIPE_SIZE:
+            _grow_pipe(fd)
 
 
 def _as_gpusnap_error(exc: BaseException, image: str) -> GpusnapError:
@@ -92,6 +96,7 @@ class _Server:
         self.images: dict[str, int] = {}
         self._busy = False  # a request is being read or handled (guarded by _lock)
         self._open = 0      # images whose pipe is still being drained or fed (guarded by _lock)
+        self._changed = threading.Condition(self._lock)   # _open went down
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "_Server":
@@ -213,7 +218,8 @@ class _Server:
                 return False
             if self.drained():
                 return True
-            time.sleep(0.002)
+            with self._lock:        # woken when a pipe ends (the gate's wait is inside the freeze)
+                self._changed.wait(0.002)
         return False
 
     def _spawn(self, target, *args) -> None:
@@ -229,6 +235,7 @@ class _Server:
         finally:
             with self._lock:
                 self._open -= 1
+                self._changed.notify_all()
 
     def _handle(self, name: str) -> None:
         raise NotImplementedError
@@ -277,7 +284,7 @@ class CaptureServer(_Server):
         from gpusnap.repo.staging import StagingCancelled
         from gpusnap.repo.writer import is_pages_image
 
-        _grow_pipe(fd)
+        _grow_pipe(fd, CAPTURE_PIPE_SIZE if is_pages_image(name) else PIPE_SIZE)
         try:
             self.staging.stage_pipe(fd, image, is_pages_image(name), lambda n: self._count(name, n))
         except StagingCancelled:

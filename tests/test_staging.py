@@ -128,3 +128,25 @@ def test_sizes_parse():
     assert st.parse_size("4096") == 4096
     with pytest.raises(ValueError):
         st.parse_size("lots")
+
+
+def test_sealed_staging_gives_released_slots_back(tmp_path):
+    """After the gate (seal), a consumed slot's memory is returned while the job runs on."""
+    def rss_kib() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    data = _pattern(16 * st.SEG)
+    s = st.Staging(tmp_path, budget=64 << 20, prealloc=64 << 20)
+    try:
+        image = _stage(s, data, pages=True)
+        del data
+        s.seal()
+        before = rss_kib()
+        assert _ingest(s, image) == _pattern(16 * st.SEG)
+        # 64 MiB of slots were released: most of it must have left the resident set
+        assert rss_kib() < before - (32 << 10)
+    finally:
+        s.close()

@@ -102,6 +102,8 @@ class PostDumpGate:
                     self.opened.set()
                 staging = getattr(self.server, "staging", None)
                 if staging is not None:
+                    if ok:
+                        staging.seal()
                     staging.go.set()    # the job resumes now: the pipeline may use the CPU
 
     def close(self) -> None:

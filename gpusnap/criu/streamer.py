@@ -2,7 +2,8 @@
 
 Capture (dump): CRIU connects to <dir>/streamer-capture.sock, names each image it is
 about to write and hands us the read end of a pipe; one thread per open image drains
-that pipe into a sink (the repository's page pipeline). Serve (restore): CRIU connects
+that pipe into staging (gpusnap/repo/staging.py), and another feeds the image's sink (the
+repository's page pipeline) from there, so the post-dump gate need not wait for the sink. Serve (restore): CRIU connects
 to <dir>/streamer-serve.sock and asks for images by name; we answer whether the image
 exists and feed its bytes into the pipe CRIU hands us, again one thread per image.
 

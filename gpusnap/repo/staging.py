@@ -36,6 +36,7 @@ SEG = 4 << 20            # a pages image is staged in slots of this size
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
 PREFIX = "staging-"
 _MADV_POPULATE_WRITE = 23
+_MADV_DONTNEED = 4
 _FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 
 try:
@@ -170,6 +171,7 @@ class Staging:
         self.budget = max(0, int(budget))
         self.cancelled = False
         self.go = threading.Event()        # the ingest may run (set at the gate, or at once)
+        self.sealed = False                # everything is staged: slots released are not reused
         self._lock = threading.Lock()
         self._mem = 0                      # bytes of memory holding staged data now
         self.peak_memory = 0
@@ -362,6 +364,15 @@ class Staging:
         with self._lock:
             self._free.append(slot)
             self._mem -= SEG
+            sealed = self.sealed and self._arena is not None
+        if sealed and _libc is not None:
+            # nothing more will be staged: give the slot's memory back while the job runs on
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena, slot * SEG))
+            _libc.madvise(addr, SEG, _MADV_DONTNEED)
+
+    def seal(self) -> None:
+        """Every pipe is drained: from now on released slots go back to the system."""
+        self.sealed = True
 
     # -- end -------------------------------------------------------------------------------
     def cancel(self) -> None:

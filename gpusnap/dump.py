@@ -198,6 +198,21 @@ def criu_frozen_seconds(workdir: Path) -> float | None:
     return None
 
 
+def _anon_bytes(pids: list[int]) -> int:
+    """RssAnon + RssShmem of the tree: about what CRIU will stream (file-backed pages that were
+    never written are not dumped; a job that maps gigabytes of model files must not size the
+    staging arena by them)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) << 10
+        except (OSError, ValueError):
+            continue
+    return total
+
+
 def _vm_hwm() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -408,8 +423,8 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             phase("preflight")
             spill_dir = repo.path / "tmp"
             staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
-            # the arena covers what CRIU is expected to stream (the tree's resident memory)
-            staging = staging_mod.Staging(spill_dir, budget, prealloc=estimate + (16 << 20))
+            # the arena covers what CRIU is expected to stream (the tree's anonymous memory)
+            staging = staging_mod.Staging(spill_dir, budget, prealloc=_anon_bytes(pids) + (16 << 20))
             if overlap:
                 staging.go.set()
             server = CaptureServer(workdir, writer.image_sink, staging=staging).start()

@@ -12,7 +12,7 @@ _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump inspect ls prune ps restore run schedule verify --help --version -h" ;;
         "doctor") echo "--help --json -h" ;;
-        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --tcp-established --user -h -q" ;;
+        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
         "inspect") echo "--help --json --repo -h" ;;
         "ls") echo "--help --json --repo -h" ;;
         "prune") echo "--dry-run --help --json --keep-last --name --repo -h -n" ;;

@@ -25,6 +25,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule verify' -l pidfile
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule verify' -l staging-budget
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule verify' -l tcp-established
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule verify' -l user
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore run schedule verify' -l help

@@ -61,11 +61,17 @@ def _progress(label: str, enabled: bool):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                                TransferSpeedColumn)
 
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeElapsedColumn(), console=err, transient=True)
     task = bar.add_task(label, total=None)
+    shown = [None]
 
-    def update(done: int, total: int) -> None:
+    def update(done: int, total: int, phase: str | None = None) -> None:
+        if phase != shown[0]:      # dump: "frozen" (staging), then "storing" (the job runs again)
+            shown[0] = phase
+            desc = {"frozen": f"{label}: job frozen, staging",
+                    "storing": f"{label}: job running, storing"}.get(phase or "", label)
+            bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)
 
     return bar, update
@@ -114,6 +120,10 @@ def dump(
                                          help="Dump established TCP connections (restore needs the same IPs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
+    staging_budget: Optional[str] = typer.Option(
+        None, "--staging-budget", metavar="SIZE",
+        help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
+             "file in the repository. Default: a quarter of the available memory, at most 2G."),
 ) -> None:
     """Snapshot a running process tree. The job keeps running unless --exit.
 
@@ -128,9 +138,17 @@ def dump(
     if user is not None and match is None:
         raise UsageError("--user only narrows --match")
     target = _resolve_pid(pid, match, pidfile, user, name, repo)
+    budget = None
+    if staging_budget is not None:
+        from gpusnap.repo.staging import parse_size
+
+        try:
+            budget = parse_size(staging_budget)
+        except ValueError as e:
+            raise UsageError(f"--staging-budget: {e}") from None
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
-                      keep_last=keep_last)
+                      keep_last=keep_last, staging_budget=budget)
     bar, update = _progress(f"dumping {target}", not (json_ or quiet))
     if bar:
         with bar:
@@ -159,7 +177,9 @@ def dump(
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
                   f"({result.pages_zero} zero, {result.pages_dedup} already stored), "
                   f"{_human(result.bytes_raw)} from CRIU, {_human(result.bytes_stored)} stored "
-                  f"({ratio:.1%}), {result.seconds:.2f} s; job "
+                  f"({ratio:.1%}), {result.seconds:.2f} s"
+                  + (f" (job frozen {result.frozen_seconds:.2f} s)" if result.frozen_seconds is not None else "")
+                  + "; job "
                   f"{'still running' if result.job_running else 'stopped'}")
 
 

@@ -7,6 +7,7 @@ place, `main()`. `--json` prints exactly one JSON object on stdout (an error obj
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -60,20 +61,24 @@ def _progress(label: str, enabled: bool):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                                TransferSpeedColumn)
 
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeElapsedColumn(), console=err, transient=True)
     task = bar.add_task(label, total=None)
+    shown = [None]
 
-    def update(done: int, total: int) -> None:
+    def update(done: int, total: int, phase: str | None = None) -> None:
+        if phase != shown[0]:      # dump: "frozen" (staging), then "storing" (the job runs again)
+            shown[0] = phase
+            desc = {"frozen": f"{label}: job frozen, staging",
+                    "storing": f"{label}: job running, storing"}.get(phase or "", label)
+            bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)
 
     return bar, update
 
 
 def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
-                 name: Optional[str] = None, repo: Optional[Path] = None) -> int:
-    from gpusnap import proc
-
+                 user: Optional[str] = None, name: Optional[str] = None, repo: Optional[Path] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
     if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
         from gpusnap import jobrun, locate
@@ -88,16 +93,9 @@ def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Pat
         except (OSError, ValueError, IndexError):
             raise UsageError(f"--pidfile {pidfile}: no PID could be read from it") from None
     if match is not None:
-        hits = proc.find_matching(match)
-        if not hits:
-            from gpusnap.errors import ProcessNotFound
+        from gpusnap import validate
 
-            raise ProcessNotFound(f"no running process matches {match!r}")
-        if len(hits) > 1:
-            listing = "; ".join(f"{p}: {proc.cmdline(p)[:60]}" for p in hits[:5])
-            raise UsageError(f"{len(hits)} process trees match {match!r} ({listing})",
-                             hint="make the pattern more specific, or pass the PID")
-        return hits[0]
+        return validate.find_job(match, None if user is None else validate.resolve_user(user))
     return pid  # type: ignore[return-value]
 
 
@@ -107,6 +105,8 @@ def dump(
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Find the job by a regular expression on its command line."),
     pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="With --match: only this user's processes."),
     repo: Optional[Path] = RepoOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
@@ -120,6 +120,10 @@ def dump(
                                          help="Dump established TCP connections (restore needs the same IPs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
+    staging_budget: Optional[str] = typer.Option(
+        None, "--staging-budget", metavar="SIZE",
+        help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
+             "file in the repository. Default: a quarter of the available memory, at most 2G."),
 ) -> None:
     """Snapshot a running process tree. The job keeps running unless --exit.
 
@@ -131,10 +135,20 @@ def dump(
     from gpusnap import locate
     from gpusnap.dump import DumpRequest, dump as do_dump
 
-    target = _resolve_pid(pid, match, pidfile, name, repo)
+    if user is not None and match is None:
+        raise UsageError("--user only narrows --match")
+    target = _resolve_pid(pid, match, pidfile, user, name, repo)
+    budget = None
+    if staging_budget is not None:
+        from gpusnap.repo.staging import parse_size
+
+        try:
+            budget = parse_size(staging_budget)
+        except ValueError as e:
+            raise UsageError(f"--staging-budget: {e}") from None
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
-                      keep_last=keep_last)
+                      keep_last=keep_last, staging_budget=budget)
     bar, update = _progress(f"dumping {target}", not (json_ or quiet))
     if bar:
         with bar:
@@ -142,16 +156,30 @@ def dump(
     else:
         result = do_dump(req)
     data = result.to_dict()
+    from gpusnap.dump import retention_error
+
+    failed = retention_error(result)
     if json_:
+        if failed is not None:
+            data.update({"error": failed.title, "message": failed.message, "exit_code": failed.exit_code,
+                         "hint": failed.hint})
         _emit_json(data)
+        if failed is not None:
+            raise typer.Exit(failed.exit_code)
         return
     out.print(result.snapshot)
+    for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if failed is not None:
+        raise failed
     if not quiet and err.is_terminal:
         ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
                   f"({result.pages_zero} zero, {result.pages_dedup} already stored), "
                   f"{_human(result.bytes_raw)} from CRIU, {_human(result.bytes_stored)} stored "
-                  f"({ratio:.1%}), {result.seconds:.2f} s; job "
+                  f"({ratio:.1%}), {result.seconds:.2f} s"
+                  + (f" (job frozen {result.frozen_seconds:.2f} s)" if result.frozen_seconds is not None else "")
+                  + "; job "
                   f"{'still running' if result.job_running else 'stopped'}")
 
 
@@ -200,7 +228,7 @@ def ls_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
 
     root = locate.repo_path(repo)
     rows = []
-    if (root / "config").exists():
+    if os.path.lexists(root):     # a file, or a directory that is no repository: an error, not "empty"
         usage = Repository.open(root).usage()
         for dirname, row in usage.items():
             rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
@@ -263,7 +291,9 @@ def verify(
         refs = [str(snap.path)]
     else:
         repository, refs = Repository.open(locate.repo_path(repo)), None
-    report = verify_mod.verify(repository, refs, read_data=not structure_only)
+    # a prune deleting snapshots while verify reads them must not look like damage: wait for it
+    with repository.readers_lock():
+        report = verify_mod.verify(repository, refs, read_data=not structure_only)
     data = report.to_dict()
     if json_:
         _emit_json(data)
@@ -342,44 +372,60 @@ def schedule_add(
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Regular expression on the job's command line (default: the "
                                              "job started with `gpusnap run --name NAME`)."),
-    name: str = typer.Option(..., "--name", help="Snapshot name, also the schedule's name."),
+    name: str = typer.Option(..., "--name", help="Schedule name, also the snapshot name ([A-Za-z0-9_-])."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
     keep_last: int = typer.Option(4, "--keep-last", metavar="N", min=1, help="Snapshots of this name to keep."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="Owner of the job (default: whoever owns what --match finds now); "
+                                            "only this user's processes are ever dumped."),
+    replace: bool = typer.Option(False, "--replace", help="Overwrite an existing schedule of this name."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Snapshot a job periodically (a file in /etc/cron.d), keeping the newest N."""
+    """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    if match is None:  # the job `gpusnap run --name NAME` started: it must exist now
-        from gpusnap import jobrun, locate
-
-        jobrun.find(name, locate.repo_path(repo))
-    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo)
+    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
+                     replace=replace)
+    moved = getattr(s, "replaced_repo", None)
     if json_:
-        _emit_json(s.to_dict())
-    else:
-        out.print(f"{s.path}: {s.cron}  {s.command}")
+        _emit_json({**s.to_dict(), "replaced_repo": moved})
+        return
+    out.print(f"{s.name}: {s.when}, job {s.match!r} of user {s.user}, repository {s.repo}, keep {s.keep_last}")
+    out.print(f"  {s.backend}: {', '.join(s.files)}; log {s.log}")
+    if moved:
+        err.print(f"[yellow]note: this schedule used repository {moved} before[/]")
 
 
 @schedule_app.command("ls")
 def schedule_ls(json_: bool = JsonOpt) -> None:
-    """List gpusnap's cron schedules."""
+    """List schedules: when, last run, result, next run; a job gone for runs in a row."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    items = schedule.list_schedules()
+    items = [schedule.status(s) for s in schedule.list_schedules()]
     if json_:
-        _emit_json({"schedules": [s.to_dict() for s in items]})
+        _emit_json({"schedules": items})
         return
-    for s in items:
-        out.print(f"{s.name}\t{s.cron}\t{s.command}")
     if not items:
         err.print("no schedules")
+        return
+    table = Table(box=None)
+    for col in ("name", "when", "user", "last run (UTC)", "result", "next run (UTC)", "repository"):
+        table.add_column(col)
+    for st in items:
+        result = st["result"] or "-"
+        if st["job_gone"]:
+            result = f"JOB GONE ({st['runs_without_job']} runs)"
+        elif not st["installed"]:
+            result += " (NOT INSTALLED)"
+        table.add_row(st["name"], st["when"], st["user"], st["last_run"] or "never", result,
+                      st["next_run"] or "-", st["repo"])
+    out.print(table)
 
 
 @schedule_app.command("rm")
@@ -393,7 +439,28 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
     if json_:
         _emit_json(s.to_dict())
     else:
-        out.print(f"removed {s.path}")
+        out.print(f"removed schedule {s.name} ({', '.join(s.files)})")
+
+
+@schedule_app.command("run")
+def schedule_run(
+    name: str = typer.Argument(...),
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", metavar="DIR",
+                                              help="Where the schedule's record is (default /etc/gpusnap/schedules)."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Run a schedule once, as its timer or cron line does; logs one JSON line."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    rec = schedule.run(name, config_dir)
+    for w in rec.get("warnings", []):
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if json_:
+        _emit_json(rec)
+    else:
+        out.print(rec.get("snapshot", ""))
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

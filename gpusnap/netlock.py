@@ -104,6 +104,10 @@ def restore_tcp_close(conns: list[dict[str, Any]], requested: bool) -> tuple[boo
         return False, None
     if requested:
         return True, "--tcp-close"
+    live = _live_connections()
+    held = [c for c in conns if (c["local"], c["remote"]) in live]
+    if held:  # the original job still runs with it (a restore beside it, as a fork)
+        return True, f"the running original still holds {held[0]['local']}→{held[0]['remote']}"
     gone = peers_gone(conns)
     if gone:
         return True, (f"the peer of {gone[0]['local']}→{gone[0]['remote']} is gone"

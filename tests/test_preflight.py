@@ -36,6 +36,7 @@ def _agree(pid: int, repo: Path) -> tuple[dict, subprocess.CompletedProcess]:
     res = run_gpusnap("dump", pid, "--repo", repo, "--json")
     if not fails:
         assert res.returncode == 0, f"doctor said ready, dump failed:\n{res.stdout}\n{res.stderr}"
+        assert json.loads(res.stdout)["criu_options"] == doc["plan"]["dump_options"]
         _, snap = locate.open_snapshot(json.loads(res.stdout)["snapshot"])
         assert snap.manifest["meta"]["restore_flags"] == doc["plan"]["restore_flags"]
     else:

@@ -5,7 +5,7 @@ keys dumped while a client talks to it."""
 
 from __future__ import annotations
 
-import os
+import json
 import random
 import shutil
 import socket
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_json
+from conftest import kill_pids, run_gpusnap, run_json
 from gpusnap import proc
 
 pytestmark = pytest.mark.criu
@@ -63,7 +63,7 @@ while i < 10:
         resets += 1
         print(f"reset: {e!r}", flush=True)
         s, r = connect()
-open(out, "w").write(f"done {i} resets={resets}\n")
+open(out, "a").write(f"done {i} resets={resets}\n")
 """
 
 
@@ -166,6 +166,37 @@ def test_connection_is_closed_by_default_when_the_peer_is_gone(scene, repo):
     assert res["tcp_closed"] and "gone" in res["tcp_closed"]
     (scene.tmp / "go").touch()
     assert _wait_file(scene.tmp / "out") == "done 10 resets=1"
+
+
+def test_fork_beside_the_running_original_gets_its_connection_closed(scene, repo):
+    """A `gpusnap run` job restored while it still runs: the original keeps its connection, the
+    fork's copy comes back closed (the original holds that address pair) and reconnects."""
+    port = scene.server()
+    res = run_gpusnap("run", "--json", "--name", "client", "--repo", repo, "--", sys.executable, "-c", CLIENT,
+                      str(port), str(scene.tmp / "go"), str(scene.tmp / "out"))
+    assert res.returncode == 0, res.stderr
+    job = json.loads(res.stdout)
+    init = job["pid"]
+    try:
+        deadline = time.monotonic() + 30
+        while "waiting" not in Path(job["stdout"]).read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        info = run_json("dump", "--name", "client", "--repo", repo)
+        assert info["job_running"]
+        restored = run_json("restore", "client", "--repo", repo)
+        scene.restored = restored["pids"]
+        assert "running original" in restored["tcp_closed"]
+        (scene.tmp / "go").touch()
+        deadline = time.monotonic() + 60
+        while (scene.tmp / "out").read_text().count("done") < 2 if (scene.tmp / "out").exists() else True:
+            assert time.monotonic() < deadline, Path(job["stdout"]).read_text()
+            time.sleep(0.05)
+        assert sorted((scene.tmp / "out").read_text().split("\n")[:2]) == ["done 10 resets=0",
+                                                                          "done 10 resets=1"]
+        assert scene.connections() == 2
+    finally:
+        kill_pids(proc.tree(init)[::-1] if proc.exists(init) else [])
 
 
 # ---------------------------------------------------------------- redis

@@ -137,12 +137,13 @@ def test_a_running_name_is_not_reused_and_schedule_finds_the_job(tmp_path, repo,
     try:
         again = run_gpusnap("run", "--name", "sched", "--repo", repo, "--", "sleep", "1")
         assert again.returncode == 2 and "already running" in again.stderr
-        env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log")}
+        env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log"),
+               "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"), "GPUSNAP_SYSTEMD_DIR": str(tmp_path / "systemd"),
+               "GPUSNAP_SCHEDULER": "cron"}
         s = run_json("schedule", "add", "--name", "sched", "--every", "30m", "--repo", repo, env=env)
-        assert "--match" not in s["command"] and "--name sched" in s["command"]
-        # the cron line's command really dumps the job
-        cmd = s["command"].split(" >>")[0]
-        subprocess.run(shlex.split(cmd), check=True, timeout=300, env=dict(os.environ, **env))
+        assert s["match"] is None and s["command"].endswith(f"schedule run sched --config-dir {tmp_path / 'schedules'}")
+        # the command the cron line runs really dumps the job, found by its name
+        subprocess.run(shlex.split(s["command"]), check=True, timeout=300, env=dict(os.environ, **env))
         listing = run_json("ls", "--repo", repo)
         assert [r["name"] for r in listing["snapshots"]] == ["sched"]
     finally:

@@ -10,7 +10,7 @@ _gpusnap() {
 }
 _gpusnap_words() {
     case "$1" in
-        "") echo "doctor dump inspect ls prune ps restore run schedule verify --help --version -h" ;;
+        "") echo "doctor dump inspect ls prune ps restore run schedule slurm-run verify --help --version -h" ;;
         "doctor") echo "--help --json -h" ;;
         "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
         "inspect") echo "--help --json --repo -h" ;;
@@ -24,6 +24,7 @@ _gpusnap_words() {
         "schedule ls") echo "--help --json -h" ;;
         "schedule rm") echo "--help --json -h" ;;
         "schedule run") echo "--config-dir --help --json -h" ;;
+        "slurm-run") echo "--every --help --keep-last --name --no-requeue --repo --requeue --resume -h" ;;
         "verify") echo "--help --json --repo --structure-only -h" ;;
     esac
 }

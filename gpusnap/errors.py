@@ -119,6 +119,14 @@ class NotDumpable(GpusnapError):
     title = "cannot snapshot this process"
 
 
+class DamageRemains(GpusnapError):
+    """`gpusnap repair` rebuilt what the packs hold, and some snapshots still need data that
+    is in no pack."""
+
+    exit_code = 19
+    title = "damage remains after repair"
+
+
 class Interrupted(GpusnapError):
     exit_code = 130
     title = "interrupted"

@@ -121,10 +121,13 @@ class Repository:
                         f"repository {self.path} is locked by pid {pid}"
                         + (f" on {info.get('host')} ({info.get('what')}, since {info.get('since')})" if isinstance(info, dict) and info else ""),
                         "wait for that gpusnap to finish; a lock held by a dead process is released automatically")
-                os.fchmod(fd, 0o600)
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "writer",
-                                          "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
+                # who holds it is information only: a full disk must not stop the writer
+                # (a prune is what frees space)
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o600)
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "writer",
+                                              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
                 self._lock_fd = fd
                 first = True
             else:

@@ -206,6 +206,7 @@ class PackWriter:
                     elif op == "open":
                         tmp, fd = fsutil.create_tmp(self.root / "tmp", "pack-")
                         self._tmps.append(tmp)
+                        fault("pack:opened")
                         hdr = encode_pack_header()
                         _write_all(fd, [hdr])
                         pos, flushed = len(hdr), 0

@@ -431,6 +431,7 @@ class SnapshotWriter:
         self.stats: dict = {}
         self.state = "open"
         self._index_dest: Path | None = None   # the dump's index file, once its name is known
+        fault("writer:open")
 
     def image_sink(self, filename: str) -> ImageSink:
         with self.lock:

@@ -416,7 +416,16 @@ class RepoIndex:
         d = root / "index"
         if names is None:
             names = sorted(os.listdir(d))
-        parsed_files = []
+        sizes = None
+        if check_packs:       # the pack lists first (file headers), so files are parsed one at a time
+            packs: set = set()
+            for name in names:
+                if HEX64.match(name):
+                    try:
+                        packs.update(index_pack_names(d / name))
+                    except (OSError, FormatError):
+                        pass          # reported by the parse below
+            sizes = pack_sizes(root, packs)
         for name in names:
             if name.startswith("."):
                 continue
@@ -434,11 +443,10 @@ class RepoIndex:
             except (OSError, FormatError) as e:
                 idx.bad_files[name] = str(e)
                 continue
-            parsed_files.append((name, parsed))
-        sizes = None
-        if check_packs:
-            sizes = pack_sizes(root, {ph for _, p in parsed_files for ph in p.packs})
-        for name, parsed in parsed_files:
+            if sizes is not None:
+                for ph in parsed.packs:
+                    if ph not in sizes:       # (the file changed between the two reads)
+                        sizes.update(pack_sizes(root, [ph]))
             idx.add_file(name, parsed, sizes)
         return idx
 

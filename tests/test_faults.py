@@ -47,6 +47,7 @@ POINTS = ["writer:open",               # preflight done, repository locked; CRIU
           "commit:snapshot-renamed",   # the commit point
           "commit:done"]
 COMMITTED_AT = {"commit:snapshot-renamed", "commit:done"}
+NAMED_NOT_COMMITTED = {"commit:index-renamed", "commit:locations-written", "commit:manifest-written"}
 
 FIGURES = ROOT / "build" / "fault-figures.json"     # what a run measured (docs/faults.md)
 
@@ -182,6 +183,7 @@ class Ledger:
         self.gen_of: dict[str, int] = {}
         self.faults = 0
         self.committed_victims = 0
+        self.restored_next = 0
 
     def dump(self, *extra, name="job") -> dict:
         info = run_json("dump", self.job.pid, "--repo", self.repo, "--name", name, *extra)
@@ -197,13 +199,22 @@ class Ledger:
             self.committed_victims += 1
         return r
 
-    def after_fault(self, what: str) -> None:
-        """The job runs, verify is clean, the next dump exits 0 (and prunes, keeping 3)."""
+    def after_fault(self, what: str, restore: bool = False) -> None:
+        """The job runs, verify is clean, the next dump exits 0 (and prunes, keeping 3);
+        restore: the job is then killed and that next snapshot restored in its place, and
+        the sequence goes on with the restored job (whose later snapshots restore_all()
+        checks against the uninterrupted results)."""
         wait_criu_gone(self.job.pid)
         assert self.job.state() in ("S", "R"), (what, self.job.state())
         v = run_gpusnap("verify", "--repo", self.repo)
         assert v.returncode == 0, (what, v.stdout, v.stderr)
-        self.dump("--keep-last", "3")
+        info = self.dump("--keep-last", "3")
+        if restore:
+            self.job.kill()
+            self.job.reset_controls()
+            r = run_json("restore", info["snapshot"], "--repo", self.repo)
+            assert r["pid"] == self.job.pid
+            self.restored_next += 1
 
     def restore_all(self) -> int:
         """Restore every listed snapshot in turn; each finishes with its generation's result."""
@@ -245,10 +256,11 @@ def test_signal_at_every_point_of_a_dump(job, tmp_path, sig):
         assert r.returncode != 0, (spec, r.stdout, r.stderr)
         assert "Traceback" not in r.stderr, (spec, r.stderr)
         codes[spec] = r.returncode
-        led.after_fault(spec)
+        # where the victim's index stays in index/, the next dump reuses its pages: restore it
+        led.after_fault(spec, restore=case in NAMED_NOT_COMMITTED)
     restored = led.restore_all()
     _figure(f"signal-{sig}", faults=led.faults, committed_victims=led.committed_victims,
-            snapshots_restored=restored, exit_codes=codes)
+            next_dumps_restored=led.restored_next, snapshots_restored=restored, exit_codes=codes)
 
 
 def _stopped(p: subprocess.Popen, timeout: float = 60) -> None:
@@ -296,6 +308,7 @@ def test_full_disk_at_every_write_of_a_dump(job, tmpfs):
         job.relocate()
         n_index = len(os.listdir(repo / "index"))
         before = listed(repo)
+        kept = False
         env = dict(os.environ, GPUSNAP_FAULT=f"{point}:STOP")
         p = subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--name", "job"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -318,9 +331,10 @@ def test_full_disk_at_every_write_of_a_dump(job, tmpfs):
             outcomes["committed"] += 1
         elif len(os.listdir(repo / "index")) > n_index:
             outcomes["exit 11, index kept"] += 1
+            kept = True
         else:
             outcomes["exit 11, nothing named"] += 1
-        led.after_fault(f"{point} with {free} bytes free")
+        led.after_fault(f"{point} with {free} bytes free", restore=p.returncode != 0 and kept)
         return p.returncode == 0
 
     for free in (0, 16 << 10, 64 << 10):        # while CRIU streams (page lists, packs)
@@ -336,8 +350,8 @@ def test_full_disk_at_every_write_of_a_dump(job, tmpfs):
         attempt("commit:start", free)
     assert outcomes["exit 11, index kept"] >= 1, outcomes     # the old bug's window was hit
     restored = led.restore_all()
-    _figure("enospc", faults=led.faults, outcomes=outcomes, snapshots_restored=restored,
-            commit_fits_with_bytes_free=ok_at)
+    _figure("enospc", faults=led.faults, outcomes=outcomes, next_dumps_restored=led.restored_next,
+            snapshots_restored=restored, commit_fits_with_bytes_free=ok_at)
 
 
 PRUNE_STEPS = ["snapshot-renamed", "snapshots-deleted", "packs-rewritten", "index-written", "locations-one",
@@ -378,7 +392,8 @@ def test_crash_inside_prune(job, tmp_path):
                 assert r.returncode == 0, (step, how, r.stderr)    # this prune had no such step
             for n in set(led.gen_of) - listed(repo):
                 del led.gen_of[n]
-            led.after_fault(f"prune {step} {how}")
+            led.after_fault(f"prune {step} {how}", restore=step in ("index-deleted-one", "pack-deleted"))
     assert reached >= len(PRUNE_STEPS), reached
     restored = led.restore_all()
-    _figure("prune", faults=led.faults, crashes_reached=reached, snapshots_restored=restored)
+    _figure("prune", faults=led.faults, crashes_reached=reached, next_dumps_restored=led.restored_next,
+            snapshots_restored=restored)

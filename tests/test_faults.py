@@ -237,7 +237,10 @@ class Ledger:
 
 SIGNAL_CASES = {
     "TERM": POINTS + ["commit:index-renamed:TERM,abort:start:INT", "commit:packs-durable:TERM,abort:packs-done:KILL"],
-    "INT": POINTS,
+    # INT unwinds as TERM does (KeyboardInterrupt instead of dump.py's _Terminate): one
+    # point per phase (before CRIU, streaming, drained, inside the commit, committed)
+    "INT": ["writer:open", "pack:opened", "commit:start", "commit:index-renamed", "commit:manifest-written",
+            "commit:done"],
     "KILL": POINTS,
     "HUP": ["pack:opened", "commit:index-renamed", "commit:manifest-written", "commit:snapshot-renamed"],
 }

@@ -266,6 +266,31 @@ def test_signal_at_every_point_of_a_dump(job, tmp_path, sig):
             next_dumps_restored=led.restored_next, snapshots_restored=restored, exit_codes=codes)
 
 
+def test_issue_8_repro_term_when_the_index_appears(job, tmp_path):
+    """The issue's own repro, with real timing and no hook: SIGTERM to the dump the moment
+    its index file shows up in index/. Wherever the signal lands, nothing named is lost:
+    verify is clean, and the next dump, which reuses the victim's pages when its index
+    stayed, restores to the right result."""
+    repo = tmp_path / "repo"
+    led = Ledger(repo, job)
+    led.dump(name="good")
+    job.relocate()
+    n0 = len(os.listdir(repo / "index"))
+    before = listed(repo)
+    p = subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--name", "victim"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    while len(os.listdir(repo / "index")) == n0 and p.poll() is None:
+        pass
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=300)
+    for n in listed(repo) - before:           # the signal came after the commit point
+        led.gen_of[n] = job.gen
+    led.faults += 1
+    led.after_fault("TERM when the index appeared", restore=True)
+    assert led.restore_all() >= 2
+
+
 def _stopped(p: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while True:

@@ -216,6 +216,26 @@ def test_open_recovery_quarantines_an_index_naming_a_missing_pack(tmp_path):
     assert read_all(repo.snapshot(s_a.path.name), "pages-1.img") == a["pages-1.img"]
 
 
+def test_repair_of_a_lost_pack_and_its_dry_run(tmp_path):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    a = _images(0)
+    s_a, _ = dump(repo, a, name="a")
+    before = sorted(os.listdir(repo.path / "index"))
+    s_b, _ = dump(repo, _images(1, new_pages=100), name="b")
+    lost = [n for n in os.listdir(repo.path / "index") if n not in before]
+    for ph in RepoIndex.load(repo.path, lost).packs():
+        os.unlink(pack_path(repo.path, ph))
+    state = sorted(str(p) for p in repo.path.rglob("*"))
+    r = run_gpusnap("repair", "--repo", repo.path, "--dry-run")
+    assert r.returncode == 19 and s_b.path.name in r.stderr and s_a.path.name not in r.stderr, r.stderr
+    assert "would move index/" + lost[0] in r.stdout + r.stderr
+    assert sorted(str(p) for p in repo.path.rglob("*")) == state      # a dry run changes nothing
+    r = run_gpusnap("repair", "--repo", repo.path)
+    assert r.returncode == 19 and s_b.path.name in r.stderr
+    assert (repo.path / "quarantine" / f"index-{lost[0]}").exists()
+    assert read_all(Repository.open(repo.path).snapshot(s_a.path.name), "pages-1.img") == a["pages-1.img"]
+
+
 def test_dump_never_dedups_against_a_truncated_pack(tmp_path):
     repo = Repository.open(tmp_path / "repo", create=True)
     b = _images(1, new_pages=100)

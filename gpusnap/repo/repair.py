@@ -97,7 +97,8 @@ def repair(repo: Repository, dry_run: bool = False, read_data: bool = False) -> 
     """Rebuild the index from the packs (module docstring). Holds the writer lock, and (to
     change anything) the readers lock exclusively, as prune does."""
     rep = RepairReport(dry_run=dry_run, read_data=read_data)
-    with repo.writer_lock(), (contextlib.nullcontext() if dry_run else repo.readers_lock(exclusive=True)):
+    with repo.writer_lock(recover=not dry_run), \
+            (contextlib.nullcontext() if dry_run else repo.readers_lock(exclusive=True)):
         root = repo.path
         idir = root / "index"
         # 1. what the index files claim

@@ -99,9 +99,11 @@ class Repository:
 
     # -- locking ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writer_lock(self):
+    def writer_lock(self, recover: bool = True):
         """One writer per repository (flock on locks/writer: the kernel drops it when the
-        holder dies). Re-entrant within this Repository object."""
+        holder dies). Re-entrant within this Repository object. Taking it runs the
+        open-time recovery (recover(); recover=False for a dry run that must change
+        nothing)."""
         with self._lock_mutex:
             if self._lock_depth == 0:
                 lp = self.path / "locks" / "writer"
@@ -134,7 +136,7 @@ class Repository:
                 first = False
             self._lock_depth += 1
         try:
-            if first:
+            if first and recover:
                 self._recover_quietly()
             yield self
         finally:

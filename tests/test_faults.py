@@ -288,7 +288,10 @@ def test_issue_8_repro_term_when_the_index_appears(job, tmp_path):
         led.gen_of[n] = job.gen
     led.faults += 1
     led.after_fault("TERM when the index appeared", restore=True)
-    assert led.restore_all() >= 2
+    restored = led.restore_all()
+    assert restored >= 2
+    _figure("issue-repro", faults=1, exit_code=p.returncode, committed_victims=len(listed(repo) - before) - 1,
+            next_dumps_restored=1, snapshots_restored=restored)
 
 
 def _stopped(p: subprocess.Popen, timeout: float = 60) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from . import native
+from . import fsutil, native
 from .codec import decompress
 from .format import (
     BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_ID_LEN, PAGE_SIZE,
@@ -35,7 +35,6 @@ from .format import (
 )
 from .repository import QUARANTINE, Repository, quarantine_file
 from .store import PendingBlob, RepoIndex, encode_index_file, pack_path, write_index_file
-from . import fsutil
 
 _ZERO_PAGE_ID = blake3.blake3(bytes(PAGE_SIZE)).digest(PAGE_ID_LEN)
 

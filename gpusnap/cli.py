@@ -307,6 +307,40 @@ def verify(
 
 
 @app.command()
+def repair(
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would change; change nothing."),
+    read_data: bool = typer.Option(False, "--read-data",
+                                   help="Decompress and check every blob, not only the packs' names."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Rebuild the index from the packs; set aside index files that name missing data.
+
+    The packs are the truth: what they hold is indexed again, index files that are damaged
+    or name data in no pack go to REPO/quarantine/. No pack is deleted. Exit 19 when some
+    snapshot still needs data that no pack holds.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.errors import DamageRemains
+    from gpusnap.repo import repair as repair_mod
+    from gpusnap.repo.repository import Repository
+
+    report = repair_mod.repair(Repository.open(locate.repo_path(repo)), dry_run=dry_run, read_data=read_data)
+    if json_:
+        _emit_json(report.to_dict())      # one object: the report says what is damaged
+        if not report.ok:
+            raise typer.Exit(DamageRemains.exit_code)
+        return
+    for line in report.lines():
+        (out if report.ok else err).print(line)
+    if not report.ok:
+        raise DamageRemains(f"snapshots still damaged: {', '.join(sorted(report.snapshots_damaged))}",
+                            hint="their data is in no pack; restore another snapshot, or prune them")
+
+
+@app.command()
 def prune(
     keep_last: int = typer.Option(..., "--keep-last", metavar="N", min=0, help="Newest snapshots to keep."),
     name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),

@@ -131,6 +131,12 @@ class SchedulerUnavailable(GpusnapError):
 
     exit_code = 22
     title = "no scheduler"
+class DamageRemains(GpusnapError):
+    """`gpusnap repair` rebuilt what the packs hold, and some snapshots still need data that
+    is in no pack."""
+
+    exit_code = 19
+    title = "damage remains after repair"
 
 
 class Interrupted(GpusnapError):

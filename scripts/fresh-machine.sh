@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# The fresh-machine check: does the README's first command work on a bare Debian?
+#
+# For each suite (default: bookworm trixie) a `debootstrap --variant=minbase` chroot is kept,
+# pristine, under $GPUSNAP_CI_CACHE/chroots/SUITE (default /var/cache/gpusnap-ci; built when
+# missing). Every check runs on a fresh copy of it, so every run starts bare:
+#   the checkout's HEAD cloned into /root/gpusnap, `apt-get install make` (what the README asks of a
+#   machine without make), then the README's first command, as the README writes it (`sudo make
+#   demo`; run as root, where a bare machine has no sudo).
+# Exits non-zero when any suite fails. The copy and its mounts are removed on every exit path.
+#
+#   scripts/fresh-machine.sh [SUITE...]         as root
+#   GPUSNAP_FRESH_CMD='make test' scripts/fresh-machine.sh bookworm    another command instead
+#
+# CRIU inside a chroot needs: the chroot's root a mount of its own (bound onto itself), fresh
+# proc, sysfs, devtmpfs and devpts mounts (not rbinds of the host's), and no descriptor that
+# points outside the root. All of it happens in a private mount namespace, so nothing leaks
+# into the host's mount table even when this script is killed.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+cache=${GPUSNAP_CI_CACHE:-/var/cache/gpusnap-ci}
+say() { printf '[fresh-machine] %s\n' "$*"; }
+die() { printf '[fresh-machine] error: %s\n' "$*" >&2; exit 1; }
+
+# The README's first command: the first line of its first ```sh block, comment dropped.
+readme_command() {
+  awk '/^```sh/ {inblock=1; next} inblock {print; exit}' "$here/README.md" | sed 's/#.*//; s/[[:space:]]*$//'
+}
+
+# The host's configured Debian mirror (deb822 or one-line sources), else deb.debian.org.
+debian_mirror() {
+  local m
+  m=$(sed -n 's/^URIs:[[:space:]]*//p' /etc/apt/sources.list.d/*.sources 2>/dev/null |
+      awk '{print $1}' | grep -E '/debian/?$' | head -n1 || true)
+  [ -n "$m" ] || m=$(sed -E 's/\[[^]]*\]//' /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
+      awk '$1 == "deb" && $2 ~ /\/debian\/?$/ {print $2; exit}' || true)
+  echo "${m:-http://deb.debian.org/debian}"
+}
+
+# Nothing may be mounted under $1 when it is deleted (rm would walk into /dev or /proc).
+mounted_under() { awk -v p="$1" '$5 == p || index($5, p "/") == 1 {found=1} END {exit !found}' /proc/self/mountinfo; }
+
+# Processes whose root is the copy (a job left running by the command): ended by PID.
+kill_inside() {
+  local p r
+  for p in /proc/[0-9]*; do
+    r=$(readlink "$p/root" 2>/dev/null) || continue
+    [ "$r" = "$1" ] && kill -9 "${p#/proc/}" 2>/dev/null || true
+  done
+}
+
+remove_copy() {
+  local root=$1
+  [ -e "$root" ] || return 0
+  kill_inside "$root"
+  if mounted_under "$root"; then
+    umount -R "$root" 2>/dev/null || umount -R -l "$root" 2>/dev/null || true
+  fi
+  mounted_under "$root" && { echo "[fresh-machine] still mounted under $root; not deleting it" >&2; return 1; }
+  rm -rf --one-file-system "$root"
+}
+
+# ------------------------------------------------------------------ inside the mount namespace
+if [ "${1:-}" = --inside ]; then
+  suite=$2 command=$3
+  pristine=$cache/chroots/$suite
+  root=$cache/run/$suite
+  trap 'remove_copy "$root"' EXIT
+  trap 'exit 130' INT TERM HUP
+  remove_copy "$root"
+  mkdir -p "$cache/run"
+  t=$SECONDS
+  cp -a --reflink=auto "$pristine" "$root"
+  # networking as on any installed machine (package mirror and PyPI reachable)
+  cp --remove-destination -L /etc/resolv.conf "$root/etc/resolv.conf"
+  git clone -q "$here" "$root/root/gpusnap"
+  git -C "$root/root/gpusnap" fetch -q "$here" HEAD
+  git -C "$root/root/gpusnap" checkout -q --detach FETCH_HEAD
+  mount --bind "$root" "$root"
+  mount -t proc proc "$root/proc"
+  mount -t sysfs sysfs "$root/sys"
+  mount -t devtmpfs devtmpfs "$root/dev"
+  mkdir -p "$root/dev/pts" "$root/dev/shm"
+  mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts"
+  mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
+  say "$suite: fresh copy with $(git -C "$root/root/gpusnap" log -1 --format='%h %s' | cut -c1-60) in $((SECONDS - t)) s"
+
+  # Run a shell line in the chroot with a clean environment and no descriptor but 0-2.
+  in_chroot() {
+    (
+      for fd in /proc/$BASHPID/fd/*; do
+        fd=${fd##*/}
+        [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+      done
+      exec chroot "$root" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
+        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin /bin/bash -c "$1" </dev/null
+    )
+  }
+  t=$SECONDS
+  in_chroot 'export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null && apt-get install -y -q make >/dev/null'
+  say "$suite: apt-get install make: $((SECONDS - t)) s"
+  t=$SECONDS
+  say "$suite: running \`$command\` in /root/gpusnap"
+  rc=0
+  in_chroot "cd /root/gpusnap && $command" || rc=$?
+  say "$suite: \`$command\` exited $rc after $((SECONDS - t)) s"
+  exit $rc
+fi
+
+# ------------------------------------------------------------------ outside
+[ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and mounts need it)"
+suites=("$@")
+[ ${#suites[@]} -gt 0 ] || suites=(bookworm trixie)
+command=${GPUSNAP_FRESH_CMD:-$(readme_command)}
+[ -n "$command" ] || die "no command found in README.md"
+case $command in sudo\ *) command=${command#sudo } ;; esac   # root already; a bare Debian has no sudo
+mirror=$(debian_mirror)
+
+ensure_pristine() {
+  local suite=$1 d=$cache/chroots/$1 t=$SECONDS
+  [ -f "$d.ok" ] && [ -x "$d/usr/bin/apt-get" ] && return 0
+  if ! command -v debootstrap >/dev/null; then
+    say "installing debootstrap"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; }
+  fi
+  say "$suite: debootstrap --variant=minbase $suite from $mirror (once; cached in $d)"
+  mkdir -p "$cache/chroots" "$cache/logs"
+  rm -f "$d.ok"
+  remove_copy "$d.tmp"
+  if ! debootstrap --variant=minbase "$suite" "$d.tmp" "$mirror" >"$cache/logs/debootstrap-$suite.log" 2>&1; then
+    tail -n 20 "$cache/logs/debootstrap-$suite.log" >&2
+    remove_copy "$d.tmp" || true
+    return 1
+  fi
+  remove_copy "$d"
+  mv "$d.tmp" "$d"
+  date -u +%FT%TZ >"$d.ok"
+  say "$suite: debootstrap took $((SECONDS - t)) s"
+}
+
+failed=()
+summary=()
+for suite in "${suites[@]}"; do
+  t=$SECONDS
+  rc=0
+  ensure_pristine "$suite" || rc=$?
+  if [ $rc = 0 ]; then
+    unshare --mount --propagation private bash "$0" --inside "$suite" "$command" || rc=$?
+    # a job the command left behind keeps the namespace's mounts alive: end it, then the copy goes
+    remove_copy "$cache/run/$suite" || true
+  fi
+  summary+=("$suite: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t)) s")
+  [ $rc = 0 ] || failed+=("$suite")
+done
+for line in "${summary[@]}"; do say "$line"; done
+[ ${#failed[@]} = 0 ] || die "\`$command\` failed on a bare ${failed[*]}"

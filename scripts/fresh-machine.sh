@@ -28,15 +28,7 @@ readme_command() {
   awk '/^```sh/ {inblock=1; next} inblock {print; exit}' "$here/README.md" | sed 's/#.*//; s/[[:space:]]*$//'
 }
 
-# The host's configured Debian mirror (deb822 or one-line sources), else deb.debian.org.
-debian_mirror() {
-  local m
-  m=$(sed -n 's/^URIs:[[:space:]]*//p' /etc/apt/sources.list.d/*.sources 2>/dev/null |
-      awk '{print $1}' | grep -E '/debian/?$' | head -n1 || true)
-  [ -n "$m" ] || m=$(sed -E 's/\[[^]]*\]//' /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
-      awk '$1 == "deb" && $2 ~ /\/debian\/?$/ {print $2; exit}' || true)
-  echo "${m:-http://deb.debian.org/debian}"
-}
+. "$here/scripts/debian-mirror.sh"   # debian_mirror: the host's configured Debian mirror
 
 # Nothing may be mounted under $1 when it is deleted (rm would walk into /dev or /proc).
 mounted_under() { awk -v p="$1" '$5 == p || index($5, p "/") == 1 {found=1} END {exit !found}' /proc/self/mountinfo; }

@@ -22,11 +22,12 @@ from typing import Any, Iterable
 
 from gpusnap import paths
 from gpusnap import proc as gsproc
+from gpusnap.criu import runner
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 
 STATUSES = ("ok", "info", "warn", "fail")
-CRIU_MIN = (4, 0)
+CRIU_MIN = runner.MIN_VERSION
 CAP_SYS_ADMIN = 21
 CAP_SYS_RESOURCE = 24
 CAP_CHECKPOINT_RESTORE = 40
@@ -273,32 +274,37 @@ def _who_holds(inodes: set[int]) -> dict[int, tuple[int, str]]:
 
 # ---------------------------------------------------------------- system checks
 
-def _check_criu(r: DoctorReport) -> bool:
-    criu = shutil.which("criu")
+def _check_criu(r: DoctorReport) -> tuple[str, tuple[int, ...]] | None:
+    """The CRIU gpusnap will run (runner.criu_path: $GPUSNAP_CRIU, /usr/local/sbin/criu, PATH),
+    its version, and whether it works with this kernel. (path, version) when usable."""
+    criu = runner.criu_path()
     if not criu:
-        r.add("criu", "fail", "CRIU is not installed",
-              "run scripts/setup.sh (Debian 13: apt-get install criu; Debian 12: from trixie)")
-        return False
+        r.add("criu", "fail", "CRIU is not installed", runner.INSTALL_HINT)
+        return None
     rc, out = _run([criu, "--version"], timeout=20)
     ver = parse_criu_version(out)
     if ver is None:
-        r.add("criu", "fail", f"{criu} --version said: {out.strip()[:200]}",
-              "reinstall CRIU >= 4.0")
-        return False
+        r.add("criu", "fail", f"{criu} --version said: {out.strip()[:200]}", runner.install_hint(criu))
+        return None
     vs = ".".join(map(str, ver))
     if ver[:2] < CRIU_MIN:
         r.add("criu", "fail", f"CRIU {vs} at {criu}: gpusnap needs >= 4.0 (device plugin hooks; "
-              "3.x fails on recent kernels)", "install CRIU 4.x (scripts/setup.sh does it)")
-        return False
+              "3.x fails on recent kernels)", runner.install_hint(criu))
+        return None
     r.add("criu", "ok", f"CRIU {vs} ({criu})")
-    return True
+    if runner.sockets_broken(ver):
+        r.add("criu sockets", "warn", f"CRIU {vs} cannot dump a job that holds a network socket "
+              f"(AF_INET/AF_INET6/AF_PACKET: a listening port, a UDP socket) on Linux "
+              f"{os.uname().release}: kernels >= 6.16 need CRIU >= 4.2; gpusnap refuses such jobs",
+              runner.install_hint(criu))
+    return criu, ver
 
 
-def _check_criu_check(r: DoctorReport, root_like: bool) -> None:
+def _check_criu_check(r: DoctorReport, criu: str, root_like: bool) -> None:
     if not root_like:
         r.add("criu check", "warn", "skipped: needs root", "run gpusnap doctor as root")
         return
-    rc, out = _run(["criu", "check"], timeout=90)
+    rc, out = _run([criu, "check"], timeout=90)
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
     # CRIU always logs this when root lacks CAP_SYS_RESOURCE; the capability check covers it
     noise = re.compile(r"RLIMIT_NOFILE", re.I)
@@ -341,12 +347,12 @@ def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
     return root or cr, sysres
 
 
-def _check_dirty_tracking(r: DoctorReport, criu_ok: bool, root_like: bool) -> None:
+def _check_dirty_tracking(r: DoctorReport, criu: str | None, root_like: bool) -> None:
     why = "gpusnap does not need it: incremental dumps dedup pages by content"
-    if not (criu_ok and root_like):
+    if not (criu and root_like):
         r.add("soft-dirty tracking", "info", f"not checked; {why}")
         return
-    rc, out = _run(["criu", "check", "--feature", "mem_dirty_track"], timeout=30)
+    rc, out = _run([criu, "check", "--feature", "mem_dirty_track"], timeout=30)
     if rc == 0:
         r.add("soft-dirty tracking", "ok", f"available ({why})")
     else:
@@ -428,7 +434,8 @@ def _pids_named(names: Iterable[str]) -> list[int]:
 
 # ---------------------------------------------------------------- per-job checks
 
-def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bool) -> None:
+def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bool,
+               criu_version: tuple[int, ...] | None = None) -> None:
     st = proc_stat(pid)
     if st is None:
         r.add("process", "fail", f"no process {pid}", "check the PID (gpusnap ps, pgrep -f ...)")
@@ -492,6 +499,13 @@ def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bo
         r.add("TCP listen", "ok", "listening on " + ", ".join(s["local"] for s in listen[:5])
               + " (restored; the port must be free at restore time)")
     _check_unix(r, pid, all_inodes)
+    if criu_version and runner.sockets_broken(criu_version):
+        net = runner.network_sockets(tree)
+        if net:
+            r.add("criu sockets", "fail", f"holds {len(net)} network socket(s) ("
+                  + ", ".join(sorted(set(net.values()))) + f") that CRIU {'.'.join(map(str, criu_version))} "
+                  f"cannot dump on Linux {os.uname().release} (>= 6.16 needs CRIU >= 4.2); "
+                  "gpusnap dump refuses it", runner.install_hint(runner.criu_path()))
 
     # NVIDIA
     _check_gpu_job(r, tree, probe)
@@ -598,15 +612,15 @@ def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe)
 def run_doctor(pid: int | None = None) -> DoctorReport:
     """All system checks, plus what would stop a dump of `pid` when one is given."""
     r = DoctorReport(pid=pid)
-    criu_ok = _check_criu(r)
+    criu = _check_criu(r)
     root_like, sysres = _check_privileges(r)
-    if criu_ok:
-        _check_criu_check(r, root_like)
-    _check_dirty_tracking(r, criu_ok, root_like)
+    if criu:
+        _check_criu_check(r, criu[0], root_like)
+    _check_dirty_tracking(r, criu and criu[0], root_like)
     _check_plugin(r)
     probe = gdriver.probe_cached()
     r.driver = probe.to_dict()
     _check_driver(r, probe)
     if pid is not None:
-        _check_pid(r, int(pid), probe, sysres)
+        _check_pid(r, int(pid), probe, sysres, criu[1] if criu else None)
     return r

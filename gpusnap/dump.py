@@ -232,6 +232,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             "so CRIU could not recreate its session on restore",
             hint="start the job in a session of its own (`setsid CMD`, or start_new_session=True "
                  "in Python); the job was not touched")
+    runner.refuse_broken_sockets(pids)
     shell_job = proc.needs_shell_job(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",

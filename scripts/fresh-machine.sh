@@ -96,6 +96,11 @@ if [ "${1:-}" = --inside ]; then
   say "$suite: running \`$command\` in /root/gpusnap"
   rc=0
   in_chroot "cd /root/gpusnap && $command" || rc=$?
+  if [ $rc != 0 ]; then   # what set-up logged, before the copy goes
+    for f in "$root"/tmp/gpusnap-setup.*.log; do
+      [ -f "$f" ] && { echo "--- last lines of ${f#"$root"}:"; tail -n 40 "$f"; }
+    done
+  fi
   say "$suite: \`$command\` exited $rc after $((SECONDS - t)) s"
   exit $rc
 fi

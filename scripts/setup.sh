@@ -73,7 +73,7 @@ archive_keyring() {
 # its Valid-Until on a mirror; the check is off for this source only (its signature is still
 # checked, and apt checks the tarball against the signed index).
 fetch_criu_source() {
-  local dir=$1 mirror o
+  local dir=$1 mirror o version
   local mirrors=("$(debian_mirror)")
   [ "${mirrors[0]}" = http://deb.debian.org/debian ] || mirrors+=(http://deb.debian.org/debian)
   for mirror in "${mirrors[@]}"; do
@@ -82,10 +82,17 @@ fetch_criu_source() {
       >"$dir/apt/sources.list"
     o=(-o "Dir::Etc::sourcelist=$dir/apt/sources.list" -o Dir::Etc::sourceparts=-
        -o "Dir::State::Lists=$dir/apt/lists" -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
-    apt-get "${o[@]}" update >>"$log" 2>&1 &&
-      (cd "$dir" && apt-get "${o[@]}" source --download-only --tar-only "criu=$CRIU_VERSION-*" >>"$log" 2>&1) || true
+    apt-get "${o[@]}" update >>"$log" 2>&1 || { say "cannot read sid's sources from $mirror"; continue; }
+    # apt wants an exact version: the Debian revision of sid's package of this upstream release
+    version=$(apt-cache "${o[@]}" showsrc criu 2>>"$log" | sed -n "s/^Version: \($CRIU_VERSION-.*\)/\1/p" | head -n1) || true
+    if [ -z "$version" ]; then
+      say "sid's sources at $mirror have no criu $CRIU_VERSION (they have:" \
+        "$(apt-cache "${o[@]}" showsrc criu 2>/dev/null | sed -n 's/^Version: //p' | tr '\n' ' '))"
+      continue
+    fi
+    (cd "$dir" && apt-get "${o[@]}" source --download-only --tar-only "criu=$version" >>"$log" 2>&1) || true
     [ -f "$dir/criu_$CRIU_VERSION.orig.tar.xz" ] && return 0
-    say "no criu_$CRIU_VERSION.orig.tar.xz from $mirror"
+    say "could not download criu_$CRIU_VERSION.orig.tar.xz (criu $version) from $mirror"
   done
   die "could not fetch criu_$CRIU_VERSION.orig.tar.xz from Debian's sid sources (see $log)"
 }

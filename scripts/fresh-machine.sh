@@ -66,6 +66,12 @@ if [ "${1:-}" = --inside ]; then
   cp -a --reflink=auto "$pristine" "$root"
   # networking as on any installed machine (package mirror and PyPI reachable)
   cp --remove-destination -L /etc/resolv.conf "$root/etc/resolv.conf"
+  # and the CAs this network adds (an HTTPS-inspecting proxy's), where any machine on it keeps
+  # them; they count once set-up installs ca-certificates, as on a real machine
+  if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
+    mkdir -p "$root/usr/local/share/ca-certificates"
+    cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+  fi
   git clone -q "$here" "$root/root/gpusnap"
   git -C "$root/root/gpusnap" fetch -q "$here" HEAD
   git -C "$root/root/gpusnap" checkout -q --detach FETCH_HEAD

@@ -158,4 +158,4 @@ quiet cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUSNAP_CRIU_INCLUDE="$cr
 quiet cmake --build build -j"$(nproc)"
 
 rm -f "$log"
-say "ready: CRIU $(criu --version | sed -n 's/^Version: *//p'), $($venv/bin/python --version), native build in build/"
+say "ready in $SECONDS s: CRIU $("$criu_prefix/sbin/criu" --version | sed -n 's/^Version: *//p') (/usr/local/sbin/criu), $($venv/bin/python --version), native build in build/"

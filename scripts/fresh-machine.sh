@@ -53,17 +53,51 @@ remove_copy() {
   rm -rf --one-file-system "$root"
 }
 
-# ------------------------------------------------------------------ inside the mount namespace
-if [ "${1:-}" = --inside ]; then
-  suite=$2 command=$3
-  pristine=$cache/chroots/$suite
-  root=$cache/run/$suite
+# A pristine chroot of the suite in $cache/chroots/SUITE, made once (and again when missing).
+ensure_pristine() {
+  local suite=$1 d=$cache/chroots/$1 t=$SECONDS
+  [ -f "$d.ok" ] && [ -x "$d/usr/bin/apt-get" ] && return 0
+  if ! command -v debootstrap >/dev/null; then
+    say "installing debootstrap"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null ||
+      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; } ||
+      return 1
+  fi
+  say "$suite: debootstrap --variant=minbase $suite from $mirror (once; cached in $d)"
+  mkdir -p "$cache/chroots" "$cache/logs"
+  rm -f "$d.ok"
+  remove_copy "$d.tmp" || return 1
+  if ! debootstrap --variant=minbase "$suite" "$d.tmp" "$mirror" >"$cache/logs/debootstrap-$suite.log" 2>&1; then
+    tail -n 20 "$cache/logs/debootstrap-$suite.log" >&2
+    remove_copy "$d.tmp" || true
+    return 1
+  fi
+  remove_copy "$d" && mv "$d.tmp" "$d" && date -u +%FT%TZ >"$d.ok" || return 1
+  say "$suite: debootstrap took $((SECONDS - t)) s"
+}
+
+# Run a shell line in the copy's chroot with a clean environment and no descriptor but 0-2.
+in_chroot() {
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+    done
+    exec chroot "$root" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
+      PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin /bin/bash -c "$1" </dev/null
+  )
+}
+
+# One suite's check, run in a private mount namespace: a fresh copy, its mounts, the command.
+# The copy and everything in it go on every exit path (the EXIT trap).
+inside() {
+  suite=$1 command=$2 root=$cache/run/$1
   trap 'remove_copy "$root"' EXIT
   trap 'exit 130' INT TERM HUP
   remove_copy "$root"
   mkdir -p "$cache/run"
-  t=$SECONDS
-  cp -a --reflink=auto "$pristine" "$root"
+  local t=$SECONDS rc=0 f
+  cp -a --reflink=auto "$cache/chroots/$suite" "$root"
   # networking as on any installed machine (package mirror and PyPI reachable)
   cp --remove-destination -L /etc/resolv.conf "$root/etc/resolv.conf"
   # and the CAs this network adds (an HTTPS-inspecting proxy's), where any machine on it keeps
@@ -84,23 +118,11 @@ if [ "${1:-}" = --inside ]; then
   mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
   say "$suite: fresh copy with $(git -C "$root/root/gpusnap" log -1 --format='%h %s' | cut -c1-60) in $((SECONDS - t)) s"
 
-  # Run a shell line in the chroot with a clean environment and no descriptor but 0-2.
-  in_chroot() {
-    (
-      for fd in /proc/$BASHPID/fd/*; do
-        fd=${fd##*/}
-        [ "$fd" -gt 2 ] && eval "exec $fd>&-"
-      done
-      exec chroot "$root" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
-        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin /bin/bash -c "$1" </dev/null
-    )
-  }
   t=$SECONDS
-  in_chroot 'export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null && apt-get install -y -q make >/dev/null'
+  in_chroot 'export DEBIAN_FRONTEND=noninteractive; apt-get update -q >/dev/null && apt-get install -y -q make >/dev/null 2>&1'
   say "$suite: apt-get install make: $((SECONDS - t)) s"
   t=$SECONDS
   say "$suite: running \`$command\` in /root/gpusnap"
-  rc=0
   in_chroot "cd /root/gpusnap && $command" || rc=$?
   if [ $rc != 0 ]; then   # what set-up logged, before the copy goes
     for f in "$root"/tmp/gpusnap-setup.*.log; do
@@ -109,53 +131,30 @@ if [ "${1:-}" = --inside ]; then
   fi
   say "$suite: \`$command\` exited $rc after $((SECONDS - t)) s"
   exit $rc
-fi
-
-# ------------------------------------------------------------------ outside
-[ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and mounts need it)"
-suites=("$@")
-[ ${#suites[@]} -gt 0 ] || suites=(bookworm trixie)
-command=${GPUSNAP_FRESH_CMD:-$(readme_command)}
-[ -n "$command" ] || die "no command found in README.md"
-case $command in sudo\ *) command=${command#sudo } ;; esac   # root already; a bare Debian has no sudo
-mirror=$(debian_mirror)
-
-ensure_pristine() {
-  local suite=$1 d=$cache/chroots/$1 t=$SECONDS
-  [ -f "$d.ok" ] && [ -x "$d/usr/bin/apt-get" ] && return 0
-  if ! command -v debootstrap >/dev/null; then
-    say "installing debootstrap"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null ||
-      { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q debootstrap >/dev/null; }
-  fi
-  say "$suite: debootstrap --variant=minbase $suite from $mirror (once; cached in $d)"
-  mkdir -p "$cache/chroots" "$cache/logs"
-  rm -f "$d.ok"
-  remove_copy "$d.tmp"
-  if ! debootstrap --variant=minbase "$suite" "$d.tmp" "$mirror" >"$cache/logs/debootstrap-$suite.log" 2>&1; then
-    tail -n 20 "$cache/logs/debootstrap-$suite.log" >&2
-    remove_copy "$d.tmp" || true
-    return 1
-  fi
-  remove_copy "$d"
-  mv "$d.tmp" "$d"
-  date -u +%FT%TZ >"$d.ok"
-  say "$suite: debootstrap took $((SECONDS - t)) s"
 }
 
-failed=()
-summary=()
-for suite in "${suites[@]}"; do
-  t=$SECONDS
-  rc=0
-  ensure_pristine "$suite" || rc=$?
-  if [ $rc = 0 ]; then
-    unshare --mount --propagation private bash "$0" --inside "$suite" "$command" || rc=$?
-    # a job the command left behind keeps the namespace's mounts alive: end it, then the copy goes
-    remove_copy "$cache/run/$suite" || true
-  fi
-  summary+=("$suite: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t)) s")
-  [ $rc = 0 ] || failed+=("$suite")
-done
-for line in "${summary[@]}"; do say "$line"; done
-[ ${#failed[@]} = 0 ] || die "\`$command\` failed on a bare ${failed[*]}"
+outside() {
+  [ "$(id -u)" = 0 ] || die "run as root (debootstrap, chroot and mounts need it)"
+  local suites=("$@") failed=() summary=() suite t rc line
+  [ ${#suites[@]} -gt 0 ] || suites=(bookworm trixie)
+  command=${GPUSNAP_FRESH_CMD:-$(readme_command)}
+  [ -n "$command" ] || die "no command found in README.md"
+  case $command in sudo\ *) command=${command#sudo } ;; esac   # root already; a bare Debian has no sudo
+  mirror=$(debian_mirror)
+  for suite in "${suites[@]}"; do
+    t=$SECONDS rc=0
+    ensure_pristine "$suite" || rc=$?
+    if [ $rc = 0 ]; then
+      unshare --mount --propagation private bash "$0" --inside "$suite" "$command" || rc=$?
+      # a job the command left behind keeps the namespace's mounts alive: end it, then the copy goes
+      remove_copy "$cache/run/$suite" || true
+    fi
+    summary+=("$suite: $([ $rc = 0 ] && echo ok || echo "FAILED (exit $rc)") in $((SECONDS - t)) s")
+    [ $rc = 0 ] || failed+=("$suite")
+  done
+  for line in "${summary[@]}"; do say "$line"; done
+  [ ${#failed[@]} = 0 ] || die "\`$command\` failed on a bare ${failed[*]}"
+}
+
+# Only definitions above: bash has read the whole script before anything runs.
+if [ "${1:-}" = --inside ]; then inside "$2" "$3"; else outside "$@"; fi

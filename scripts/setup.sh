@@ -111,7 +111,7 @@ build_criu() {
   tar -C "$tmp/src" -xf "$tmp/src/criu_$CRIU_VERSION.orig.tar.xz"
   local s="$tmp/src/criu-$CRIU_VERSION"
   quiet make -C "$s" -j"$(nproc)" criu
-  quiet make -C "$s" lib
+  quiet make -C "$s" -j"$(nproc)" lib
   rm -rf "$criu_prefix.new"
   install -D -m 0755 "$s/criu/criu" "$criu_prefix.new/sbin/criu"
   install -D -m 0644 "$s/criu/include/criu-plugin.h" "$criu_prefix.new/include/criu/criu-plugin.h"

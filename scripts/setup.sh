@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything gpusnap needs on a fresh Debian 12 or 13 machine, as root; quick when already done.
 #   - Python 3, python3-venv, build tools (cmake, gcc), BLAKE3's C sources (librust-blake3-dev),
-#     CA certificates (pip fetches from PyPI over HTTPS)
+#     CA certificates (pip fetches from PyPI over HTTPS), iproute2 (doctor's `ss`)
 #   - CRIU 4.2.1 built from Debian's source package into /opt/gpusnap/criu-4.2.1 (binary, plugin
 #     headers and pycriu of one build), linked as /usr/local/sbin/criu
 #   - .venv with gpusnap in editable mode, and that pycriu made importable in it
@@ -32,6 +32,8 @@ done
 [ -f /usr/include/stdio.h ] || pkgs+=(libc6-dev)
 # pip checks PyPI's certificate against the system's CAs, which a minimal system lacks
 [ -f /etc/ssl/certs/ca-certificates.crt ] || pkgs+=(ca-certificates)
+# gpusnap doctor finds the peers of a job's unix sockets with ss
+command -v ss >/dev/null 2>&1 || pkgs+=(iproute2)
 [ -x /usr/bin/python3 ] || pkgs+=(python3)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 compgen -G '/usr/share/cargo/registry/blake3-*/c/blake3.c' >/dev/null || pkgs+=(librust-blake3-dev)

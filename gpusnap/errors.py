@@ -33,7 +33,7 @@ class NotRoot(GpusnapError):
 
 
 class CriuUnavailable(GpusnapError):
-    """CRIU is missing or older than 4.0."""
+    """CRIU is missing, older than 4.0, or too old for this job on this kernel (network sockets)."""
 
     exit_code = 4
     title = "CRIU missing or too old"

@@ -11,7 +11,12 @@ from pathlib import Path
 
 from gpusnap.errors import CriuFailed, CriuUnavailable
 
-MIN_VERSION = (4, 2)  # 4.1 cannot dump AF_INET sockets on kernels >= 6.16
+MIN_VERSION = (4, 0)  # the device plugin hooks and working vDSO handling on recent kernels
+# Linux 6.16 restricted SO_PASSCRED/SO_PASSSEC to unix and netlink sockets; CRIU before 4.2
+# still asks every socket for them, so it cannot dump a job holding an AF_INET, AF_INET6 or
+# AF_PACKET socket on such a kernel (CRIU issues #2705/#2718, fixed in 4.2).
+SOCKETS_FIXED_IN = (4, 2)
+SOCKETS_BROKEN_FROM_KERNEL = (6, 16)
 INSTALL_HINT = ("run `make setup` as root in the gpusnap checkout: it builds CRIU 4.2.1 from Debian's "
                 "source package into /opt/gpusnap and links it as /usr/local/sbin/criu")
 
@@ -48,7 +53,7 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 
 
 def criu_info() -> CriuInfo:
-    """Locate CRIU and check it is >= 4.0, or raise CriuUnavailable saying how to get it."""
+    """Locate CRIU and check it is >= MIN_VERSION, or raise CriuUnavailable saying how to get it."""
     path = criu_path()
     if path is not None and path in _info_cache:
         return _info_cache[path]
@@ -74,6 +79,80 @@ def check_version(version: tuple[int, ...], path: str) -> tuple[int, ...]:
             "(the device plugin hooks and working vDSO handling on recent kernels came with 4.0)",
             hint=INSTALL_HINT)
     return version
+
+
+def kernel_version(release: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the running kernel (or of a `uname -r` string)."""
+    m = re.match(r"(\d+)\.(\d+)", release if release is not None else os.uname().release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def sockets_broken(version: tuple[int, ...], kernel: tuple[int, int] | None = None) -> bool:
+    """True when this CRIU cannot dump AF_INET/AF_INET6/AF_PACKET sockets on this kernel."""
+    return version[:2] < SOCKETS_FIXED_IN and (kernel or kernel_version()) >= SOCKETS_BROKEN_FROM_KERNEL
+
+
+# /proc/PID/net tables of the socket kinds such a CRIU fails on, and their inode column
+_NET_TABLES = {"tcp": ("TCP", 9), "tcp6": ("TCP/IPv6", 9), "udp": ("UDP", 9), "udp6": ("UDP/IPv6", 9),
+               "udplite": ("UDP-Lite", 9), "udplite6": ("UDP-Lite/IPv6", 9), "raw": ("raw IP", 9),
+               "raw6": ("raw IPv6", 9), "packet": ("packet", 8)}
+
+
+def network_sockets(pids: list[int]) -> dict[int, str]:
+    """socket inode -> kind ("TCP", "UDP/IPv6", "packet", ...) for every AF_INET, AF_INET6 and
+    AF_PACKET socket the processes hold open (unix and netlink sockets are not in the tables)."""
+    held: dict[str, set[int]] = {}  # network namespace -> socket inodes held there
+    first_pid: dict[str, int] = {}
+    for pid in pids:
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        first_pid.setdefault(ns, pid)
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                held.setdefault(ns, set()).add(int(target[8:-1]))
+    found: dict[int, str] = {}
+    for ns, inodes in held.items():
+        for table, (kind, col) in _NET_TABLES.items():
+            try:
+                rows = Path(f"/proc/{first_pid[ns]}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                f = row.split()
+                if len(f) > col and f[col].isdigit() and int(f[col]) in inodes:
+                    found[int(f[col])] = kind
+    return found
+
+
+def refuse_broken_sockets(pids: list[int]) -> None:
+    """Before a dump touches the job: CriuUnavailable if this CRIU cannot dump the network
+    sockets the job holds on this kernel (rather than CRIU's own error half-way through)."""
+    info = criu_info()
+    if not sockets_broken(info.version):
+        return
+    found = network_sockets(pids)
+    if not found:
+        return
+    kinds = sorted(set(found.values()))
+    raise CriuUnavailable(
+        f"CRIU {info.version_str} at {info.path} cannot dump this job on Linux {os.uname().release}: "
+        f"it holds {len(found)} network socket(s) ({', '.join(kinds)}), and CRIU before 4.2 fails on "
+        "those from Linux 6.16 on; the job was not touched",
+        hint=install_hint(info.path))
+
+
+def install_hint(path: str | None = None) -> str:
+    """INSTALL_HINT, plus what to unset when $GPUSNAP_CRIU chose this CRIU."""
+    if os.environ.get("GPUSNAP_CRIU") and path == os.environ["GPUSNAP_CRIU"]:
+        return INSTALL_HINT + f"; $GPUSNAP_CRIU makes gpusnap use {path}: unset it afterwards"
+    return INSTALL_HINT
 
 
 

@@ -318,8 +318,9 @@ def _criu_sockets(plan: Plan, pids: list[int]) -> None:
     if found:
         kinds = ", ".join(sorted(set(found.values())))
         plan.add("criu sockets", "fail",
-                 f"holds {len(found)} network socket(s) ({kinds}) that CRIU {info.version_str} at {info.path} "
-                 f"cannot dump on Linux {os.uname().release} (fixed in CRIU 4.2); the job was not touched",
+                 f"CRIU {info.version_str} at {info.path} cannot dump this job on Linux {os.uname().release}: "
+                 f"it holds {len(found)} network socket(s) ({kinds}), and CRIU before 4.2 fails on those "
+                 "from Linux 6.16 on; the job was not touched",
                  runner.install_hint(info.path), CriuUnavailable)
 
 

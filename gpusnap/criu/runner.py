@@ -131,23 +131,6 @@ def network_sockets(pids: list[int]) -> dict[int, str]:
     return found
 
 
-def refuse_broken_sockets(pids: list[int]) -> None:
-    """Before a dump touches the job: CriuUnavailable if this CRIU cannot dump the network
-    sockets the job holds on this kernel (rather than CRIU's own error half-way through)."""
-    info = criu_info()
-    if not sockets_broken(info.version):
-        return
-    found = network_sockets(pids)
-    if not found:
-        return
-    kinds = sorted(set(found.values()))
-    raise CriuUnavailable(
-        f"CRIU {info.version_str} at {info.path} cannot dump this job on Linux {os.uname().release}: "
-        f"it holds {len(found)} network socket(s) ({', '.join(kinds)}), and CRIU before 4.2 fails on "
-        "those from Linux 6.16 on; the job was not touched",
-        hint=install_hint(info.path))
-
-
 def install_hint(path: str | None = None) -> str:
     """INSTALL_HINT, plus what to unset when $GPUSNAP_CRIU chose this CRIU."""
     if os.environ.get("GPUSNAP_CRIU") and path == os.environ["GPUSNAP_CRIU"]:

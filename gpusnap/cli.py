@@ -157,6 +157,10 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    via: str = typer.Option("auto", "--via", metavar="auto|stream|files",
+                            help="How CRIU reads the images: through a stream, or from image files written "
+                                 "to tmpfs or the repository's disk (auto: files for huge pages or when they "
+                                 "fit in memory)."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -170,12 +174,14 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, via=via)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, via=via)
     if json_:
         _emit_json(result.to_dict())
     else:
+        for note in result.notes:
+            err.print(f"[yellow]note:[/] {note}")
         out.print(result.pid)
 
 

@@ -217,7 +217,7 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
             raise err
         lines = runner.log_errors(log)
         raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
-                         last_lines=lines, hint=runner.explain(lines))
+                         last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:
         server.finish(timeout=30)
     runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")

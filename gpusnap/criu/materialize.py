@@ -80,18 +80,30 @@ def snapshot_bytes(snap) -> int:
     return max(raw - zero, 0)
 
 
+def fits_tmpfs(need: int, mem_avail: int | None, shm_free: int) -> bool:
+    """Room on tmpfs for `need` bytes of images while the restored job (about as big again)
+    comes back, with a margin."""
+    return mem_avail is not None and mem_avail >= 2 * need + MEM_MARGIN and shm_free >= need + MEM_MARGIN
+
+
 def plan(snap, repo_path: Path) -> Plan:
+    """Where the image files go: $GPUSNAP_RESTORE_IMAGES (tmpfs|disk) when set, else tmpfs
+    (/dev/shm) when they fit in memory, else the repository's tmp/ directory."""
     need = snapshot_bytes(snap)
-    avail = mem_available()
-    if (avail is not None and avail >= 2 * need + MEM_MARGIN and SHM.is_dir()
-            and os.access(SHM, os.W_OK) and _is_tmpfs(SHM)):
-        try:
-            free = shutil.disk_usage(SHM).free
-        except OSError:
-            free = 0
-        if free >= need + MEM_MARGIN:
-            return Plan("tmpfs", SHM, need)
-    return Plan("disk", Path(repo_path) / "tmp", need)
+    disk = Plan("disk", Path(repo_path) / "tmp", need)
+    force = os.environ.get("GPUSNAP_RESTORE_IMAGES", "auto")
+    if force == "disk":
+        return disk
+    shm_ok = SHM.is_dir() and os.access(SHM, os.W_OK) and _is_tmpfs(SHM)
+    if force == "tmpfs" and shm_ok:
+        return Plan("tmpfs", SHM, need)
+    try:
+        free = shutil.disk_usage(SHM).free if shm_ok else 0
+    except OSError:
+        free = 0
+    if shm_ok and fits_tmpfs(need, mem_available(), free):
+        return Plan("tmpfs", SHM, need)
+    return disk
 
 
 def remove_stale(parent: Path) -> None:
@@ -141,51 +153,23 @@ def images_dir(snap, repo_path: Path):
             signal.signal(s, h)
 
 
-def _write_image(snap, d: Path, name: str, stop: threading.Event, done: list) -> int:
-    from gpusnap.repo.format import _ZCHUNK
-
-    protocol.check_filename(name)
-    fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    pos = written = 0
-    try:
-        it = snap.read_image(name)
-        try:
-            for chunk in it:
-                if stop.is_set():
-                    return written
-                n = len(chunk)
-                if chunk is not _ZCHUNK:     # all-zero 1 MiB: a hole
-                    view = memoryview(chunk)
-                    off = 0
-                    while off < n:
-                        off += os.pwrite(fd, view[off:], pos + off)
-                    written += n
-                pos += n
-                done[0] += n      # progress only: an unlocked add is close enough
-        finally:
-            it.close()
-        os.ftruncate(fd, pos)
-    finally:
-        os.close(fd)
-    return written
-
-
 def write_images(snap, d: Path, threads: int | None = None, progress=None, total: int = 0) -> int:
     """Write every image of the snapshot into d; returns the bytes written (holes excluded).
     Any failure (a bad page, a full disk) stops the others and is raised."""
     import errno
 
-    names = sorted(snap.image_names(), key=lambda n: -int(snap.image(n).get("size", 0) or 0))
-    threads = threads or max(2, min(4, os.cpu_count() or 2))
+    from gpusnap.repo import materialize as repo_materialize
+
+    threads = threads or max(2, min(8, os.cpu_count() or 2))
     stop = threading.Event()
     done = [0]
-    written = 0
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-materialize") as ex:
-        futs = [ex.submit(_write_image, snap, d, n, stop, done) for n in names]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-materialize") as ex:
+        futs = [ex.submit(repo_materialize.write_images, snap, d, threads, stop, done)]
         if progress:
             while wait(futs, timeout=0.1).not_done:
-                progress(done[0], total)
+                progress(min(done[0], total), total)
         first: BaseException | None = None
+        written = 0
         for f in futs:
             try:
                 written += f.result()

@@ -17,7 +17,7 @@ _gpusnap_words() {
         "ls") echo "--help --json --repo -h" ;;
         "prune") echo "--dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
-        "restore") echo "--gpu-map --help --json --quiet --repo -h -q" ;;
+        "restore") echo "--gpu-map --help --json --quiet --repo --via -h -q" ;;
         "schedule") echo "add ls rm --help -h" ;;
         "schedule add") echo "--cron --every --help --json --keep-last --match --name --repo -h" ;;
         "schedule ls") echo "--help --json -h" ;;

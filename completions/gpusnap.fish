@@ -45,6 +45,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_s
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l via
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -F
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a add
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a ls

@@ -24,6 +24,7 @@ from typing import Callable
 from gpusnap import locate, paths, proc, restore_files, restore_needs
 from gpusnap.criu import materialize, runner
 from gpusnap.criu.streamer import ServeServer
+from gpusnap.repo import materialize as repo_materialize
 from gpusnap.errors import (
     CorruptSnapshot, CriuFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError,
 )
@@ -231,8 +232,14 @@ def _via_stream(repository, snap, info, env, flags, progress, phases) -> int | N
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
 
+    threads = max(1, min(8, (os.cpu_count() or 2) - 1))   # a core for CRIU itself
+
     def source(name: str):
-        return snap.read_image(name) if snap.has_image(name) else None
+        if not snap.has_image(name):
+            return None
+        if threads > 1 and repo_materialize.parallel_ok(snap, name):
+            return repo_materialize.iter_image_parallel(snap, name, threads)
+        return snap.read_image(name)
 
     server = ServeServer(workdir, source).start()
     t = time.monotonic()

@@ -144,3 +144,24 @@ def test_where_images_go_can_be_chosen(snap, monkeypatch):
     assert p.where == "disk" and p.parent == repo.path / "tmp"
     monkeypatch.setenv("GPUSNAP_RESTORE_IMAGES", "tmpfs")
     assert materialize.plan(s, repo.path).where == "tmpfs"
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_parallel_stream_reader_yields_the_image_in_order(snap, threads):
+    repo, s, images = snap
+    for name in ("pages-1.img", "pages-2.img", "pages-3.img"):
+        assert b"".join(repo_materialize.iter_image_parallel(s, name, threads)) == images[name]
+    assert repo_materialize.parallel_ok(s, "pages-1.img")
+    assert not repo_materialize.parallel_ok(s, "core-1.img")      # a blob image: the plain reader
+
+
+def test_parallel_stream_reader_fails_on_a_damaged_page(snap):
+    repo, s, images = snap
+    for p in sorted(q for q in (repo.path / "packs").rglob("*") if q.is_file()):
+        data = bytearray(p.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        os.chmod(p, 0o600)
+        p.write_bytes(bytes(data))
+    s = repo.snapshot(s.path.name)
+    with pytest.raises(CorruptSnapshot):
+        b"".join(repo_materialize.iter_image_parallel(s, "pages-1.img", 2))

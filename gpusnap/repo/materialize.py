@@ -118,16 +118,18 @@ class _Readers(threading.local):
         self.reader = RunReader(root, loc)
 
 
-def _run_job(snap, name: str, fd: int, job: _Job, readers, all_readers: list, lock: threading.Lock,
-             done: list) -> int:
-    done[0] += job.size                             # progress only: an unlocked add is close enough
-    if not job.data:
-        return 0                                    # all zero pages: a hole
+def _reader(readers, all_readers: list, lock: threading.Lock):
     if not hasattr(readers, "registered"):
         readers.registered = True
         with lock:
             all_readers.append(readers.reader)
-    reader = readers.reader
+    return readers.reader
+
+
+def _build_job(snap, name: str, job: _Job, reader) -> bytearray | None:
+    """The job's bytes, every page checked; None for a job of zero pages only."""
+    if not job.data:
+        return None
 
     def blob(r):
         try:
@@ -162,10 +164,66 @@ def _run_job(snap, name: str, fd: int, job: _Job, readers, all_readers: list, lo
         bad = native.verify(buf, job.npages, b"".join(job.ids), job.kinds)
         if bad >= 0:
             raise snap._corrupt(f"a page of {name} fails its checksum")
+    return buf
+
+
+def _run_job(snap, name: str, fd: int, job: _Job, readers, all_readers: list, lock: threading.Lock,
+             done: list) -> int:
+    done[0] += job.size                             # progress only: an unlocked add is close enough
+    buf = _build_job(snap, name, job, _reader(readers, all_readers, lock))
+    if buf is None:
+        return 0                                    # all zero pages: a hole
+    mv = memoryview(buf)
     off = 0
     while off < job.size:
         off += os.pwrite(fd, mv[off:], job.pos + off)
     return job.size
+
+
+def parallel_ok(snap, name: str) -> bool:
+    """Whether iter_image_parallel can read this image (a big pages image, a locations file)."""
+    im = snap.image(name)
+    return im["type"] == "pages" and int(im.get("size", 0)) > JOB_BYTES and snap.locations() is not None
+
+
+def iter_image_parallel(snap, name: str, threads: int):
+    """The image's bytes in order, like Snapshot.read_image, built by `threads` workers a
+    bounded window ahead (2 jobs per worker). For the stream path."""
+    from collections import deque
+
+    loc = snap.locations()
+    readers = _Readers(snap.repo.path, loc)
+    lock = threading.Lock()
+    all_readers: list = []
+    zero = bytes(JOB_BYTES)
+
+    def build(job):
+        return job, _build_job(snap, name, job, _reader(readers, all_readers, lock))
+
+    ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-read")
+    window: deque = deque()
+    try:
+        jobs = _jobs(snap, name, loc, snap._image_no[name])
+        more = True
+        while more or window:
+            while more and len(window) < 2 * threads:
+                job = next(jobs, None)
+                if job is None:
+                    more = False
+                else:
+                    window.append(ex.submit(build, job))
+            if window:
+                job, buf = window.popleft().result()
+                if buf is None:
+                    yield zero if job.size == JOB_BYTES else bytes(job.size)
+                else:
+                    yield buf
+    finally:
+        for f in window:
+            f.cancel()
+        ex.shutdown(wait=True)
+        for r in all_readers:
+            r.close()
 
 
 def _create(d: Path, name: str) -> int:

@@ -159,8 +159,8 @@ def restore(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
     via: str = typer.Option("auto", "--via", metavar="auto|stream|files",
                             help="How CRIU reads the images: through a stream, or from image files written "
-                                 "to tmpfs or the repository's disk (auto: files for huge pages or when they "
-                                 "fit in memory)."),
+                                 "to tmpfs or the repository's disk (auto: the stream, unless files "
+                                 "are needed: huge pages)."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 

@@ -111,10 +111,11 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
 VIAS = ("auto", "stream", "files")
 
 
-def choose_via(via: str, snap, hugetlb: int, plan) -> str:
+def choose_via(via: str, snap, hugetlb: int) -> str:
     """stream or files. auto: files when the snapshot maps huge pages (only image files let
-    CRIU restore them) or when the images fit on tmpfs (measured faster, docs/benchmark.md);
-    stream otherwise (no extra disk writes through the repository's filesystem)."""
+    CRIU restore them), stream otherwise: on the 2-core machines measured (docs/benchmark.md)
+    both paths took the same time within the noise, and the stream needs no memory or disk
+    for a copy of the images."""
     if via not in VIAS:
         raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
     if via == "stream" and hugetlb:
@@ -123,9 +124,7 @@ def choose_via(via: str, snap, hugetlb: int, plan) -> str:
                          hint="restore with --via files (or auto, the default)")
     if via != "auto":
         return via
-    if hugetlb or plan.where == "tmpfs":
-        return "files"
-    return "stream"
+    return "files" if hugetlb else "stream"
 
 
 def _check_hugepages(hugetlb: int) -> None:
@@ -163,11 +162,11 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
-    plan = materialize.plan(snap, repository.path)
-    mode = choose_via(via, snap, hugetlb, plan)
+    mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
     fixes = restore_files.prepare(snap)
     phases = {"preflight": round(time.monotonic() - t0, 3)}
+    where = None
     try:
         if mode == "stream":
             try:
@@ -179,16 +178,16 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
                     raise
                 mode = "files"
                 _check_pids_free(pids, snap.path)
-                pid = _via_files(repository, snap, info, env, flags, progress, phases, plan)
+                pid, where = _via_files(repository, snap, info, env, flags, progress, phases)
         else:
-            pid = _via_files(repository, snap, info, env, flags, progress, phases, plan)
+            pid, where = _via_files(repository, snap, info, env, flags, progress, phases)
     except BaseException:
         fixes.undo()
         raise
     if pid is None:
         pid = pids[0]
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases=phases, via=mode, images=plan.where if mode == "files" else None,
+                         phases=phases, via=mode, images=where,
                          notes=fixes.notes())
 
 
@@ -254,9 +253,9 @@ def _via_stream(repository, snap, info, env, flags, progress, phases) -> int | N
     return pid
 
 
-def _via_files(repository, snap, info, env, flags, progress, phases, plan) -> int | None:
+def _via_files(repository, snap, info, env, flags, progress, phases) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    with materialize.images_dir(snap, repository.path) as (images, _plan):
+    with materialize.images_dir(snap, repository.path) as (images, plan):
         t = time.monotonic()
         materialize.write_images(snap, images, progress=progress, total=total)
         phases["materialize"] = round(time.monotonic() - t, 3)
@@ -269,4 +268,4 @@ def _via_files(repository, snap, info, env, flags, progress, phases, plan) -> in
         phases["criu"] = round(time.monotonic() - t, 3)
     if progress:
         progress(total, total)
-    return pid
+    return pid, plan.where

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from gpusnap.errors import CorruptSnapshot, FilesChanged
 

@@ -132,7 +132,7 @@ def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_pa
             kill_pids([job.pid])
         # the private image directory is gone
         leftovers = [p for d in (Path("/dev/shm"), Path(repo) / "tmp") if d.is_dir()
-                     for p in d.iterdir() if p.name.startswith(f"gpusnap-images-")]
+                     for p in d.iterdir() if p.name.startswith("gpusnap-images-")]
         assert not [p for p in leftovers if not Path(f"/proc/{p.name.split('-')[2]}").exists()], leftovers
     finally:
         if job.poll() is None:

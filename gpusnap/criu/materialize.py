@@ -8,10 +8,10 @@ private huge-page mappings at all (gpusnap/restore_needs.py).
 The directory is private (0700, created exclusively, named after this process so that a
 later run can remove what a SIGKILLed one left) and on tmpfs (/dev/shm) when the memory
 available leaves room for the images and for the restored job besides; else under the
-repository's own tmp/. Images are decoded in parallel (one thread per image, the largest
-first; big pages images also build their chunks one step ahead in a helper thread), every
-page checked against its checksum on the way (Snapshot.read_image), and zero pages are left
-as holes, so they cost neither memory on tmpfs nor disk writes.
+repository's own tmp/. Images are decoded in parallel (gpusnap/repo/materialize.py: big pages
+images in 4 MiB jobs across all cores, small images one per thread), every page checked against
+its checksum on the way, and zero pages are left as holes, so they cost neither memory on tmpfs
+nor disk writes. $GPUSNAP_RESTORE_IMAGES=tmpfs|disk overrides the choice of place.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusnap.criu import protocol
 from gpusnap.errors import GpusnapError, Interrupted, NoSpace
 
 PREFIX = "gpusnap-images-"

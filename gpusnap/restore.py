@@ -74,6 +74,21 @@ def snapshot_pids(snap) -> list[int]:
     return pids
 
 
+def pidns_init(snap) -> bool:
+    """Whether the snapshot's root is the init of its own PID namespace (pstree.img's first
+    entry has PID 1). CRIU then restores the tree into a new PID namespace: its PIDs there
+    are its own, and on the host it gets whatever PIDs are free, so it can run side by side
+    with the job it was taken from."""
+    if not snap.has_image("pstree.img"):
+        return False
+    try:
+        for msg in restore_files._entries(b"".join(snap.read_image("pstree.img"))):
+            return dict(restore_files._fields(msg)).get(1) == 1
+    except ValueError as e:
+        raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable process tree: {e}") from None
+    return False
+
+
 def _check_pids_free(pids: list[int], snap_path) -> None:
     busy = [p for p in pids if proc.read_stat(p) is not None]
     if not busy:
@@ -92,8 +107,8 @@ def pids_hint(busy: list[int]) -> str:
     kill = " ".join(str(p) for p in busy[:5])
     return (f"the original job is probably still running: stop it (`kill {kill}`, and wait until it has "
             "exited), then restore again; a snapshot restores under its original PIDs, so it cannot run side "
-            "by side with the job it was taken from (a job that is the init of its own PID namespace, as "
-            "`gpusnap run` starts it, can)")
+            "by side with the job it was taken from; a job that is the init of its own PID namespace (started "
+            "with `gpusnap run`, or `unshare --pid --fork setsid CMD`) restores side by side")
 
 
 def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
@@ -156,7 +171,9 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
     pids = snapshot_pids(snap)
-    _check_pids_free(pids, snap.path)
+    own_pidns = pidns_init(snap)
+    if not own_pidns:
+        _check_pids_free(pids, snap.path)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
     allowed = {"--shell-job", "--tcp-established"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
@@ -177,7 +194,8 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
                 if via != "auto" or not any("Can't read pages data" in ln for ln in e.last_lines):
                     raise
                 mode = "files"
-                _check_pids_free(pids, snap.path)
+                if not own_pidns:
+                    _check_pids_free(pids, snap.path)
                 pid, where = _via_files(repository, snap, info, env, flags, progress, phases)
         else:
             pid, where = _via_files(repository, snap, info, env, flags, progress, phases)
@@ -186,6 +204,8 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
         raise
     if pid is None:
         pid = pids[0]
+    if own_pidns:
+        pids = [pid]        # the host PIDs are new; inside its namespace the tree has its old ones
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
                          phases=phases, via=mode, images=where,
                          notes=fixes.notes())

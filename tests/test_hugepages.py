@@ -70,7 +70,7 @@ def hugepages():
     try:
         if _meminfo("HugePages_Free") * size_kb < 2 * HUGE_MB * 1024:
             pytest.skip(f"the kernel reserved only {_meminfo('HugePages_Free')} free huge pages")
-        yield
+        yield old
     finally:
         knob.write_text(str(old))
 
@@ -122,6 +122,19 @@ def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_pa
         err = json.loads(r.stdout)
         assert "huge pages" in err["message"] and "--via files" in err["hint"]
         assert not Path(f"/proc/{job.pid}").exists()
+
+        # a pool too small: refused before CRIU runs (exit 26), saying how to reserve them
+        knob = Path("/proc/sys/vm/nr_hugepages")
+        reserved = int(knob.read_text())
+        knob.write_text(str(hugepages))        # the setting before this test (others' pages stay)
+        try:
+            if _meminfo("HugePages_Free") * (_meminfo("Hugepagesize") or 2048) < HUGE_MB * 1024:
+                r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+                assert r.returncode == 26, r.stdout + r.stderr
+                assert "vm.nr_hugepages" in json.loads(r.stdout)["hint"]
+                assert not Path(f"/proc/{job.pid}").exists()
+        finally:
+            knob.write_text(str(reserved))
 
         restored = run_json("restore", snap, "--repo", repo)
         assert restored["via"] == "files" and restored["pid"] == job.pid

@@ -145,13 +145,16 @@ def choose_via(via: str, snap, hugetlb: int) -> str:
 def _check_hugepages(hugetlb: int) -> None:
     if not hugetlb:
         return
-    free = restore_needs.hugepages_free_bytes()
-    if free is not None and free < hugetlb:
-        pages = -(-hugetlb // (2 << 20))
+    pool = restore_needs.hugepage_pool()
+    if pool is None:
+        return                       # no pool figures: CRIU will say, and explain_restore too
+    total, free, size = pool
+    if free * size < hugetlb:
+        want = total + -(-(hugetlb - free * size) // size)
         raise HugePagesUnavailable(
-            f"the snapshot maps {hugetlb >> 20} MiB of huge pages, the huge-page pool here has {free >> 20} MiB free",
-            hint=f"reserve them first, e.g. `sysctl vm.nr_hugepages={pages}` (or more, if other jobs use huge "
-                 "pages), then restore again")
+            f"the snapshot maps {hugetlb >> 20} MiB of huge pages, the huge-page pool here has "
+            f"{free * size >> 20} MiB free",
+            hint=f"reserve enough first: `sysctl vm.nr_hugepages={want}` (now {total}), then restore again")
 
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,

@@ -69,15 +69,23 @@ def _int(v) -> int:
     return int(v, 16) if isinstance(v, str) else int(v)
 
 
-def hugepages_free_bytes() -> int | None:
-    """Free bytes in the default huge-page pool (/proc/meminfo), None when unknown."""
-    free = size = None
+def hugepage_pool() -> tuple[int, int, int] | None:
+    """(total pages, free pages, page size in bytes) of the default huge-page pool
+    (/proc/meminfo), None when unknown."""
+    vals: dict[str, int] = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("HugePages_Free:"):
-                free = int(line.split()[1])
-            elif line.startswith("Hugepagesize:"):
-                size = int(line.split()[1]) * 1024
+            k, _, v = line.partition(":")
+            if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize"):
+                vals[k] = int(v.split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return free * size if free is not None and size else None
+    if len(vals) != 3 or not vals["Hugepagesize"]:
+        return None
+    return vals["HugePages_Total"], vals["HugePages_Free"], vals["Hugepagesize"] * 1024
+
+
+def hugepages_free_bytes() -> int | None:
+    """Free bytes in the default huge-page pool, None when unknown."""
+    pool = hugepage_pool()
+    return pool[1] * pool[2] if pool else None

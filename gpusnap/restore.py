@@ -229,7 +229,11 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
     if server is not None:
         runner.supervise(criu, server, progress, total)
     else:
-        criu.wait()
+        try:
+            criu.wait()
+        except BaseException:
+            criu.wait()      # interrupted: let CRIU finish before its images directory goes
+            raise
     if criu.returncode != 0 or (server is not None and server.failed):
         if server is not None:
             server.abort()

@@ -254,11 +254,21 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         return None
 
 
+def restore_threads(stream: bool) -> int:
+    """Decoding workers: $GPUSNAP_RESTORE_THREADS, else the cores (up to 8), one fewer for the
+    stream path, where CRIU reads at the same time."""
+    env = os.environ.get("GPUSNAP_RESTORE_THREADS", "")
+    if env.isdigit() and 0 < int(env) <= 64:
+        return int(env)
+    cores = os.cpu_count() or 2
+    return max(1, min(8, cores - 1 if stream else cores))
+
+
 def _via_stream(repository, snap, info, env, flags, progress, phases) -> int | None:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
 
-    threads = max(1, min(8, (os.cpu_count() or 2) - 1))   # a core for CRIU itself
+    threads = restore_threads(stream=True)
 
     def source(name: str):
         if not snap.has_image(name):
@@ -284,7 +294,8 @@ def _via_files(repository, snap, info, env, flags, progress, phases) -> tuple[in
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     with materialize.images_dir(snap, repository.path) as (images, plan):
         t = time.monotonic()
-        materialize.write_images(snap, images, progress=progress, total=total)
+        materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
+                                 progress=progress, total=total)
         phases["materialize"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))

@@ -23,13 +23,16 @@ def _image_dirs(repo: Path) -> list[Path]:
             and not Path(f"/proc/{p.name.split('-')[2]}").exists()]
 
 
-@pytest.mark.parametrize("via,where", [("stream", None), ("files", "tmpfs"), ("files", "disk")])
-def test_each_path_restores_the_job_identically(sample_job, repo, reference, via, where):
+@pytest.mark.parametrize("via,where,threads", [("stream", None, 1), ("stream", None, 3), ("files", "tmpfs", 3),
+                                                ("files", "disk", 2)])
+def test_each_path_restores_the_job_identically(sample_job, repo, reference, via, where, threads):
     job = sample_job(**JOB)
     job.wait_steps(10)
     snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
     job.kill()
-    env = {"GPUSNAP_RESTORE_IMAGES": where} if where else None
+    env = {"GPUSNAP_RESTORE_THREADS": str(threads)}     # 3 on the stream: the parallel reader
+    if where:
+        env["GPUSNAP_RESTORE_IMAGES"] = where
     restored = run_json("restore", snap, "--repo", repo, "--via", via, env=env)
     try:
         assert restored["via"] == via and restored["pid"] == job.pid

@@ -238,36 +238,37 @@ def prepare(snap) -> FileFixes:
     skip = _remapped_ids(snap)
     problems: list[str] = []
     grown: list[tuple[str, int]] = []
-    seen: set[str] = set()
+    files: dict[str, list] = {}          # path -> [size CRIU expects, written by any of its fds]
     for rf in reg_files(snap):
         if rf.size is None or rf.ext or rf.id in skip or not rf.name.startswith("/"):
             continue
-        if rf.name in seen:
-            continue
-        seen.add(rf.name)
-        kind = "output file" if rf.writable else "input file"
+        f = files.setdefault(rf.name, [rf.size, False])
+        f[1] = f[1] or rf.writable
+    for name, (size, writable) in files.items():
+        kind = "output file" if writable else "input file"
         try:
-            st = os.stat(rf.name)
+            st = os.stat(name)
         except FileNotFoundError:
-            problems.append(f"{kind} {rf.name} is gone (the snapshot expects {rf.size} bytes there)")
+            problems.append(f"{kind} {name} is gone (the snapshot expects {size} bytes there)")
             continue
         except OSError as e:
-            problems.append(f"{kind} {rf.name} cannot be checked: {e.strerror}")
+            problems.append(f"{kind} {name} cannot be checked: {e.strerror}")
             continue
-        if st.st_size == rf.size:
+        if st.st_size == size:
             continue
-        if rf.writable and st.st_size > rf.size:
-            grown.append((rf.name, rf.size))
-        elif rf.writable:
-            problems.append(f"output file {rf.name} shrank or was replaced since the snapshot "
-                            f"({st.st_size} bytes now, the snapshot expects {rf.size}); the snapshot does "
+        if writable and st.st_size > size:
+            grown.append((name, size))
+        elif writable:
+            problems.append(f"output file {name} shrank or was replaced since the snapshot "
+                            f"({st.st_size} bytes now, the snapshot expects {size}); the snapshot does "
                             "not hold its contents")
         else:
-            problems.append(f"input file {rf.name} changed since the snapshot ({st.st_size} bytes now, "
-                            f"{rf.size} then)")
+            problems.append(f"input file {name} changed since the snapshot ({st.st_size} bytes now, "
+                            f"{size} then)")
     if problems:
         raise FilesChanged(
-            "files the job had open changed since the snapshot: " + "; ".join(problems),
+            "files the job had open changed since the snapshot: " + "; ".join(problems[:5])
+            + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
             hint="put the named files back as they were when the snapshot was taken (e.g. the rotated or "
                  "older copy), then restore again; nothing was changed or restored")
     fixes = FileFixes()

@@ -25,6 +25,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l repo
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l tcp-established
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l user
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -l repo
@@ -50,6 +51,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_s
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a add
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a ls
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a rm
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a run
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every
@@ -58,11 +60,16 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l keep-last
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l match
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l replace
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l user
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from ls' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from ls' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l config-dir
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l repo

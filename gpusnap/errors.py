@@ -119,6 +119,20 @@ class NotDumpable(GpusnapError):
     title = "cannot snapshot this process"
 
 
+class RetentionFailed(GpusnapError):
+    """The new snapshot is committed, but `dump --keep-last` could not prune the old ones."""
+
+    exit_code = 21
+    title = "retention failed"
+
+
+class SchedulerUnavailable(GpusnapError):
+    """Neither systemd nor a cron daemon runs here: a schedule would never run."""
+
+    exit_code = 22
+    title = "no scheduler"
+
+
 class FilesChanged(GpusnapError):
     """A file the snapshot's job had open changed or vanished since the dump, in a way restore
     cannot repair (an input file, or an output file that shrank); nothing was changed."""

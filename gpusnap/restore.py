@@ -111,6 +111,16 @@ def pids_hint(busy: list[int]) -> str:
             "with `gpusnap run`, or `unshare --pid --fork setsid CMD`) restores side by side")
 
 
+def _pids_taken_meanwhile(pids: list[int], snap_path, kept) -> None:
+    """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
+    the same moment): that is PidsInUse, not a CRIU failure."""
+    busy = [p for p in pids if proc.read_stat(p) is not None]
+    if busy:
+        raise PidsInUse(f"PID(s) needed by the snapshot were taken while it was restoring: "
+                        f"{', '.join(map(str, busy[:5]))} (another restore of the same job?)",
+                        hint=f"the job is probably running again already; check it (CRIU log kept at {kept})")
+
+
 def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     meta = snap.manifest.get("meta", {})
     recorded = meta.get("gpu")
@@ -185,12 +195,13 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
     fixes = restore_files.prepare(snap)
+    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
     phases = {"preflight": round(time.monotonic() - t0, 3)}
     where = None
     try:
         if mode == "stream":
             try:
-                pid = _via_stream(repository, snap, info, env, flags, progress, phases)
+                pid = _via_stream(repository, snap, info, env, flags, progress, phases, check)
             except CriuFailed as e:
                 # A hugetlb mapping made after the dump's preflight looked: the stream cannot
                 # carry it, image files can (restore_needs.py).
@@ -199,9 +210,9 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
                 mode = "files"
                 if not own_pidns:
                     _check_pids_free(pids, snap.path)
-                pid, where = _via_files(repository, snap, info, env, flags, progress, phases)
+                pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
         else:
-            pid, where = _via_files(repository, snap, info, env, flags, progress, phases)
+            pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
     except BaseException:
         fixes.undo()
         raise
@@ -215,7 +226,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
 
 
 def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,
-                  total: int) -> int | None:
+                  total: int, pids: list[int] | None) -> int | None:
     """Run `criu restore` on an images directory (with a serve streamer when `server`); the
     restored root PID, or CriuFailed / the streamer's error."""
     log = workdir / "criu.log"
@@ -243,6 +254,8 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
             err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
             raise err
         lines = runner.log_errors(log)
+        if pids:
+            _pids_taken_meanwhile(pids, snap.path, kept)
         raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                          last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:
@@ -264,7 +277,7 @@ def restore_threads(stream: bool) -> int:
     return max(1, min(8, cores - 1 if stream else cores))
 
 
-def _via_stream(repository, snap, info, env, flags, progress, phases) -> int | None:
+def _via_stream(repository, snap, info, env, flags, progress, phases, pids) -> int | None:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
 
@@ -280,7 +293,7 @@ def _via_stream(repository, snap, info, env, flags, progress, phases) -> int | N
     server = ServeServer(workdir, source).start()
     t = time.monotonic()
     try:
-        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total)
+        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids)
         if progress:
             progress(total, total)
     finally:
@@ -290,7 +303,7 @@ def _via_stream(repository, snap, info, env, flags, progress, phases) -> int | N
     return pid
 
 
-def _via_files(repository, snap, info, env, flags, progress, phases) -> tuple[int | None, str]:
+def _via_files(repository, snap, info, env, flags, progress, phases, pids) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     with materialize.images_dir(snap, repository.path) as (images, plan):
         t = time.monotonic()
@@ -300,7 +313,7 @@ def _via_files(repository, snap, info, env, flags, progress, phases) -> tuple[in
         t = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
         try:
-            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total)
+            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         phases["criu"] = round(time.monotonic() - t, 3)

@@ -211,16 +211,19 @@ def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
     import shutil
     import tempfile
 
+    from gpusnap.errors import GpusnapError
+
     if not log.exists():
         return None
     try:
+        from gpusnap.repo import fsutil
+
         logs = Path(repo_path) / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)
         dst = logs / f"{label}.log"
-        shutil.copyfile(log, dst)
-        os.chmod(dst, 0o600)
+        fsutil.copy_into(log, logs, dst.name)     # never through a symlink in the repository
         return str(dst)
-    except OSError:
+    except (OSError, GpusnapError):               # (a planted symlink: refused, the log goes to tmp)
         pass
     try:
         dst = Path(tempfile.mkdtemp(prefix="gpusnap-log-")) / f"{label}.log"

@@ -72,10 +72,15 @@ def _progress(label: str, enabled: bool):
 
 
 def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
-                 user: Optional[str] = None) -> int:
+                 user: Optional[str] = None, name: Optional[str] = None, repo: Optional[Path] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
+    if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
+        from gpusnap import jobrun, locate
+
+        return jobrun.find(name, locate.repo_path(repo)).pid
     if sum(given) != 1:
-        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
+        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE "
+                         "(or --name N of a job started with `gpusnap run`)")
     if pidfile is not None:
         try:
             return int(pidfile.read_text().split()[0])
@@ -122,7 +127,7 @@ def dump(
 
     if user is not None and match is None:
         raise UsageError("--user only narrows --match")
-    target = _resolve_pid(pid, match, pidfile, user)
+    target = _resolve_pid(pid, match, pidfile, user, name, repo)
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
                       keep_last=keep_last)
@@ -170,6 +175,9 @@ def restore(
                             help="How CRIU reads the images: through a stream, or from image files written "
                                  "to tmpfs or the repository's disk (auto: the stream, unless files "
                                  "are needed: huge pages)."),
+    tcp_close: bool = typer.Option(False, "--tcp-close",
+                                   help="Restore established TCP connections closed (the job sees a reset "
+                                        "and reconnects); the default when their peer is gone."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -183,15 +191,18 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, via=via)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close,
+                                via=via)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, via=via)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close, via=via)
     if json_:
         _emit_json(result.to_dict())
     else:
         for note in result.notes:
             err.print(f"[yellow]note:[/] {note}")
         out.print(result.pid)
+        if result.tcp_closed and not quiet:
+            err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
 
 
 @app.command("ls")
@@ -345,7 +356,9 @@ def ps(json_: bool = JsonOpt) -> None:
 
 @schedule_app.command("add")
 def schedule_add(
-    match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
+    match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
+                                        help="Regular expression on the job's command line (default: the "
+                                             "job started with `gpusnap run --name NAME`)."),
     name: str = typer.Option(..., "--name", help="Schedule name, also the snapshot name ([A-Za-z0-9_-])."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
@@ -435,6 +448,33 @@ def schedule_run(
         _emit_json(rec)
     else:
         out.print(rec.get("snapshot", ""))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default: the command's name); "
+                                                             "`dump --name N` and `restore N` find it."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Start a job the way that snapshots best (the recommended way to start one).
+
+    The job gets its own session and PID namespace (so a snapshot restores beside the running
+    original, without PID clashes); stdout and stderr go to files in REPO/jobs/NAME/.
+    Prints the job's PID.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import jobrun, locate
+
+    job = jobrun.start(command, locate.repo_path(repo), name=name)
+    if json_:
+        _emit_json(job.to_dict())
+        return
+    out.print(job.pid)
+    err.print(f"job {job.name} started (PID {job.pid}); output in {job.dir}; "
+              f"snapshot it with `gpusnap dump --name {job.name}`")
 
 
 @app.callback(invoke_without_command=True)

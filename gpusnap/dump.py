@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import paths, proc
+from gpusnap import paths, preflight, proc
 from gpusnap import restore_needs
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
-from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, NotDumpable, UsageError
+from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
@@ -69,6 +69,7 @@ class DumpResult:
     # page pipeline and pack writes finishing after CRIU exits), commit (index, manifest,
     # fsyncs, rename), retention
     phases: dict[str, float] = field(default_factory=dict)
+    criu_options: list[str] = field(default_factory=list)  # what the preflight chose (--file-locks, ...)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,19 +88,6 @@ def check_name(name: str) -> str:
     return name
 
 
-PF_KTHREAD = 0x00200000
-
-
-def _refuse_kernel_thread(pid: int) -> None:
-    """A kernel thread (kthreadd, PID 2, and its children) has no memory of its own to dump."""
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text()
-        flags = int(st[st.rindex(")") + 2:].split()[6])
-    except (OSError, ValueError, IndexError):
-        return
-    if flags & PF_KTHREAD:
-        raise NotDumpable(f"PID {pid} is a kernel thread; there is no process to snapshot",
-                          hint="give the PID of a user-space process (see `ps -ef`; kernel threads are in [brackets])")
 
 
 def _free_bytes(path: Path) -> int:
@@ -145,16 +133,13 @@ def _plugin_failure(log: Path) -> list[str]:
 
 
 
-def _criu_args(req: DumpRequest, workdir: Path, log: Path, shell_job: bool) -> list[str]:
+def _criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str]) -> list[str]:
     args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
             "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4"]
     # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
     # failure while storing can still hand the job back.
     args.append("--leave-running" if req.leave_running else "--leave-stopped")
-    if shell_job:
-        args.append("--shell-job")
-    if req.tcp_established:
-        args.append("--tcp-established")
+    args += options  # decided by the preflight: --shell-job, --tcp-established, --file-locks, ...
     return args
 
 
@@ -182,7 +167,7 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
         return stream_err
     lines = runner.log_errors(log)
     return CriuFailed(f"criu dump failed (exit status {rc}); the job was left running",
-                      log_path=kept, last_lines=lines, hint=runner.explain(lines))
+                      log_path=kept, last_lines=lines, hint=runner.explain_dump(lines))
 
 
 def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
@@ -253,29 +238,16 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         raise UsageError(f"--compress must be one of {', '.join(COMPRESSORS)}, not {req.compress!r}")
     if req.name:
         check_name(req.name)
-    runner.require_privileges("dump")
-    runner.criu_info()
-    proc.require_process(req.pid)
-    _refuse_kernel_thread(req.pid)
+    plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
     name = req.name or default_name(req.pid)
-    pids = proc.tree(req.pid)
+    pids = plan.pids
     estimate = proc.rss_bytes(pids)
-    outside = [p for p in pids if proc.session_outside_namespace(p)]
-    if outside:
-        raise NotDumpable(
-            f"the session leader of PID {outside[0]} is outside its PID namespace, "
-            "so CRIU could not recreate its session on restore",
-            hint="start the job in a session of its own (`setsid CMD`, or start_new_session=True "
-                 "in Python); the job was not touched")
-    shell_job = proc.needs_shell_job(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
 
     repo = Repository.open(req.repo, create=True)
-    restore_flags = ["--shell-job"] if shell_job else []
-    if req.tcp_established:
-        restore_flags.append("--tcp-established")
+    restore_flags = list(plan.restore_flags)
     meta = {
         "pid": req.pid,
         "pids": pids,
@@ -290,6 +262,11 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         "compress": req.compress,
         # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
         "hugetlb_bytes": restore_needs.hugetlb_bytes(pids),
+        # what restore needs to judge the connections (peer still there?) and name the locks
+        "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
+        "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
+        # restored into a new PID namespace: its PIDs never clash with running processes
+        "own_pid_namespace": plan.own_pid_namespace,
     }
     gpu = _gpu_facts(pids)
     if gpu:
@@ -319,7 +296,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             gate = PostDumpGate(workdir, server)
             phase("preflight")
             criu = subprocess.Popen(
-                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
+                [runner.criu_info().path, *_criu_args(req, workdir, log, plan.dump_options),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=_criu_env(req, workdir), start_new_session=True)
@@ -378,4 +355,4 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
         cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
-        prune_warnings=prune_warnings, phases=phases)
+        prune_warnings=prune_warnings, phases=phases, criu_options=list(plan.dump_options))

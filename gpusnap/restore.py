@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import locate, paths, proc, restore_files, restore_needs
+from gpusnap import locate, netlock, paths, proc, restore_files, restore_needs
 from gpusnap.criu import materialize, runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.repo import materialize as repo_materialize
@@ -47,6 +47,8 @@ class RestoreResult:
     via: str = "stream"             # how CRIU got the images: stream, or files (plain -D)
     images: str | None = None       # where image files were written: tmpfs or disk
     notes: list[str] = field(default_factory=list)   # what restore changed (files set aside)
+    # established TCP connections in the snapshot came back closed (--tcp-close), and why
+    tcp_closed: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -168,7 +170,8 @@ def _check_hugepages(hugetlb: int) -> None:
 
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
-            progress: Callable[[int, int], None] | None = None, via: str = "auto") -> RestoreResult:
+            progress: Callable[[int, int], None] | None = None, via: str = "auto",
+            tcp_close: bool = False) -> RestoreResult:
     t0 = time.monotonic()
     if via not in VIAS:
         raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
@@ -176,21 +179,28 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
     info = runner.criu_info()
     repository, snap = locate.open_snapshot(ref, repo)
     with repository.readers_lock():
-        return _restore(repository, snap, info, gpu_map, progress, t0, via)
+        return _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close)
 
 
-def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResult:
+def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
     pids = snapshot_pids(snap)
-    own_pidns = pidns_init(snap)
-    if not own_pidns:
+    own_pidns = snap.manifest.get("meta", {}).get("own_pid_namespace")
+    if own_pidns is None:               # older snapshots, jobs started with unshare: pstree.img says
+        own_pidns = pidns_init(snap)
+    own_pidns = own_pidns is True
+    if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids, snap.path)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
+    conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]
+    closed, why = netlock.restore_tcp_close(conns, tcp_close)
+    if closed:
+        flags.append("--tcp-close")
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
@@ -216,13 +226,17 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via) -> RestoreResul
     except BaseException:
         fixes.undo()
         raise
-    if pid is None:
+    if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
+        if pid is None:   # never hand back the original's PIDs as the restored ones
+            raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown")
+        pids = proc.tree(pid)
+    elif pid is None:
         pid = pids[0]
-    if own_pidns:
-        pids = [pid]        # the host PIDs are new; inside its namespace the tree has its old ones
+    if closed:
+        netlock.unlock_closed(conns)
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases=phases, via=mode, images=where,
-                         notes=fixes.notes())
+                         phases=phases, via=mode, images=where, notes=fixes.notes(),
+                         tcp_closed=why if closed else None)
 
 
 def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,

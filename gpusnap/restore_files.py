@@ -34,6 +34,9 @@ REMAP_LINKED, REMAP_GHOST, REMAP_PROCFS = 0, 1, 2
 IMG_COMMON_MAGIC = 0x54564319
 IMG_SERVICE_MAGIC = 0x55105940
 COPY_CHUNK = 1 << 20
+# kernel files that exist only while the job runs (e.g. its own /proc/PID/maps, which zdtm's
+# maps09 keeps open): not files the job wrote or read in the sense checked here
+PSEUDO_FS = ("/proc/", "/sys/")
 
 
 @dataclass
@@ -241,6 +244,8 @@ def prepare(snap) -> FileFixes:
     files: dict[str, list] = {}          # path -> [size CRIU expects, written by any of its fds]
     for rf in reg_files(snap):
         if rf.size is None or rf.ext or rf.id in skip or not rf.name.startswith("/"):
+            continue
+        if rf.name.startswith(PSEUDO_FS):   # /proc/PID/... of the job itself: CRIU reopens them
             continue
         f = files.setdefault(rf.name, [rf.size, False])
         f[1] = f[1] or rf.writable

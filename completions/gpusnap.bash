@@ -18,7 +18,7 @@ _gpusnap_words() {
         "prune") echo "--dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "repair") echo "--dry-run --help --json --read-data --repo -h -n" ;;
-        "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close -h -q" ;;
+        "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
         "schedule add") echo "--cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;

@@ -56,6 +56,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_s
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l repo
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l tcp-close
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l via
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -F
 complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore schedule slurm-run verify' -l json

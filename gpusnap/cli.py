@@ -191,6 +191,10 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    via: str = typer.Option("auto", "--via", metavar="auto|stream|files",
+                            help="How CRIU reads the images: through a stream, or from image files written "
+                                 "to tmpfs or the repository's disk (auto: the stream, unless files "
+                                 "are needed: huge pages)."),
     tcp_close: bool = typer.Option(False, "--tcp-close",
                                    help="Restore established TCP connections closed (the job sees a reset "
                                         "and reconnects); the default when their peer is gone."),
@@ -207,12 +211,15 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close,
+                                via=via)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close, via=via)
     if json_:
         _emit_json(result.to_dict())
     else:
+        for note in result.notes:
+            err.print(f"[yellow]note:[/] {note}")
         out.print(result.pid)
         if result.tcp_closed and not quiet:
             err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")

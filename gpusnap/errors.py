@@ -139,6 +139,21 @@ class DamageRemains(GpusnapError):
     title = "damage remains after repair"
 
 
+class FilesChanged(GpusnapError):
+    """A file the snapshot's job had open changed or vanished since the dump, in a way restore
+    cannot repair (an input file, or an output file that shrank); nothing was changed."""
+
+    exit_code = 25
+    title = "files changed"
+
+
+class HugePagesUnavailable(GpusnapError):
+    """The snapshot maps huge pages and this machine's huge-page pool cannot hold them."""
+
+    exit_code = 26
+    title = "not enough huge pages"
+
+
 class Interrupted(GpusnapError):
     exit_code = 130
     title = "interrupted"

@@ -245,6 +245,52 @@ def explain_dump(lines: list[str]) -> str:
     return DUMP_FALLBACK
 
 
+# Restore failures users meet, from CRIU's log lines to what to do (first match wins; the
+# specific before the generic). The PIDs case is worded like restore.pids_hint.
+RESTORE_RULES = [
+    ("Can't read pages data",
+     "CRIU cannot read this snapshot's pages from a stream (private huge-page mappings need to be read "
+     "at an offset): restore with --via files"),
+    ("do not match expected",
+     "a PID the snapshot needs was taken while CRIU restored: is the original job (or a restore of it) "
+     "running? stop it, wait until it has exited, then restore again"),
+    ("Can't fork for",
+     "CRIU could not recreate a process under its original PID: the PID is probably taken (is the original "
+     "job still running? stop it first), or this kernel refuses clone3 with set_tid"),
+    ("has bad size",
+     "a file the job had open changed size since the dump (gpusnap sets aside output files that grew; an "
+     "input file must be put back as it was)"),
+    ("has bad build-id",
+     "a program or library the job had mapped was replaced since the dump (e.g. a package upgrade): "
+     "restore on a machine with the same versions, or put the old file back"),
+    ("has bad mode",
+     "a file the job had open has other permissions than at the dump: chmod it back"),
+    ("Address already in use",
+     "a port or socket address the job used is taken: is the original job still running? stop it, or "
+     "free the address, then restore again"),
+    ("Can't connect inet socket back",
+     "the job had TCP connections whose peer is gone; the connections cannot be re-established"),
+    ("Cannot allocate memory",
+     "out of memory: the restored job needs as much memory as it had at the dump (huge pages: "
+     "vm.nr_hugepages); free some memory, or restore with --via stream, which holds no image files in memory"),
+    ("Out of memory",
+     "out of memory: free some memory (the restored job needs as much as it had at the dump), or restore "
+     "with --via stream, which holds no image files in memory"),
+]
+RESTORE_FALLBACK = ("see CRIU's errors above and its full log; `gpusnap doctor` checks the usual suspects, and "
+                    "`gpusnap verify` the snapshot")
+
+
+def explain_restore(lines: list[str]) -> str:
+    """Advice for a failed `criu restore`: restore's own rules, then the shared ones, then a
+    pointer to the log; never empty."""
+    text = "\n".join(lines)
+    for needle, advice in RESTORE_RULES:
+        if needle in text:
+            return advice
+    return explain(lines) or RESTORE_FALLBACK
+
+
 CAP_SYS_PTRACE = 19
 CAP_CHECKPOINT_RESTORE = 40
 

@@ -81,6 +81,10 @@ def _wait(pred, timeout: float, what: str, diag=lambda: ""):
     raise AssertionError(f"{what} did not happen within {timeout:.0f} s\n{diag()}")
 
 
+def _slurm_output(tmp: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted(tmp.glob("slurm-*.out")))
+
+
 def _requeued_and_running(c: SlurmCluster, job: int):
     info = c.job(job)
     if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
@@ -110,7 +114,7 @@ def _cmdline(pid: int) -> str:
 
 def _check_finished(c, job, repo, out, reference, tmp):
     diag = lambda: (f"job: {c.job(job)}\nevents: {_events(repo)}\n"  # noqa: E731
-                    f"slurm output: {''.join(p.read_text() for p in tmp.glob('slurm-*.out'))}")
+                    f"slurm output: {_slurm_output(tmp)}")
     _wait(lambda: c.job(job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 300, "job end", diag)
     assert c.job(job).get("JobState") == "COMPLETED", diag()
     assert (out / "result").read_text().strip() == reference(**JOB_ARGS), diag()
@@ -132,7 +136,7 @@ def test_preempted_job_snapshots_requeues_and_resumes(cluster, tmp_path, referen
     # Slurm's preemption/time-limit signal to the batch shell.
     cluster.run("scancel", "--batch", "--signal=USR1", str(job))
     _wait(lambda: _requeued_and_running(cluster, job), 120, "requeue and restart",
-          lambda: f"{cluster.job(job)} {_events(repo)}")
+          lambda: f"{cluster.job(job)} {_events(repo)}\n{_slurm_output(tmp_path)}")
     resumed = _wait(lambda: next((e for e in _events(repo) if e["event"] == "resumed"), None), 120,
                     "resume", lambda: f"{_events(repo)}")
     final = [e for e in _events(repo) if e["event"] == "final-snapshot"]
@@ -198,7 +202,7 @@ def test_node_failure_resumes_from_last_periodic_snapshot(cluster, tmp_path, ref
     time.sleep(1)
     cluster.start_slurmd()
     _wait(lambda: _requeued_and_running(cluster, job), 180, "requeue after the node failure",
-          lambda: f"{cluster.job(job)}\n{cluster.log('slurmctld')[-3000:]}")
+          lambda: f"{cluster.job(job)}\n{cluster.log('slurmctld')[-3000:]}\n{_slurm_output(tmp_path)}")
     resumed = _wait(lambda: next((e for e in _events(repo) if e["event"] == "resumed"), None), 120,
                     "resume", lambda: f"{_events(repo)}")
     # The last periodic snapshot, or a newer one whose dump committed as the node died (its event

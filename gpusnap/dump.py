@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -128,9 +129,13 @@ def _plugin_failure(log: Path) -> list[str]:
 
 
 
-def _criu_args(req: DumpRequest, workdir: Path, log: Path, shell_job: bool) -> list[str]:
+def _criu_args(req: DumpRequest, workdir: Path, log: Path, shell_job: bool, n_gpu: int = 0) -> list[str]:
+    from gpusnap.gpu import limits
+
     args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
-            "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4"]
+            "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4",
+            # CRIU's freeze deadline covers the plugin's locks (one setting: the lock timeout)
+            "--timeout", str(limits.criu_freeze_timeout_s(limits.lock_timeout_ms(req.lock_timeout_ms), n_gpu))]
     # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
     # failure while storing can still hand the job back.
     args.append("--leave-running" if req.leave_running else "--leave-stopped")
@@ -145,9 +150,41 @@ def _criu_env(req: DumpRequest, workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["GPUSNAP_LEAVE_RUNNING"] = "1" if req.leave_running else "0"
     env["GPUSNAP_CUDA_REPORT"] = str(workdir / "cuda-report")
-    if req.lock_timeout_ms:
-        env["GPUSNAP_LOCK_TIMEOUT_MS"] = str(req.lock_timeout_ms)
+    from gpusnap.gpu import limits
+
+    env.update(limits.plugin_env(limits.lock_timeout_ms(req.lock_timeout_ms)))
     return env
+
+
+def _test_hook(point: str) -> None:
+    """GPUSNAP_TEST_HOOK=kill-after-criu: die by SIGKILL right after CRIU succeeded (the
+    tests' deterministic stand-in for the OOM killer at the worst moment)."""
+    if os.environ.get("GPUSNAP_TEST_HOOK") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _gpu_candidates(gpu: dict | None) -> list[int]:
+    """PIDs the GPU facts recorded as using a GPU (for when the plugin leaves no report)."""
+    try:
+        return sorted({int(p["pid"]) for p in (gpu or {}).get("processes", []) if "pid" in p})
+    except (TypeError, ValueError, KeyError):
+        return []
+
+
+def _settle_gpu(workdir: Path, candidates: list[int], failed_only: bool) -> list[str]:
+    """After a failed dump (or a success whose undo failed): every CUDA process back as found."""
+    from gpusnap.gpu import report
+
+    lines = report.read(workdir / "cuda-report")
+    if failed_only:
+        lines = [x for x in lines if x.result != "ok"]
+        candidates = []
+    if not lines and not candidates:
+        return []
+    try:
+        return report.settle_after_failed_dump(lines, candidates)
+    except Exception as e:  # noqa: BLE001 - never let recovery mask the dump's own error
+        return [f"{type(e).__name__}: {e}"]
 
 
 def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: str | None) -> GpusnapError:
@@ -187,18 +224,12 @@ def _kill_tree(pids: list[int]) -> None:
             pass
 
 
-def _resume_tree(pids: list[int], cuda_pids: list[int]) -> None:
+def _resume_tree(pids: list[int]) -> None:
+    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
-            pass
-    if cuda_pids:
-        try:
-            from gpusnap.gpu import driver as gpu_driver
-            for pid in cuda_pids:
-                gpu_driver.resume_process(pid)
-        except Exception:  # noqa: BLE001 - best effort; the plugin log tells the rest
             pass
 
 
@@ -232,6 +263,9 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             "so CRIU could not recreate its session on restore",
             hint="start the job in a session of its own (`setsid CMD`, or start_new_session=True "
                  "in Python); the job was not touched")
+    from gpusnap.gpu import procs as gpu_procs
+
+    gpu_procs.refuse_devices_without_context(pids)
     shell_job = proc.needs_shell_job(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
@@ -275,17 +309,27 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         gate: PostDumpGate | None = None
         criu: subprocess.Popen | None = None
         stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
+        guardian = None
+        gpu_problems: list[str] = []
         old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
         snap = None
         try:
             server = CaptureServer(workdir, writer.image_sink).start()
             gate = PostDumpGate(workdir, server)
+            if not req.leave_running:
+                # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
+                from gpusnap.guardian import Guardian
+
+                guardian = Guardian(pids, workdir / "cuda-report", _gpu_candidates(gpu),
+                                    log=Path(repo.path) / "logs" / "guardian.log")
             phase("preflight")
             criu = subprocess.Popen(
-                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
+                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job, len(_gpu_candidates(gpu))),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=_criu_env(req, workdir), start_new_session=True)
+            if guardian:
+                guardian.criu(criu.pid)
             runner.supervise(criu, server, progress, estimate)
             phase("criu")
             if criu.returncode != 0 or server.failed:
@@ -293,6 +337,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 raise _failure(server.error(), criu.returncode, log,
                                runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}"))
             stopped = not req.leave_running
+            _test_hook("kill-after-criu")
             server.finish(timeout=30)
             if progress:
                 progress(server.bytes, max(estimate, server.bytes))
@@ -302,8 +347,13 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
             phase("commit")
             if stopped:
+                if guardian:
+                    guardian.committed()
                 _kill_tree(pids)
                 stopped = False
+            elif req.leave_running:
+                # CRIU succeeded, but the plugin may have failed to hand a process back
+                gpu_problems = _settle_gpu(workdir, [], failed_only=True)
             pruned: list[str] = []
             prune_error = None
             if req.keep_last:
@@ -324,13 +374,26 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if snap is None:
                 writer.abort()
             if stopped:  # CRIU succeeded but storing failed: give the job back
-                _resume_tree(pids, _read_cuda_report(workdir / "cuda-report"))
+                _resume_tree(pids)
+            if snap is None and criu is not None and criu.returncode is not None:
+                # CRIU does not tell the plugin of every failure (a failed post-dump gate
+                # reaches it as success): whatever the plugin says, settle the GPU side here
+                gpu_problems = _settle_gpu(workdir, _gpu_candidates(gpu), failed_only=False)
+                exc = sys.exc_info()[1]
+                if gpu_problems and isinstance(exc, GpusnapError):
+                    exc.message += "; but a GPU process could not be brought back: " + "; ".join(gpu_problems)
+            if guardian:
+                guardian.done()
             if gate is not None:
                 gate.close()
             if server is not None:
                 server.abort()
             shutil.rmtree(workdir, ignore_errors=True)
 
+    if gpu_problems:
+        raise GpuCheckpointFailed(
+            f"snapshot {snap.path} was saved, but a GPU process could not be handed back: "
+            + "; ".join(gpu_problems), hint="see the CUDA plugin's lines in " + (kept or "the CRIU log"))
     stats = writer.stats
     return DumpResult(
         snapshot=str(snap.path), id=snap.id, name=snap.name, pid=req.pid,

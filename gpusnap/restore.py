@@ -19,7 +19,7 @@ from typing import Callable
 from gpusnap import locate, paths, proc
 from gpusnap.criu import runner
 from gpusnap.criu.streamer import ServeServer
-from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError, PidsInUse
+from gpusnap.errors import CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.
@@ -87,6 +87,39 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     return {"GPUSNAP_GPU_MAP": ",".join(f"{a}={b}" for a, b in pairs)} if pairs else {}
 
 
+def _gpu_report_env(workdir: Path) -> dict[str, str]:
+    from gpusnap.gpu import limits
+
+    return {"GPUSNAP_CUDA_REPORT": str(workdir / "cuda-report"),
+            "GPUSNAP_CALL_TIMEOUT_MS": str(limits.call_timeout_ms())}
+
+
+def check_gpu_restore(workdir: Path, snap, root: int, pids: list[int], log: str | None) -> None:
+    """CRIU ignores a failed GPU restore (RESUME_DEVICES_LATE): read the plugin's report, and
+    when a CUDA process was not brought back to RUNNING kill the restored tree (it would
+    hang on its next CUDA call) and raise GpuRestoreFailed."""
+    from gpusnap.gpu import report
+
+    expected = [int(p) for p in snap.manifest.get("meta", {}).get("cuda_pids") or [] if str(p).isdigit()]
+    problems = report.restore_failures(report.read(workdir / "cuda-report"), expected)
+    if not problems:
+        return
+    tree = list(dict.fromkeys([root, *proc.tree(root), *pids])) if proc.exists(root) else list(pids)
+    killed = []
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait_gone(killed, 10)
+    raise GpuRestoreFailed(
+        "CRIU restored the job but its GPU state could not be brought back: " + "; ".join(problems)
+        + f"; the half-restored job was killed (PIDs {', '.join(map(str, killed)) or 'none left'}), nothing runs",
+        hint="see the CUDA plugin's lines in " + (log or "the CRIU log")
+             + "; the snapshot itself is unchanged: fix the cause (driver, GPU, --gpu-map) and restore again")
+
+
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
             progress: Callable[[int, int], None] | None = None) -> RestoreResult:
     t0 = time.monotonic()
@@ -112,6 +145,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
     log = workdir / "criu.log"
     pidfile = workdir / "restored.pid"
+    env.update(_gpu_report_env(workdir))
 
     def source(name: str):
         return snap.read_image(name) if snap.has_image(name) else None
@@ -143,7 +177,8 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
             pid = int(pidfile.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             pid = pids[0]
-        runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+        kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+        check_gpu_restore(workdir, snap, pid, pids, kept)
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)

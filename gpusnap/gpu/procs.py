@@ -381,3 +381,50 @@ def render_recorded(recorded: dict[str, Any] | None, console: Any) -> None:
         t.add_row(str(g["index"]), g["name"] or "?", _fmt_bytes(g["memory_bytes"]), g["uuid"] or "?",
                   ", ".join(by) or "-")
     console.print(t)
+
+
+# ---------------------------------------------------------------- device files without a CUDA context
+
+NO_CONTEXT_HINT = ("a process that maps /dev/nvidia* without a CUDA context (a DataLoader worker "
+                   "forked after CUDA was initialised, an NVML-only monitor such as a GPU-usage "
+                   "logger) cannot be checkpointed by the driver, and CRIU cannot dump its device "
+                   "mapping: start such workers with the 'spawn' start method or num_workers=0, run "
+                   "monitors outside the job's process tree, or dump a subtree without them")
+
+
+def devices_without_context(pids: Iterable[int],
+                            probe: "_driver.DriverProbe | None" = None) -> list[GpuProcess]:
+    """Processes among `pids` that hold or map /dev/nvidia* but which the driver does not
+    know as CUDA processes. [] when no process touches the devices, or when no driver with
+    the checkpoint API can tell (other checks report that)."""
+    touching = [gp for pid in pids if (gp := scan_process(int(pid))) is not None and gp.device_files]
+    if not touching:
+        return []
+    p = probe if probe is not None else _driver.probe([gp.pid for gp in touching])
+    if not p.available or not p.checkpoint_api:
+        return []
+    out = []
+    for gp in touching:
+        gp.state = p.states.get(gp.pid)
+        if gp.state is None and scan_process(gp.pid) is not None:
+            out.append(gp)
+    return out
+
+
+def describe_without_context(bad: list[GpuProcess]) -> str:
+    items = [f"PID {g.pid} ({g.comm}: {', '.join(g.device_files[:3])}"
+             + (", ..." if len(g.device_files) > 3 else "") + ")" for g in bad[:6]]
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    return "; ".join(items) + more
+
+
+def refuse_devices_without_context(pids: Iterable[int]) -> None:
+    """Raise GpuUnsupportedProcess, naming them, when any process of the tree maps NVIDIA
+    device files without a CUDA context (found before the job is touched)."""
+    from gpusnap.errors import GpuUnsupportedProcess
+
+    bad = devices_without_context(pids)
+    if bad:
+        raise GpuUnsupportedProcess(
+            f"process(es) of the job use NVIDIA device files without a CUDA context: "
+            f"{describe_without_context(bad)}; the job was not touched", hint=NO_CONTEXT_HINT)

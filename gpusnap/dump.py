@@ -196,7 +196,7 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
     if gpu_lines:
         return GpuCheckpointFailed(
             "the CUDA plugin could not checkpoint a GPU process; the job was left running and unlocked",
-            hint=gpu_lines[-1] + where)
+            hint=gpu_lines[0] + where)  # the first error is the cause, the rest follow from it
     if stream_err is not None:
         stream_err.hint = (stream_err.hint + " " if stream_err.hint else "") + where.strip()
         return stream_err

@@ -115,6 +115,7 @@ def _traced(pids: dict[int, int]) -> bool:
 def _log(path: str | None, msg: str) -> None:
     if path:
         try:
+            Path(path).parent.mkdir(mode=0o700, exist_ok=True)
             with open(path, "a") as f:
                 f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} guardian {os.getpid()}: {msg}\n")
         except OSError:

@@ -82,9 +82,8 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
         return {}
     from gpusnap.gpu import driver as gpu_driver, remap
 
-    pairs = remap.check_restore_compat(recorded, gpu_driver.driver_info(), gpu_map,
-                                       cuda_pids=meta.get("cuda_pids") or [])
-    return {"GPUSNAP_GPU_MAP": ",".join(f"{a}={b}" for a, b in pairs)} if pairs else {}
+    return remap.plan_gpu_restore(recorded, gpu_driver.driver_info(), gpu_map,
+                                  cuda_pids=meta.get("cuda_pids") or []).env()
 
 
 def _gpu_report_env(workdir: Path) -> dict[str, str]:

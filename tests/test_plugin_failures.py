@@ -375,3 +375,25 @@ def test_device_files_without_context_refused(tmp_path, fake, jobs, nvidia_file)
     finally:
         holder.kill()
         holder.wait()
+
+
+# ------------------------------------------------------------------ GPU pairs per process
+
+
+def test_each_process_restored_with_its_own_gpu_pairs(tmp_path, fake, jobs):
+    u1, u2, u3 = (f"GPU-0a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f{i}" for i in (1, 2, 3))
+    job = start(jobs, tmp_path / "job", tree=True)
+    job.declare_cuda(fake, roles=("root", "cuda-child"))
+    root, child = job.pid_of("root"), job.pid_of("cuda-child")
+    img = tmp_path / "img"
+    assert criu_dump(root, img, env_for(fake, tmp_path), leave_running=False).rc == 0
+    job.reap()
+    fake.reset_log()
+    r = criu_restore(img, env_for(fake, tmp_path, GPUSNAP_GPU_MAP=f"{u1}={u2}",
+                                  **{f"GPUSNAP_GPU_MAP_{child}": f"{u1}={u3}"}))
+    assert r.rc == 0, r.log[-3000:]
+    gpus = {c.pid: c.fields["gpus"] for c in fake.calls() if c.short == "restore"}
+    assert gpus == {root: f"{u1}={u2}", child: f"{u1}={u3}"}
+    for role in ("root", "cuda-child", "plain-child"):
+        running_free(job, role)
+    check_result(job)

@@ -200,6 +200,28 @@ def _minor_map(probe: "_driver.DriverProbe | None") -> dict[int, dict[str, Any]]
     return {g["minor"]: g for g in machine_gpus(probe) if g.get("minor") is not None}
 
 
+def smi_compute_apps() -> dict[int, list[str]]:
+    """GPU UUIDs each process has a CUDA context on (NVML's compute processes, through
+    nvidia-smi), {} when nvidia-smi is not installed. Exact where /dev/nvidiaN over-counts:
+    CUDA opens every visible GPU's device file, whichever it computes on."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return {}
+    try:
+        r = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out: dict[int, list[str]] = {}
+    for line in r.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("GPU-"):
+            out.setdefault(int(parts[0]), [])
+            if parts[1] not in out[int(parts[0])]:
+                out[int(parts[0])].append(parts[1])
+    return out
+
+
 def smi_memory() -> dict[int, int]:
     """GPU memory used per pid, from nvidia-smi when it is installed (else {})."""
     smi = shutil.which("nvidia-smi")
@@ -322,13 +344,17 @@ def gpu_manifest(pids: Iterable[int]) -> dict[str, Any]:
     probe = _driver.probe_cached()
     gpus = machine_gpus(probe)
     mm = {g["minor"]: g for g in gpus if g.get("minor") is not None}
+    apps = smi_compute_apps() if probe.available else {}
     procs = []
     for pid in pids:
         gp = scan_process(int(pid), mm)
         if gp is None:
             continue
+        from_files = [g["uuid"] or f"minor:{g['minor']}" for g in gp.gpus]
         procs.append({"pid": gp.pid, "comm": gp.comm,
-                      "gpus": [g["uuid"] or f"minor:{g['minor']}" for g in gp.gpus],
+                      # NVML knows where the process has a context; its device files over-count
+                      "gpus": apps.get(gp.pid, from_files),
+                      "gpus_from": "nvml" if gp.pid in apps else "device-files",
                       "device_files": gp.device_files, "libcuda": gp.libcuda,
                       "uvm": gp.uvm, "nccl": gp.nccl})
     used = {u for p in procs for u in p["gpus"]}

@@ -234,6 +234,18 @@ static void *job_thread(void *arg)
 	return NULL;
 }
 
+/* Keeps this plugin loaded for good (an abandoned call will return into it). */
+static void pin_self(void)
+{
+	static bool pinned;
+	Dl_info info;
+
+	if (pinned || !dladdr((void *)pin_self, &info) || info.dli_fname == NULL)
+		return;
+	if (dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE))
+		pinned = true;
+}
+
 /*
  * Runs j in a thread of its own and waits at most timeout_ms. On timeout the
  * call is left to finish (or hang) alone and CUDA_ERROR_TIMEOUT is returned.
@@ -258,7 +270,6 @@ static CUresult job_call(struct gs_job *j, unsigned int timeout_ms, bool *timed_
 	pthread_condattr_destroy(&ca);
 	j->refs = 2;
 	pthread_attr_init(&ta);
-	pthread_attr_setdetachstate(&ta, PTHREAD_CREATE_DETACHED);
 	if (pthread_create(&th, &ta, job_thread, j)) {
 		/* No thread to spare: call it here, unbounded, rather than not at all. */
 		pthread_attr_destroy(&ta);
@@ -282,6 +293,14 @@ static CUresult job_call(struct gs_job *j, unsigned int timeout_ms, bool *timed_
 		pthread_mutex_unlock(&abandoned_mu);
 	}
 	pthread_mutex_unlock(&j->mu);
+	if (*timed_out) {
+		/* it returns into our code whenever it returns: never unload us */
+		pthread_detach(th);
+		pin_self();
+	} else {
+		/* wait until it has left our code (CRIU unloads plugins at exit) */
+		pthread_join(th, NULL);
+	}
 out:
 	r = *timed_out ? CUDA_ERROR_TIMEOUT : j->r;
 	driver_ns += now_ns() - t0;

@@ -157,8 +157,9 @@ def _criu_env(req: DumpRequest, workdir: Path) -> dict[str, str]:
 
 
 def _test_hook(point: str) -> None:
-    """GPUSNAP_TEST_HOOK=kill-after-criu: die by SIGKILL right after CRIU succeeded (the
-    tests' deterministic stand-in for the OOM killer at the worst moment)."""
+    """GPUSNAP_TEST_HOOK=kill-after-criu|kill-after-commit: die by SIGKILL right after CRIU
+    succeeded, or right after the commit (the tests' deterministic stand-in for the OOM
+    killer at the worst moments)."""
     if os.environ.get("GPUSNAP_TEST_HOOK") == point:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -349,6 +350,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if stopped:
                 if guardian:
                     guardian.committed()
+                _test_hook("kill-after-commit")
                 _kill_tree(pids)
                 stopped = False
             elif req.leave_running:

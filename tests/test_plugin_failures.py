@@ -397,3 +397,45 @@ def test_each_process_restored_with_its_own_gpu_pairs(tmp_path, fake, jobs):
     for role in ("root", "cuda-child", "plain-child"):
         running_free(job, role)
     check_result(job)
+
+
+def test_exit_dump_sigkilled_after_commit_job_is_killed_and_restores(tmp_path, fake, jobs):
+    """The other side of the guardian: told the snapshot is committed, it finishes --exit's
+    work (the job must not stay stopped for ever), and the snapshot restores."""
+    job = start(jobs, tmp_path / "job")
+    job.declare_cuda(fake)
+    repo = tmp_path / "repo"
+    r = gpusnap(fake, "dump", job.pid, "--repo", repo, "--exit", GPUSNAP_TEST_HOOK="kill-after-commit")
+    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    job.reap()
+    log = repo / "logs" / "guardian.log"
+    wait_for(log.exists, 30, "guardian log")
+    assert "job killed" in log.read_text()
+    snaps = json.loads(gpusnap(fake, "ls", "--repo", repo, "--json").stdout)["snapshots"]
+    assert len(snaps) == 1
+    fake.reset_log()
+    r = gpusnap(fake, "restore", snaps[0]["path"], "--repo", repo)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert fake.transitions() == ["restore", "unlock"]
+    running_free(job)
+    check_result(job)
+
+
+def test_sigterm_during_a_hung_driver_call(tmp_path, fake, jobs):
+    """SIGTERM while the driver hangs: gpusnap no longer waits for CRIU for ever; it ends
+    (130) once the plugin has abandoned the call, and the job runs on, unlocked."""
+    job = start(jobs, tmp_path / "job")
+    job.declare_cuda(fake)
+    hang(fake, "cuCheckpointProcessCheckpoint", 120)
+    e = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FAKE_CUDA_DIR")}
+    e.update(fake.env() | {"GPUSNAP_CALL_TIMEOUT_MS": "3000"})
+    e.pop("GPUSNAP_PLUGIN_DIR", None)
+    p = subprocess.Popen([GPUSNAP, "dump", str(job.pid), "--repo", str(tmp_path / "repo"), "--exit"], env=e,
+                         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: any(c.fields.get("note") == "hanging" for c in fake.calls()), 60, "the hung call")
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=90)
+    assert p.returncode == 130, out + err
+    assert fake.state(job.pid) == "running"
+    running_free(job)
+    check_result(job)

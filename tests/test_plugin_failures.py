@@ -439,3 +439,20 @@ def test_sigterm_during_a_hung_driver_call(tmp_path, fake, jobs):
     assert fake.state(job.pid) == "running"
     running_free(job)
     check_result(job)
+
+
+def test_interrupt_only_mode_requested_from_criu(tmp_path, fake, jobs):
+    """Item 9: the plugin finds CRIU's exported set_compel_interrupt_only_mode and calls it, so
+    a --freeze-cgroup dump would still seize with ptrace (the restore thread must run)."""
+    import shutil as _sh
+    criu_bin = Path("/usr/local/sbin/criu").resolve() if Path("/usr/local/sbin/criu").exists() else None
+    nm = _sh.which("nm")
+    if criu_bin and nm:
+        syms = subprocess.run([nm, "-D", str(criu_bin)], capture_output=True, text=True).stdout
+        assert " set_compel_interrupt_only_mode" in syms
+    job = start(jobs, tmp_path / "job")
+    job.declare_cuda(fake)
+    r = criu_dump(job.pid, tmp_path / "img", env_for(fake, tmp_path))
+    assert r.rc == 0, r.log[-3000:]
+    assert "CRIU seizes with ptrace interrupts only (set_compel_interrupt_only_mode)" in r.log
+    check_result(job)

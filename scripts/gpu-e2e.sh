@@ -196,6 +196,9 @@ elif [ "$DEVICE" = cuda ]; then
   die 2 "the CUDA plugin gpusnap_cuda.so is in neither $B/plugins nor build/plugins"
 fi
 say "plugin dir: ${GPUSNAP_PLUGIN_DIR:-none}"
+if [ -n "${GPUSNAP_PLUGIN_DIR:-}" ] && ! grep -q "did not return within" "$GPUSNAP_PLUGIN_DIR/gpusnap_cuda.so"; then
+  die 2 "$GPUSNAP_PLUGIN_DIR/gpusnap_cuda.so predates this checkout (no bounded driver calls): rerun scripts/gpu-bundle.sh"
+fi
 [ -f "$B/lib/libgpusnap_pages.so" ] && export GPUSNAP_NATIVE_LIB=$B/lib/libgpusnap_pages.so
 
 "$GPUSNAP_CRIU" check >"$logs/criu-check.txt" 2>&1 || {

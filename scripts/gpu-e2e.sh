@@ -363,6 +363,11 @@ if [ "$DEVICE" = cuda ]; then
   [ "$rc" = 12 ] || { capture "$pid" dumpB; die 3 "expected exit 12 (GPU checkpoint failed), got $rc: $(tail -c 400 "$logs/dumpB.json")"; }
   grep -q "cuCheckpointProcessLock" "$logs/dumpB.json" || die 3 "the failure does not name the lock: $(tail -c 400 "$logs/dumpB.json")"
   st=$(state_of "$pid"); case "$st" in R|S|D) ;; *) capture "$pid" dumpB; die 3 "after the failed dump the job is in state $st" ;; esac
+  [ "$(awk '/^State/{print $2}' "/proc/$pid/status")" != t ] || die 3 "after the failed dump the job is still traced"
+  t=0; until grep -q '^LONGKERNEL end' "$work/run.log"; do   # the kernel runs on; then training must
+    t=$((t + 1)); [ "$t" -lt $((PHASE * 10)) ] || { capture "$pid" long-kernel-end; die 3 "the long kernel never ended after the failed dump"; }
+    sleep 0.1
+  done
   progresses "$work/run.log" "$pid" "after the failed dump"
   B_result="failed as it must (exit 12 in ${SECS}s), job state $st, training goes on"
 else

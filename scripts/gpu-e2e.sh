@@ -54,11 +54,16 @@ T0=$(date +%s)
 PHASE_NAME=setup
 
 say() { printf '\033[1m[e2e %3ds]\033[0m %s\n' "$(($(date +%s) - T0))" "$*"; }
-verdict() { echo "VERDICT: $*"; }
+VERDICT_LINE=
+CLEANUP=0
+verdict() {  # printed last, by cleanup (directly before cleanup is installed)
+  VERDICT_LINE="VERDICT: $*"
+  [ "$CLEANUP" = 1 ] || echo "${VERDICT_LINE:0:400}"
+}
 die() {
   local rc=$1; shift
   printf '\033[31m[e2e] FAILED in %s:\033[0m %s\n' "$PHASE_NAME" "$*" >&2
-  verdict "FAIL ($PHASE_NAME): $*" | head -c 400; echo
+  verdict "FAIL ($PHASE_NAME): $*"
   exit "$rc"
 }
 phase() { PHASE_NAME=$1; say "== $*"; }
@@ -80,21 +85,25 @@ job_pids=()
 
 collect() {
   # CRIU's logs and gpusnap's guardian log, wherever gpusnap kept them
-  find "$repo/logs" -maxdepth 1 -type f -newer "$work/.start" -size -50M 2>/dev/null | while read -r f; do
-    mkdir -p "$logs/criu"; cp "$f" "$logs/criu/" 2>/dev/null || true
-  done
-  cp "$work"/*.log "$logs/" 2>/dev/null || true
+  if [ -d "$repo/logs" ]; then
+    mkdir -p "$logs/criu"
+    find "$repo/logs" -maxdepth 1 -type f -newer "$work/.start" -size -50M -exec cp {} "$logs/criu/" \; 2>/dev/null || true
+  fi
+  cp "$work"/*.log "$work"/*.json "$logs/" 2>/dev/null || true
 }
 cleanup() {
   local rc=$?
+  set +e   # collect whatever there is
   for p in "${job_pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   collect
-  if [ "${GPUSNAP_E2E_KEEP:-0}" = 1 ]; then say "work directory kept: $work"; else rm -rf "$work"; fi
+  if [ "${GPUSNAP_E2E_KEEP:-0}" = 1 ]; then say "work directory kept: $work"; else sleep 0.5; rm -rf "$work"; fi
   say "logs: $logs"
+  [ -z "$VERDICT_LINE" ] || { echo "${VERDICT_LINE:0:400}"; echo "${VERDICT_LINE:0:400}" >"$logs/verdict.txt"; }
   exit "$rc"
 }
 trap cleanup EXIT
 trap 'exit 124' TERM INT
+CLEANUP=1
 
 # ---------------------------------------------------------------- environment: fail fast
 phase env "the machine"
@@ -223,7 +232,8 @@ start_job() {  # start_job NAME -> JOB_PID; a session of its own, no terminal, o
 last_step() { grep -Eo '^step [0-9]+' "$1" 2>/dev/null | tail -n1 | cut -d' ' -f2 || true; }
 capture() {  # capture PID LABEL: thread states, kernel stacks, GPU view, before anything is killed
   local pid=$1 f="$logs/state-$2.txt"
-  {
+  (
+    set +e   # a thread that ends while we read it must not end the script
     echo "== $(date -u +%FT%TZ) pid $pid ($2)"
     cat "/proc/$pid/status" 2>/dev/null | grep -E '^(State|TracerPid|VmRSS|VmHWM|Threads)' || echo "gone"
     for t in /proc/"$pid"/task/*; do
@@ -233,7 +243,7 @@ capture() {  # capture PID LABEL: thread states, kernel stacks, GPU view, before
     done
     command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>&1
     ps -eo pid,ppid,stat,etime,cmd | grep -E 'criu|gpusnap|gpu_train' | grep -v grep
-  } >"$f" 2>&1
+  ) >"$f" 2>&1
   say "captured the state of $pid in $f"
 }
 wait_step() {  # wait_step LOG STEP SECONDS PID: step STEP appears (the job may be a restored one)
@@ -258,9 +268,25 @@ progresses() {  # progresses LOG PID WHAT: a new step line within 20 s
 }
 state_of() { awk '{print $3}' "/proc/$1/stat" 2>/dev/null || echo gone; }
 json_get() { "$VPY" -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d.get(sys.argv[2]); print("" if v is None else v)' "$1" "$2"; }
-run_gp() {  # run_gp LABEL ARGS...: gpusnap under the phase timeout, --json to $logs/LABEL.json
+run_gp() {  # run_gp LABEL ARGS...: gpusnap under the phase timeout, --json to $logs/LABEL.json;
+  # on timeout the job's, gpusnap's and CRIU's thread states are captured before anything is killed
   local label=$1; shift
-  timeout -k 10 "$PHASE" "$VPY" -m gpusnap "$@" --json >"$logs/$label.json" 2>"$logs/$label.err"
+  "$VPY" -m gpusnap "$@" --json >"$logs/$label.json" 2>"$logs/$label.err" &
+  local gp=$! t=0 rc=0
+  while kill -0 "$gp" 2>/dev/null; do
+    t=$((t + 1))
+    if [ "$t" -ge $((PHASE * 10)) ]; then
+      capture "${pid:-0}" "$label-timeout-job"
+      capture "$gp" "$label-timeout-gpusnap"
+      for c in $(pgrep -x criu 2>/dev/null) $(pgrep -f 'root/usr/sbin/criu' 2>/dev/null); do capture "$c" "$label-timeout-criu-$c"; done
+      kill -TERM "$gp" 2>/dev/null; sleep 10; kill -9 "$gp" 2>/dev/null
+      wait "$gp" 2>/dev/null || true
+      return 124
+    fi
+    sleep 0.1
+  done
+  wait "$gp" || rc=$?
+  return "$rc"
 }
 criu_log_of() {  # the CRIU log gpusnap kept for snapshot dir $1 and kind dump|restore
   ls -t "$repo/logs/$(basename "$1")-$2.log" 2>/dev/null | head -n1
@@ -284,14 +310,14 @@ check_plugin_restore() {  # PID SNAPSHOT
 }
 max_gap() {  # max_gap LOG FROM_LINE: the longest pause between steps since then (the freeze, seen by the job)
   grep -E '^step ' "$1" | tail -n +"$2" | grep -Eo 't=[0-9.]+' | cut -d= -f2 \
-    | awk 'NR>1 && $1-p>m {m=$1-p} {p=$1} END {printf "%.2f", m}'
+    | awk 'NR>1 && $1-p>m {m=$1-p} {p=$1} END {printf "%.2f", m}' || true
 }
 losses() {  # one line per step; a step written twice (a job killed after a leave-running
   # dump, then restored from it) must be written the same both times, else both copies stay
   grep -E '^step [0-9]+/' "$1" | sed 's/ t=.*//' | awk '{
     split($2, a, "/"); i = a[1] + 0
     if (!(i in seen)) { seen[i] = $0; order[++n] = i } else if (seen[i] != $0) { extra[i] = extra[i] "\n" $0 }
-  } END { for (k = 1; k <= n; k++) { print seen[order[k]]; if (order[k] in extra) printf "%s\n", substr(extra[order[k]], 2) } }'
+  } END { for (k = 1; k <= n; k++) { print seen[order[k]]; if (order[k] in extra) printf "%s\n", substr(extra[order[k]], 2) } }' || true
 }
 mem_avail() { awk '/MemAvailable/{printf "%.0f\n", $2*1024}' /proc/meminfo; }
 sample_mem() {  # sample_mem FILE &: the lowest MemAvailable while it runs

@@ -433,9 +433,22 @@ def _cached_probe() -> DriverProbe:
     return probe()
 
 
+_remembered: DriverProbe | None = None
+
+
 def probe_cached() -> DriverProbe:
     """probe() without per-process states, once per gpusnap run."""
-    return _cached_probe()
+    return _remembered if _remembered is not None else _cached_probe()
+
+
+def probe_with_states(pids: Iterable[int]) -> DriverProbe:
+    """probe(pids), remembered as this run's probe_cached() too: a dump asks for both and
+    each probe is a child that initialises the driver (about a second on a GPU machine)."""
+    global _remembered
+    p = probe(pids)
+    if p.available and _remembered is None:
+        _remembered = p
+    return p
 
 
 def driver_info() -> dict[str, Any] | None:

@@ -426,7 +426,7 @@ def devices_without_context(pids: Iterable[int],
     touching = [gp for pid in pids if (gp := scan_process(int(pid))) is not None and gp.device_files]
     if not touching:
         return []
-    p = probe if probe is not None else _driver.probe([gp.pid for gp in touching])
+    p = probe if probe is not None else _driver.probe_with_states([gp.pid for gp in touching])
     if not p.available or not p.checkpoint_api:
         return []
     out = []

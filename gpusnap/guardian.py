@@ -116,8 +116,12 @@ def _log(path: str | None, msg: str) -> None:
     if path:
         try:
             Path(path).parent.mkdir(mode=0o700, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} guardian {os.getpid()}: {msg}\n")
+            # root writes into the repository: never through a symlink someone planted there
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S')} guardian {os.getpid()}: {msg}\n".encode())
+            finally:
+                os.close(fd)
         except OSError:
             pass
 

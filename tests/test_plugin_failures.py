@@ -9,7 +9,6 @@ exactly the result of an uninterrupted run.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from jobs.cuda_like import expected_digest
-from plugin_helpers import (CUDA_ERROR_UNKNOWN, FAKE_LIB_DIR, JOB_PY, ROOT, FakeCuda, Job, criu_dump, criu_restore,
+from plugin_helpers import (CUDA_ERROR_UNKNOWN, JOB_PY, ROOT, FakeCuda, Job, criu_dump, criu_restore,
                             ensure_built, pid_alive, read_report, require_environment, thread_state, tracer_pid,
                             wait_for)
 

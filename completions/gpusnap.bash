@@ -10,18 +10,21 @@ _gpusnap() {
 }
 _gpusnap_words() {
     case "$1" in
-        "") echo "doctor dump inspect ls prune ps restore schedule verify --help --version -h" ;;
+        "") echo "doctor dump inspect ls prune ps restore run schedule slurm-run verify --help --version -h" ;;
         "doctor") echo "--help --json -h" ;;
-        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --tcp-established -h -q" ;;
+        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
         "inspect") echo "--help --json --repo -h" ;;
         "ls") echo "--help --json --repo -h" ;;
         "prune") echo "--dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
-        "restore") echo "--gpu-map --help --json --quiet --repo -h -q" ;;
-        "schedule") echo "add ls rm --help -h" ;;
-        "schedule add") echo "--cron --every --help --json --keep-last --match --name --repo -h" ;;
+        "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close -h -q" ;;
+        "run") echo "--help --json --name --repo -h" ;;
+        "schedule") echo "add ls rm run --help -h" ;;
+        "schedule add") echo "--cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
         "schedule ls") echo "--help --json -h" ;;
         "schedule rm") echo "--help --json -h" ;;
+        "schedule run") echo "--config-dir --help --json -h" ;;
+        "slurm-run") echo "--every --help --keep-last --name --no-requeue --repo --requeue --resume -h" ;;
         "verify") echo "--help --json --repo --structure-only -h" ;;
     esac
 }

@@ -7,6 +7,7 @@ place, `main()`. `--json` prints exactly one JSON object on stdout (an error obj
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -60,38 +61,41 @@ def _progress(label: str, enabled: bool):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                                TransferSpeedColumn)
 
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeElapsedColumn(), console=err, transient=True)
     task = bar.add_task(label, total=None)
+    shown = [None]
 
-    def update(done: int, total: int) -> None:
+    def update(done: int, total: int, phase: str | None = None) -> None:
+        if phase != shown[0]:      # dump: "frozen" (staging), then "storing" (the job runs again)
+            shown[0] = phase
+            desc = {"frozen": f"{label}: job frozen, staging",
+                    "storing": f"{label}: job running, storing"}.get(phase or "", label)
+            bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)
 
     return bar, update
 
 
-def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path]) -> int:
-    from gpusnap import proc
-
+def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
+                 user: Optional[str] = None, name: Optional[str] = None, repo: Optional[Path] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
+    if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
+        from gpusnap import jobrun, locate
+
+        return jobrun.find(name, locate.repo_path(repo)).pid
     if sum(given) != 1:
-        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
+        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE "
+                         "(or --name N of a job started with `gpusnap run`)")
     if pidfile is not None:
         try:
             return int(pidfile.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             raise UsageError(f"--pidfile {pidfile}: no PID could be read from it") from None
     if match is not None:
-        hits = proc.find_matching(match)
-        if not hits:
-            from gpusnap.errors import ProcessNotFound
+        from gpusnap import validate
 
-            raise ProcessNotFound(f"no running process matches {match!r}")
-        if len(hits) > 1:
-            listing = "; ".join(f"{p}: {proc.cmdline(p)[:60]}" for p in hits[:5])
-            raise UsageError(f"{len(hits)} process trees match {match!r} ({listing})",
-                             hint="make the pattern more specific, or pass the PID")
-        return hits[0]
+        return validate.find_job(match, None if user is None else validate.resolve_user(user))
     return pid  # type: ignore[return-value]
 
 
@@ -101,6 +105,8 @@ def dump(
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Find the job by a regular expression on its command line."),
     pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="With --match: only this user's processes."),
     repo: Optional[Path] = RepoOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
@@ -114,6 +120,10 @@ def dump(
                                          help="Dump established TCP connections (restore needs the same IPs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
+    staging_budget: Optional[str] = typer.Option(
+        None, "--staging-budget", metavar="SIZE",
+        help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
+             "file in the repository. Default: a quarter of the available memory, at most 2G."),
 ) -> None:
     """Snapshot a running process tree. The job keeps running unless --exit.
 
@@ -125,10 +135,20 @@ def dump(
     from gpusnap import locate
     from gpusnap.dump import DumpRequest, dump as do_dump
 
-    target = _resolve_pid(pid, match, pidfile)
+    if user is not None and match is None:
+        raise UsageError("--user only narrows --match")
+    target = _resolve_pid(pid, match, pidfile, user, name, repo)
+    budget = None
+    if staging_budget is not None:
+        from gpusnap.repo.staging import parse_size
+
+        try:
+            budget = parse_size(staging_budget)
+        except ValueError as e:
+            raise UsageError(f"--staging-budget: {e}") from None
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
-                      keep_last=keep_last)
+                      keep_last=keep_last, staging_budget=budget)
     bar, update = _progress(f"dumping {target}", not (json_ or quiet))
     if bar:
         with bar:
@@ -136,16 +156,30 @@ def dump(
     else:
         result = do_dump(req)
     data = result.to_dict()
+    from gpusnap.dump import retention_error
+
+    failed = retention_error(result)
     if json_:
+        if failed is not None:
+            data.update({"error": failed.title, "message": failed.message, "exit_code": failed.exit_code,
+                         "hint": failed.hint})
         _emit_json(data)
+        if failed is not None:
+            raise typer.Exit(failed.exit_code)
         return
     out.print(result.snapshot)
+    for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if failed is not None:
+        raise failed
     if not quiet and err.is_terminal:
         ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
                   f"({result.pages_zero} zero, {result.pages_dedup} already stored), "
                   f"{_human(result.bytes_raw)} from CRIU, {_human(result.bytes_stored)} stored "
-                  f"({ratio:.1%}), {result.seconds:.2f} s; job "
+                  f"({ratio:.1%}), {result.seconds:.2f} s"
+                  + (f" (job frozen {result.frozen_seconds:.2f} s)" if result.frozen_seconds is not None else "")
+                  + "; job "
                   f"{'still running' if result.job_running else 'stopped'}")
 
 
@@ -157,6 +191,9 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    tcp_close: bool = typer.Option(False, "--tcp-close",
+                                   help="Restore established TCP connections closed (the job sees a reset "
+                                        "and reconnects); the default when their peer is gone."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -170,13 +207,15 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close)
     if json_:
         _emit_json(result.to_dict())
     else:
         out.print(result.pid)
+        if result.tcp_closed and not quiet:
+            err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
 
 
 @app.command("ls")
@@ -189,7 +228,7 @@ def ls_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
 
     root = locate.repo_path(repo)
     rows = []
-    if (root / "config").exists():
+    if os.path.lexists(root):     # a file, or a directory that is no repository: an error, not "empty"
         usage = Repository.open(root).usage()
         for dirname, row in usage.items():
             rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
@@ -252,7 +291,9 @@ def verify(
         refs = [str(snap.path)]
     else:
         repository, refs = Repository.open(locate.repo_path(repo)), None
-    report = verify_mod.verify(repository, refs, read_data=not structure_only)
+    # a prune deleting snapshots while verify reads them must not look like damage: wait for it
+    with repository.readers_lock():
+        report = verify_mod.verify(repository, refs, read_data=not structure_only)
     data = report.to_dict()
     if json_:
         _emit_json(data)
@@ -328,41 +369,63 @@ def ps(json_: bool = JsonOpt) -> None:
 
 @schedule_app.command("add")
 def schedule_add(
-    match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
-    name: str = typer.Option(..., "--name", help="Snapshot name, also the schedule's name."),
+    match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
+                                        help="Regular expression on the job's command line (default: the "
+                                             "job started with `gpusnap run --name NAME`)."),
+    name: str = typer.Option(..., "--name", help="Schedule name, also the snapshot name ([A-Za-z0-9_-])."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
     keep_last: int = typer.Option(4, "--keep-last", metavar="N", min=1, help="Snapshots of this name to keep."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="Owner of the job (default: whoever owns what --match finds now); "
+                                            "only this user's processes are ever dumped."),
+    replace: bool = typer.Option(False, "--replace", help="Overwrite an existing schedule of this name."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Snapshot a job periodically (a file in /etc/cron.d), keeping the newest N."""
+    """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo)
+    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
+                     replace=replace)
+    moved = getattr(s, "replaced_repo", None)
     if json_:
-        _emit_json(s.to_dict())
-    else:
-        out.print(f"{s.path}: {s.cron}  {s.command}")
+        _emit_json({**s.to_dict(), "replaced_repo": moved})
+        return
+    out.print(f"{s.name}: {s.when}, job {s.match!r} of user {s.user}, repository {s.repo}, keep {s.keep_last}")
+    out.print(f"  {s.backend}: {', '.join(s.files)}; log {s.log}")
+    if moved:
+        err.print(f"[yellow]note: this schedule used repository {moved} before[/]")
 
 
 @schedule_app.command("ls")
 def schedule_ls(json_: bool = JsonOpt) -> None:
-    """List gpusnap's cron schedules."""
+    """List schedules: when, last run, result, next run; a job gone for runs in a row."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    items = schedule.list_schedules()
+    items = [schedule.status(s) for s in schedule.list_schedules()]
     if json_:
-        _emit_json({"schedules": [s.to_dict() for s in items]})
+        _emit_json({"schedules": items})
         return
-    for s in items:
-        out.print(f"{s.name}\t{s.cron}\t{s.command}")
     if not items:
         err.print("no schedules")
+        return
+    table = Table(box=None)
+    for col in ("name", "when", "user", "last run (UTC)", "result", "next run (UTC)", "repository"):
+        table.add_column(col)
+    for st in items:
+        result = st["result"] or "-"
+        if st["job_gone"]:
+            result = f"JOB GONE ({st['runs_without_job']} runs)"
+        elif not st["installed"]:
+            result += " (NOT INSTALLED)"
+        table.add_row(st["name"], st["when"], st["user"], st["last_run"] or "never", result,
+                      st["next_run"] or "-", st["repo"])
+    out.print(table)
 
 
 @schedule_app.command("rm")
@@ -376,7 +439,87 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
     if json_:
         _emit_json(s.to_dict())
     else:
-        out.print(f"removed {s.path}")
+        out.print(f"removed schedule {s.name} ({', '.join(s.files)})")
+
+
+@schedule_app.command("run")
+def schedule_run(
+    name: str = typer.Argument(...),
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", metavar="DIR",
+                                              help="Where the schedule's record is (default /etc/gpusnap/schedules)."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Run a schedule once, as its timer or cron line does; logs one JSON line."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    rec = schedule.run(name, config_dir)
+    for w in rec.get("warnings", []):
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if json_:
+        _emit_json(rec)
+    else:
+        out.print(rec.get("snapshot", ""))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default: the command's name); "
+                                                             "`dump --name N` and `restore N` find it."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Start a job the way that snapshots best (the recommended way to start one).
+
+    The job gets its own session and PID namespace (so a snapshot restores beside the running
+    original, without PID clashes); stdout and stderr go to files in REPO/jobs/NAME/.
+    Prints the job's PID.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import jobrun, locate
+
+    job = jobrun.start(command, locate.repo_path(repo), name=name)
+    if json_:
+        _emit_json(job.to_dict())
+        return
+    out.print(job.pid)
+    err.print(f"job {job.name} started (PID {job.pid}); output in {job.dir}; "
+              f"snapshot it with `gpusnap dump --name {job.name}`")
+
+
+@app.command("slurm-run", context_settings={"allow_interspersed_args": False})
+def slurm_run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: str = typer.Option(..., "--name", help="Job and snapshot name (one per job in the repository)."),
+    repo: Optional[Path] = RepoOpt,
+    every: Optional[str] = typer.Option(None, "--every", metavar="INTERVAL",
+                                        help="Also snapshot periodically (e.g. 10m), so a node failure loses "
+                                             "at most one interval."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
+                                            help="Keep only the newest N snapshots of this name."),
+    resume: str = typer.Option("auto", "--resume", metavar="auto|always|never",
+                               help="Restore the newest snapshot of the name: after a Slurm requeue (auto), "
+                                    "always, or never."),
+    requeue: bool = typer.Option(True, "--requeue/--no-requeue",
+                                 help="After the final snapshot, ask Slurm to requeue the job."),
+) -> None:
+    """Run a batch job that survives preemption, time limits and node failures (inside sbatch).
+
+    Starts the job (or, after a requeue, restores its newest snapshot); on USR1/TERM (use
+    `#SBATCH --signal=B:USR1@120`) takes a final snapshot and requeues. Exits with the job's status.
+    """
+    from gpusnap import locate, slurm
+
+    if resume not in ("auto", "always", "never"):
+        raise UsageError(f"--resume {resume!r}: use auto, always or never")
+    opts = slurm.Options(name=name, repo=locate.repo_path(repo), command=command,
+                         every_s=slurm.parse_interval(every) if every else None, keep_last=keep_last,
+                         resume=resume, requeue=requeue)
+    code = slurm.Supervisor(opts).run()
+    raise typer.Exit(code)
 
 
 @app.callback(invoke_without_command=True)

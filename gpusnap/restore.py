@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import locate, paths, proc
+from gpusnap import locate, netlock, paths, proc
 from gpusnap.criu import runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
@@ -35,6 +35,8 @@ class RestoreResult:
     # wall seconds: preflight (snapshot checks, PIDs, GPUs), criu (CRIU restoring while the
     # images stream out of the repository)
     phases: dict[str, float] = field(default_factory=dict)
+    # established TCP connections in the snapshot came back closed (--tcp-close), and why
+    tcp_closed: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +77,16 @@ def _check_pids_free(pids: list[int], snap_path) -> None:
                              "on another machine or in a PID namespace)")
 
 
+def _pids_taken_meanwhile(pids: list[int], snap_path, kept) -> None:
+    """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
+    the same moment): that is PidsInUse, not a CRIU failure."""
+    busy = [p for p in pids if proc.read_stat(p) is not None]
+    if busy:
+        raise PidsInUse(f"PID(s) needed by the snapshot were taken while it was restoring: "
+                        f"{', '.join(map(str, busy[:5]))} (another restore of the same job?)",
+                        hint=f"the job is probably running again already; check it (CRIU log kept at {kept})")
+
+
 def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     meta = snap.manifest.get("meta", {})
     recorded = meta.get("gpu")
@@ -82,8 +94,11 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
         return {}
     from gpusnap.gpu import driver as gpu_driver, remap
 
-    return remap.plan_gpu_restore(recorded, gpu_driver.driver_info(), gpu_map,
-                                  cuda_pids=meta.get("cuda_pids") or []).env()
+    env = remap.plan_gpu_restore(recorded, gpu_driver.driver_info(), gpu_map,
+                                 cuda_pids=meta.get("cuda_pids") or []).env()
+    if meta.get("own_pid_namespace") is True:  # the plugin sees new PIDs: per-process maps cannot apply
+        env = {k: v for k, v in env.items() if k == remap.GPU_MAP_ENV}
+    return env
 
 
 def _gpu_report_env(workdir: Path) -> dict[str, str]:
@@ -93,14 +108,16 @@ def _gpu_report_env(workdir: Path) -> dict[str, str]:
             "GPUSNAP_CALL_TIMEOUT_MS": str(limits.call_timeout_ms())}
 
 
-def check_gpu_restore(workdir: Path, snap, root: int, pids: list[int], log: str | None) -> None:
+def check_gpu_restore(workdir: Path, snap, root: int, pids: list[int], log: str | None,
+                      same_pids: bool = True) -> None:
     """CRIU ignores a failed GPU restore (RESUME_DEVICES_LATE): read the plugin's report, and
     when a CUDA process was not brought back to RUNNING kill the restored tree (it would
-    hang on its next CUDA call) and raise GpuRestoreFailed."""
+    hang on its next CUDA call) and raise GpuRestoreFailed. `same_pids`: the restored tree
+    has the snapshot's PIDs (not so in a PID namespace of its own: then only counted)."""
     from gpusnap.gpu import report
 
     expected = [int(p) for p in snap.manifest.get("meta", {}).get("cuda_pids") or [] if str(p).isdigit()]
-    problems = report.restore_failures(report.read(workdir / "cuda-report"), expected)
+    problems = report.restore_failures(report.read(workdir / "cuda-report"), expected, same_pids=same_pids)
     if not problems:
         return
     tree = list(dict.fromkeys([root, *proc.tree(root), *pids])) if proc.exists(root) else list(pids)
@@ -120,26 +137,32 @@ def check_gpu_restore(workdir: Path, snap, root: int, pids: list[int], log: str 
 
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
-            progress: Callable[[int, int], None] | None = None) -> RestoreResult:
+            progress: Callable[[int, int], None] | None = None, tcp_close: bool = False) -> RestoreResult:
     t0 = time.monotonic()
     runner.require_privileges("restore")
     info = runner.criu_info()
     repository, snap = locate.open_snapshot(ref, repo)
     with repository.readers_lock():
-        return _restore(repository, snap, info, gpu_map, progress, t0)
+        return _restore(repository, snap, info, gpu_map, progress, t0, tcp_close)
 
 
-def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
+def _restore(repository, snap, info, gpu_map, progress, t0, tcp_close=False) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
     pids = snapshot_pids(snap)
-    _check_pids_free(pids, snap.path)
+    own_pidns = snap.manifest.get("meta", {}).get("own_pid_namespace") is True
+    if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
+        _check_pids_free(pids, snap.path)
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
+    conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]
+    closed, why = netlock.restore_tcp_close(conns, tcp_close)
+    if closed:
+        flags.append("--tcp-close")
 
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
     log = workdir / "criu.log"
@@ -166,6 +189,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
                 err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
                 raise err
             lines = runner.log_errors(log)
+            _pids_taken_meanwhile(pids, snap.path, kept)
             raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                              last_lines=lines, hint=runner.explain(lines))
         server.finish(timeout=30)
@@ -174,13 +198,21 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
             progress(total, total)
         try:
             pid = int(pidfile.read_text().split()[0])
+            if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
+                pids = proc.tree(pid)
         except (OSError, ValueError, IndexError):
             pid = pids[0]
+            if own_pidns:  # never hand back the original's PIDs as the restored ones
+                raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown",
+                                 log_path=str(log)) from None
         kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
-        check_gpu_restore(workdir, snap, pid, pids, kept)
+        if closed:
+            netlock.unlock_closed(conns)
+        check_gpu_restore(workdir, snap, pid, pids, kept, same_pids=not own_pidns)
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases={"preflight": round(t_criu - t0, 3), "criu": round(t_end - t_criu, 3)})
+                         phases={"preflight": round(t_criu - t0, 3), "criu": round(t_end - t_criu, 3)},
+                         tcp_closed=why if closed else None)
 

@@ -316,6 +316,27 @@ def test_gpusnap_hung_checkpoint_gives_up(tmp_path, fake, jobs):
     check_result(job)
 
 
+def kill_dump_at(fake: FakeCuda, tmp_path, point: str, *args) -> int:
+    """Runs `gpusnap dump ARGS` held at `point` (GPUSNAP_TEST_HOLD), SIGKILLs it there (as the
+    OOM killer could) and returns its exit status."""
+    if not os.path.exists(GPUSNAP):
+        pytest.skip("gpusnap is not installed in .venv")
+    hold = tmp_path / f"hold-{point}.json"
+    e = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "FAKE_CUDA_DIR")}
+    e.update(fake.env() | {"GPUSNAP_TEST_HOLD": f"{point}:{hold}"})
+    e.pop("GPUSNAP_PLUGIN_DIR", None)
+    p = subprocess.Popen([GPUSNAP, *map(str, args)], env=e, cwd=ROOT, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(hold.exists, 120, f"the dump held at {point}")
+        assert json.loads(hold.read_text())["pid"] == p.pid
+        os.kill(p.pid, signal.SIGKILL)
+        return p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 @pytest.mark.parametrize("cuda", [False, True])
 def test_exit_dump_sigkilled_after_criu_job_runs_on(tmp_path, fake, jobs, cuda):
     """Issue 8 item 5: gpusnap killed (SIGKILL, as by the OOM killer) after CRIU left the tree
@@ -324,8 +345,8 @@ def test_exit_dump_sigkilled_after_criu_job_runs_on(tmp_path, fake, jobs, cuda):
     if cuda:
         job.declare_cuda(fake)
     repo = tmp_path / "repo"
-    r = gpusnap(fake, "dump", job.pid, "--repo", repo, "--exit", GPUSNAP_TEST_HOOK="kill-after-criu")
-    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    rc = kill_dump_at(fake, tmp_path, "after-gate", "dump", job.pid, "--repo", repo, "--exit")
+    assert rc == -signal.SIGKILL
     running_free(job)
     if cuda:
         wait_for(lambda: fake.state(job.pid) == "running", 120, "GPU side running")
@@ -404,8 +425,8 @@ def test_exit_dump_sigkilled_after_commit_job_is_killed_and_restores(tmp_path, f
     job = start(jobs, tmp_path / "job")
     job.declare_cuda(fake)
     repo = tmp_path / "repo"
-    r = gpusnap(fake, "dump", job.pid, "--repo", repo, "--exit", GPUSNAP_TEST_HOOK="kill-after-commit")
-    assert r.returncode == -signal.SIGKILL, r.stdout + r.stderr
+    rc = kill_dump_at(fake, tmp_path, "after-commit", "dump", job.pid, "--repo", repo, "--exit")
+    assert rc == -signal.SIGKILL
     job.reap()
     log = repo / "logs" / "guardian.log"
     wait_for(log.exists, 30, "guardian log")

@@ -10,14 +10,15 @@ _gpusnap() {
 }
 _gpusnap_words() {
     case "$1" in
-        "") echo "doctor dump inspect ls prune ps restore run schedule slurm-run verify --help --version -h" ;;
+        "") echo "doctor dump inspect ls prune ps repair restore run schedule slurm-run verify --help --version -h" ;;
         "doctor") echo "--help --json -h" ;;
         "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
         "inspect") echo "--help --json --repo -h" ;;
         "ls") echo "--help --json --repo -h" ;;
         "prune") echo "--dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
-        "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close -h -q" ;;
+        "repair") echo "--dry-run --help --json --read-data --repo -h -n" ;;
+        "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
         "schedule add") echo "--cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;

@@ -6,6 +6,7 @@ complete -c gpusnap -n '__fish_use_subcommand' -a inspect
 complete -c gpusnap -n '__fish_use_subcommand' -a ls
 complete -c gpusnap -n '__fish_use_subcommand' -a prune
 complete -c gpusnap -n '__fish_use_subcommand' -a ps
+complete -c gpusnap -n '__fish_use_subcommand' -a repair
 complete -c gpusnap -n '__fish_use_subcommand' -a restore
 complete -c gpusnap -n '__fish_use_subcommand' -a run
 complete -c gpusnap -n '__fish_use_subcommand' -a schedule
@@ -13,53 +14,59 @@ complete -c gpusnap -n '__fish_use_subcommand' -a slurm-run
 complete -c gpusnap -n '__fish_use_subcommand' -a verify
 complete -c gpusnap -n '__fish_use_subcommand' -l help
 complete -c gpusnap -n '__fish_use_subcommand' -l version
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump inspect ls prune ps restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump inspect ls prune ps restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l compress
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l exit
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l gpu-lock-timeout
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l keep-last
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l match
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l name
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l pidfile
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l quiet
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l staging-budget
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l tcp-established
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore run schedule slurm-run verify' -l user
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore run schedule slurm-run verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore run schedule slurm-run verify' -F
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps restore run schedule slurm-run verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore run schedule slurm-run verify' -l dry-run
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore run schedule slurm-run verify' -l keep-last
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore run schedule slurm-run verify' -l name
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore run schedule slurm-run verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump inspect ls prune restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump inspect ls prune restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -l gpu-map
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -l quiet
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -l tcp-close
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps run schedule slurm-run verify' -F
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule slurm-run verify' -l name
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule slurm-run verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run slurm-run verify' -a add
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run slurm-run verify' -a ls
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run slurm-run verify' -a rm
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run slurm-run verify' -a run
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l compress
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l gpu-lock-timeout
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l match
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l pidfile
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l staging-budget
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-established
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps repair restore run schedule slurm-run verify' -l user
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps repair restore run schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps repair restore run schedule slurm-run verify' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps repair restore run schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps repair restore run schedule slurm-run verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps repair restore run schedule slurm-run verify' -l keep-last
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps repair restore run schedule slurm-run verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps repair restore run schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump inspect ls prune repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump inspect ls prune repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run verify' -l read-data
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l gpu-map
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l quiet
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l tcp-close
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -l via
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair run schedule slurm-run verify' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore schedule slurm-run verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore schedule slurm-run verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run slurm-run verify' -a add
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run slurm-run verify' -a ls
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run slurm-run verify' -a rm
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run slurm-run verify' -a run
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help
@@ -77,16 +84,16 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l config-dir
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l every
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l keep-last
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l name
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l no-requeue
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l requeue
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule verify' -l resume
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run' -l structure-only
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore run schedule slurm-run' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l every
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l keep-last
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l no-requeue
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l requeue
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule verify' -l resume
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule slurm-run' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule slurm-run' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule slurm-run' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule slurm-run' -l structure-only
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps repair restore run schedule slurm-run' -F

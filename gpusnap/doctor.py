@@ -378,6 +378,10 @@ def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe)
         else:
             r.add("GPU", "ok", f"CUDA process(es) {names}; states: "
                   + ", ".join(f"{p}={s or 'not CUDA-initialised'}" for p, s in states.items()))
+        nocontext = gprocs.devices_without_context(tree)
+        if nocontext:  # the same check `gpusnap dump` refuses on (exit 24)
+            r.add("GPU", "fail", "NVIDIA device files without a CUDA context: "
+                  + gprocs.describe_without_context(nocontext), gprocs.NO_CONTEXT_HINT)
         if not paths.plugin_path().is_file():
             r.add("GPU", "fail", f"the job uses a GPU but {paths.plugin_path()} is missing",
                   "build the plugin (cmake --build build) or set GPUSNAP_PLUGIN_DIR")
@@ -400,9 +404,22 @@ def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe)
               "phases that hold none)")
     nvml = [g.pid for g in gps if g.nvml]
     if nvml:
-        r.add("NVML", "warn", f"{nvml} load NVML (libnvidia-ml), which keeps device references "
-              "the CUDA checkpoint does not release; the dump may fail",
-              "avoid NVML in the job (e.g. pynvml/GPU monitoring threads) while snapshotting")
+        if _driver_major(probe) >= 570:
+            # r570+ checkpoints processes that hold NVML handles (criu#2953): PyTorch loads it
+            r.add("NVML", "info", f"{nvml} load NVML (libnvidia-ml); driver {probe.driver_version or '?'} "
+                  "(r570 or newer) checkpoints such processes")
+        else:
+            r.add("NVML", "warn", f"{nvml} load NVML (libnvidia-ml); drivers before r570 cannot "
+                  "checkpoint a process that holds NVML handles", "update the NVIDIA driver to r570 "
+                  "or newer, or keep NVML (pynvml, GPU monitoring threads) out of the job")
+
+
+def _driver_major(probe: gdriver.DriverProbe) -> int:
+    """The driver branch (570 for 570.133.20); from the CUDA version when the module's is unknown."""
+    v = probe.driver_version or ""
+    if v.split(".")[0].isdigit():
+        return int(v.split(".")[0])
+    return 570 if (probe.cuda_version_int or 0) >= 12080 else 0
 
 
 # ---------------------------------------------------------------- entry point

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -236,9 +237,13 @@ def _plugin_failure(log: Path) -> list[str]:
 
 
 
-def _criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str]) -> list[str]:
+def _criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str], n_gpu: int = 0) -> list[str]:
+    from gpusnap.gpu import limits
+
     args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
-            "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4"]
+            "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4",
+            # CRIU's freeze deadline covers the plugin's locks (one setting: the lock timeout)
+            "--timeout", str(limits.criu_freeze_timeout_s(limits.lock_timeout_ms(req.lock_timeout_ms), n_gpu))]
     # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
     # failure while storing can still hand the job back.
     args.append("--leave-running" if req.leave_running else "--leave-stopped")
@@ -250,9 +255,34 @@ def _criu_env(req: DumpRequest, workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["GPUSNAP_LEAVE_RUNNING"] = "1" if req.leave_running else "0"
     env["GPUSNAP_CUDA_REPORT"] = str(workdir / "cuda-report")
-    if req.lock_timeout_ms:
-        env["GPUSNAP_LOCK_TIMEOUT_MS"] = str(req.lock_timeout_ms)
+    from gpusnap.gpu import limits
+
+    env.update(limits.plugin_env(limits.lock_timeout_ms(req.lock_timeout_ms)))
     return env
+
+
+def _gpu_candidates(gpu: dict | None) -> list[int]:
+    """PIDs the GPU facts recorded as using a GPU (for when the plugin leaves no report)."""
+    try:
+        return sorted({int(p["pid"]) for p in (gpu or {}).get("processes", []) if "pid" in p})
+    except (TypeError, ValueError, KeyError):
+        return []
+
+
+def _settle_gpu(workdir: Path, candidates: list[int], failed_only: bool) -> list[str]:
+    """After a failed dump (or a success whose undo failed): every CUDA process back as found."""
+    from gpusnap.gpu import report
+
+    lines = report.read(workdir / "cuda-report")
+    if failed_only:
+        lines = [x for x in lines if x.result != "ok"]
+        candidates = []
+    if not lines and not candidates:
+        return []
+    try:
+        return report.settle_after_failed_dump(lines, candidates)
+    except Exception as e:  # noqa: BLE001 - never let recovery mask the dump's own error
+        return [f"{type(e).__name__}: {e}"]
 
 
 def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: str | None) -> GpusnapError:
@@ -264,7 +294,7 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
     if gpu_lines:
         return GpuCheckpointFailed(
             "the CUDA plugin could not checkpoint a GPU process; the job was left running and unlocked",
-            hint=gpu_lines[-1] + where)
+            hint=gpu_lines[0] + where)  # the first error is the cause, the rest follow from it
     if stream_err is not None:
         stream_err.hint = (stream_err.hint + " " if stream_err.hint else "") + where.strip()
         return stream_err
@@ -309,18 +339,12 @@ def _kill_tree(pids: list[int]) -> None:
             pass
 
 
-def _resume_tree(pids: list[int], cuda_pids: list[int]) -> None:
+def _resume_tree(pids: list[int]) -> None:
+    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report."""
     for pid in pids:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
-            pass
-    if cuda_pids:
-        try:
-            from gpusnap.gpu import driver as gpu_driver
-            for pid in cuda_pids:
-                gpu_driver.resume_process(pid)
-        except Exception:  # noqa: BLE001 - best effort; the plugin log tells the rest
             pass
 
 
@@ -345,6 +369,9 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     name = req.name or default_name(req.pid)
     pids = plan.pids
     estimate = proc.rss_bytes(pids)
+    from gpusnap.gpu import procs as gpu_procs
+
+    gpu_procs.refuse_devices_without_context(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
@@ -397,9 +424,17 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         criu: subprocess.Popen | None = None
         staging: staging_mod.Staging | None = None
         stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
+        guardian = None
+        gpu_problems: list[str] = []
         old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
         snap = None
         try:
+            if not req.leave_running:
+                # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
+                from gpusnap.guardian import Guardian
+
+                guardian = Guardian(pids, workdir / "cuda-report", _gpu_candidates(gpu),
+                                    log=Path(repo.path) / "logs" / "guardian.log")
             phase("preflight")
             spill_dir = repo.path / "tmp"
             staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
@@ -421,10 +456,13 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
 
             t_criu = time.monotonic()
             criu = subprocess.Popen(
-                [runner.criu_info().path, *_criu_args(req, workdir, log, plan.dump_options),
+                [runner.criu_info().path,
+                 *_criu_args(req, workdir, log, plan.dump_options, len(_gpu_candidates(gpu))),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env={**_criu_env(req, workdir), **gate.env}, start_new_session=True)
+            if guardian:
+                guardian.criu(criu.pid)
             runner.supervise(criu, server, criu_progress, estimate)
             phase("criu")
             if criu.returncode != 0 or server.failed:
@@ -448,8 +486,14 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
             phase("commit")
             if stopped:
+                if guardian:
+                    guardian.committed()
+                _test_hold("after-commit", {"pid": os.getpid()})
                 _kill_tree(pids)
                 stopped = False
+            elif req.leave_running:
+                # CRIU succeeded, but the plugin may have failed to hand a process back
+                gpu_problems = _settle_gpu(workdir, [], failed_only=True)
             pruned: list[str] = []
             prune_error = None
             prune_warnings: list[str] = []
@@ -473,7 +517,16 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if snap is None:
                 writer.abort()
             if stopped:  # CRIU succeeded but storing failed: give the job back
-                _resume_tree(pids, _read_cuda_report(workdir / "cuda-report"))
+                _resume_tree(pids)
+            if snap is None and criu is not None and criu.returncode is not None:
+                # CRIU does not tell the plugin of every failure (a failed post-dump gate
+                # reaches it as success): whatever the plugin says, settle the GPU side here
+                gpu_problems = _settle_gpu(workdir, _gpu_candidates(gpu), failed_only=False)
+                exc = sys.exc_info()[1]
+                if gpu_problems and isinstance(exc, GpusnapError):
+                    exc.message += "; but a GPU process could not be brought back: " + "; ".join(gpu_problems)
+            if guardian:
+                guardian.done()
             if gate is not None:
                 gate.close()
             if server is not None:
@@ -482,6 +535,10 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 staging.close()
             shutil.rmtree(workdir, ignore_errors=True)
 
+    if gpu_problems:
+        raise GpuCheckpointFailed(
+            f"snapshot {snap.path} was saved, but a GPU process could not be handed back: "
+            + "; ".join(gpu_problems), hint="see the CUDA plugin's lines in " + (kept or "the CRIU log"))
     stats = writer.stats
     return DumpResult(
         snapshot=str(snap.path), id=snap.id, name=snap.name, pid=req.pid,

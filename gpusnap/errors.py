@@ -154,6 +154,23 @@ class HugePagesUnavailable(GpusnapError):
     title = "not enough huge pages"
 
 
+class GpuRestoreFailed(GpusnapError):
+    """CRIU restored the tree but the CUDA plugin could not restore or unlock a GPU process;
+    the half-restored tree was killed."""
+
+    exit_code = 23
+    title = "GPU restore failed"
+
+
+class GpuUnsupportedProcess(GpusnapError):
+    """A process of the job maps NVIDIA device files without a CUDA context (a forked
+    DataLoader worker, an NVML-only monitor): CUDA checkpoint cannot handle it, CRIU cannot
+    dump the device mapping. Found before the job is touched."""
+
+    exit_code = 24
+    title = "GPU device without a CUDA context"
+
+
 class Interrupted(GpusnapError):
     exit_code = 130
     title = "interrupted"

@@ -26,7 +26,7 @@ from gpusnap.criu import materialize, runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.repo import materialize as repo_materialize
 from gpusnap.errors import (
-    CorruptSnapshot, CriuFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError,
+    CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError,
 )
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
@@ -130,9 +130,46 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
         return {}
     from gpusnap.gpu import driver as gpu_driver, remap
 
-    pairs = remap.check_restore_compat(recorded, gpu_driver.driver_info(), gpu_map,
-                                       cuda_pids=meta.get("cuda_pids") or [])
-    return {"GPUSNAP_GPU_MAP": ",".join(f"{a}={b}" for a, b in pairs)} if pairs else {}
+    env = remap.plan_gpu_restore(recorded, gpu_driver.driver_info(), gpu_map,
+                                 cuda_pids=meta.get("cuda_pids") or []).env()
+    if meta.get("own_pid_namespace") is True:  # the plugin sees new PIDs: per-process maps cannot apply
+        env = {k: v for k, v in env.items() if k == remap.GPU_MAP_ENV}
+    return env
+
+
+def _gpu_report_env(workdir: Path) -> dict[str, str]:
+    from gpusnap.gpu import limits
+
+    return {"GPUSNAP_CUDA_REPORT": str(workdir / "cuda-report"),
+            "GPUSNAP_CALL_TIMEOUT_MS": str(limits.call_timeout_ms())}
+
+
+def check_gpu_restore(workdir: Path, snap, root: int | None, pids: list[int], log: str | None,
+                      same_pids: bool = True) -> None:
+    """CRIU ignores a failed GPU restore (RESUME_DEVICES_LATE): read the plugin's report, and
+    when a CUDA process was not brought back to RUNNING kill the restored tree (it would
+    hang on its next CUDA call) and raise GpuRestoreFailed. `same_pids`: the restored tree
+    has the snapshot's PIDs (not so in a PID namespace of its own: then only counted)."""
+    from gpusnap.gpu import report
+
+    expected = [int(p) for p in snap.manifest.get("meta", {}).get("cuda_pids") or [] if str(p).isdigit()]
+    problems = report.restore_failures(report.read(workdir / "cuda-report"), expected, same_pids=same_pids)
+    if not problems:
+        return
+    tree = list(dict.fromkeys([root, *proc.tree(root), *pids])) if root and proc.exists(root) else list(pids)
+    killed = []
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait_gone(killed, 10)
+    raise GpuRestoreFailed(
+        "CRIU restored the job but its GPU state could not be brought back: " + "; ".join(problems)
+        + f"; the half-restored job was killed (PIDs {', '.join(map(str, killed)) or 'none left'}), nothing runs",
+        hint="see the CUDA plugin's lines in " + (log or "the CRIU log")
+             + "; the snapshot itself is unchanged: fix the cause (driver, GPU, --gpu-map) and restore again")
 
 
 VIAS = ("auto", "stream", "files")
@@ -246,6 +283,7 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
     log = workdir / "criu.log"
     pidfile = workdir / "restored.pid"
     stream = ["--stream"] if server is not None else []
+    env = {**env, **_gpu_report_env(workdir)}   # the CUDA plugin's report, read below
     criu = subprocess.Popen(
         [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
          "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
@@ -274,11 +312,13 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
                          last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:
         server.finish(timeout=30)
-    runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+    kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
     try:
-        return int(pidfile.read_text().split()[0])
+        pid = int(pidfile.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return None
+        pid = None
+    check_gpu_restore(workdir, snap, pid, list(pids or []), kept, same_pids=pids is not None)
+    return pid
 
 
 def restore_threads(stream: bool) -> int:

@@ -32,8 +32,11 @@ rm -rf "$B"
 mkdir -p "$B"/{debs,root,bin,plugins,wheels,python}
 
 # ---------------------------------------------------------------- CRIU and its libraries
-# the packages owning criu and every library ldd resolves for it, at their installed versions
-pkgs=("$(dpkg -S "$criu_bin" | cut -d: -f1)")
+# the packages owning criu (none when setup built it into /opt/gpusnap: the binary itself is
+# copied below) and every library ldd resolves for it, at their installed versions
+criu_pkg=$(dpkg -S "$criu_bin" 2>/dev/null | cut -d: -f1 || true)
+pkgs=()
+[ -n "$criu_pkg" ] && pkgs+=("$criu_pkg")
 while read -r lib; do
   [ -n "$lib" ] || continue
   owner=$(dpkg -S "$(readlink -f "$lib")" 2>/dev/null || dpkg -S "$lib" 2>/dev/null || true)
@@ -52,6 +55,7 @@ say "downloading ${#pkgs[@]} packages: ${pkgs[*]}"
   done
 )
 for d in "$B"/debs/*.deb; do dpkg-deb -x "$d" "$B/root"; done
+[ -n "$criu_pkg" ] || install -D -m 0755 "$criu_bin" "$B/root/usr/sbin/criu"
 rm -rf "$B/debs"
 # keep only what runs: binaries and shared libraries
 rm -rf "$B"/root/usr/share "$B"/root/usr/include "$B"/root/etc "$B"/root/usr/lib/*/gconv \
@@ -61,8 +65,10 @@ for f in "$B"/root/usr/bin/* "$B"/root/usr/sbin/*; do
   case "$(basename "$f")" in criu) ;; *) rm -f "$f" ;; esac
 done
 [ -x "$B/root/usr/sbin/criu" ] || die "criu is not in the extracted packages"
-ld_so=$(cd "$B/root" && ls usr/lib64/ld-linux-x86-64.so.2 lib64/ld-linux-x86-64.so.2 \
-          usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2 2>/dev/null | head -n1 || true)
+# the loader as a regular file of the bundle: lib64/ld-linux-x86-64.so.2 is an absolute
+# symlink to the *system's* loader, and CRIU run through that one has it as its executable,
+# which a restored job maps too: the restorer's PR_SET_MM_MAP then fails with EBUSY
+ld_so=$(cd "$B/root" && find . -name ld-linux-x86-64.so.2 -type f | sed 's|^\./||' | head -n1 || true)
 [ -n "$ld_so" ] || die "no dynamic loader in the bundle (libc6 missing?)"
 
 cat >"$B/bin/criu" <<EOF
@@ -88,7 +94,11 @@ mkdir -p "$B/lib"
 [ -f build/lib/libgpusnap_pages.so ] && cp build/lib/libgpusnap_pages.so "$B/lib/"
 
 # ---------------------------------------------------------------- Python
-cp -r .venv/pycriu-*/pycriu "$B/python/"
+# pycriu of the same CRIU build: next to a setup-built CRIU, else the one .venv carries
+pycriu=$(.venv/bin/python -c 'import os, pycriu; print(os.path.dirname(pycriu.__file__))' 2>/dev/null \
+         || ls -d .venv/pycriu-*/pycriu 2>/dev/null | head -n1)
+[ -n "$pycriu" ] && [ -d "$pycriu" ] || die "pycriu not found (run scripts/setup.sh)"
+cp -r "$pycriu" "$B/python/"
 find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
 # the runtime dependencies of gpusnap, minus cuda-python (about 12 MB a Python version) and
 # numpy (the GPU machine's PyTorch brings its own, and three copies would not fit)
@@ -114,6 +124,7 @@ done
 {
   echo "gpusnap GPU bundle, made $(date -u +%FT%TZ) on $(hostname) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "criu: $("$B/bin/criu" --version | tr '\n' ' ')"
+  echo "plugin: $(sha256sum "$B/plugins/gpusnap_cuda.so" | cut -d' ' -f1) (gpu-e2e.sh refuses a plugin older than the checkout)"
   echo "packages: ${pkgs[*]}"
   echo "wheels:"; (cd "$B/wheels" && ls -1)
 } >"$B/MANIFEST"

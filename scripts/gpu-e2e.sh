@@ -1,42 +1,75 @@
 #!/usr/bin/env bash
-# gpusnap end-to-end on a real NVIDIA GPU: a small PyTorch training job is dumped mid-run
-# (--exit), restored, dumped again while it runs (incremental), and must finish with the same
-# weights as an uninterrupted run. Prints a table; exits non-zero on any failure.
+# gpusnap end-to-end on a real NVIDIA GPU, one run of at most ~7 minutes, one verdict line.
 #
-# For a lent GPU machine without network (no apt, no pip): CRIU, its libraries, the plugin
-# and the Python wheels come from gpu-bundle/, made beforehand by scripts/gpu-bundle.sh.
-# PyTorch must be on the machine. Run as root from the repository:
+# A deterministic PyTorch training job carrying an ~8 GB seeded tensor on the GPU runs once
+# uninterrupted (the reference), then again through every path a user meets:
+#   A  dump --exit, restore                     (the plugin's pids, states and results checked)
+#   B  a dump during a long kernel with a short lock timeout: must FAIL, the job keeps RUNNING
+#   C  dump leaving the job running (it must go on), then kill it and restore that snapshot
+# and must end with exactly the reference's per-step loss lines, weights hash and tensor sum.
+# After every dump and restore a new training step must appear within 20 s; on any timeout
+# the thread states of the job are captured before anything is killed.
 #
-#   scripts/gpu-e2e.sh                       # the GPU run
-#   GPUSNAP_E2E_DEVICE=cpu scripts/gpu-e2e.sh   # dry run of the same plumbing, no GPU needed
+# For a lent GPU machine without network: CRIU, its libraries, the plugin and the Python
+# wheels come from gpu-bundle/ (scripts/gpu-bundle.sh). PyTorch must be on the machine.
+# Run as root from the repository:
 #
-# Environment: GPUSNAP_E2E_DEVICE=cuda|cpu, GPUSNAP_E2E_STEPS (600), GPUSNAP_E2E_TIMEOUT (540 s,
-# whole run), PYTHON (interpreter with torch), GPUSNAP_BUNDLE (gpu-bundle/), OUT (collect logs),
-# GPUSNAP_E2E_BUNDLE_CRIU=1 (use the bundle's CRIU even where a CRIU >= 4 is installed).
-# Exit: 0 same weights; 1 weights differ; 2 set-up problem; 3 dump/restore failed; 124 timeout.
+#   scripts/gpu-e2e.sh                           # the GPU run
+#   GPUSNAP_E2E_DEVICE=cpu scripts/gpu-e2e.sh    # dry run of the same plumbing, no GPU needed
+#
+# Environment: GPUSNAP_E2E_DEVICE=cuda|cpu, GPUSNAP_E2E_STEPS (400), GPUSNAP_E2E_BALLAST_GB (8 on
+# cuda, 0 on cpu), GPUSNAP_E2E_TIMEOUT (420 s, whole run), GPUSNAP_E2E_PHASE (90 s, each phase),
+# PYTHON (interpreter with torch), GPUSNAP_BUNDLE (gpu-bundle/), OUT (logs are copied there),
+# GPUSNAP_E2E_BUNDLE_CRIU=1 (the bundle's CRIU even where a CRIU >= 4 is installed).
+# Exit: 0 PASS; 1 results differ; 2 environment; 3 a dump/restore/plugin check failed; 124 deadline.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 
 if [ -z "${GPUSNAP_E2E_INNER:-}" ]; then
-  # one deadline for everything (timeout kills its whole process group on expiry)
+  # one deadline for everything; the verdict line is printed even when it strikes
   export GPUSNAP_E2E_INNER=1
-  exec timeout -k 20 "${GPUSNAP_E2E_TIMEOUT:-540}" bash "$0" "$@"
+  rc=0
+  timeout -k 15 "${GPUSNAP_E2E_TIMEOUT:-420}" bash "$0" "$@" || rc=$?
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "VERDICT: FAIL (deadline: the whole run took more than ${GPUSNAP_E2E_TIMEOUT:-420} s)"
+    rc=124
+  fi
+  exit "$rc"
 fi
 
 DEVICE=${GPUSNAP_E2E_DEVICE:-cuda}
-STEPS=${GPUSNAP_E2E_STEPS:-600}
+STEPS=${GPUSNAP_E2E_STEPS:-400}
 STEP_SLEEP=${GPUSNAP_E2E_STEP_SLEEP:-0.02}
-DUMP_AT=$((STEPS * 3 / 10))     # first dump (--exit) at this step
-GAP=$((STEPS / 10))             # second, incremental dump: this many steps after the restore
+PHASE=${GPUSNAP_E2E_PHASE:-90}
+if [ "$DEVICE" = cuda ]; then BALLAST=${GPUSNAP_E2E_BALLAST_GB:-8}; else BALLAST=${GPUSNAP_E2E_BALLAST_GB:-0}; fi
+LONG_AT=$((STEPS / 2))          # path B: the long kernel runs before this step
+LONG_SECS=${GPUSNAP_E2E_LONG_KERNEL_S:-25}
+LOCK_MS=${GPUSNAP_E2E_SHORT_LOCK_MS:-500}
+A_AT=$((STEPS / 5))             # path A: dump --exit at this step
+C_AT=$((STEPS * 7 / 10))        # path C: leave-running dump at this step
 B=${GPUSNAP_BUNDLE:-$here/gpu-bundle}
 T0=$(date +%s)
+PHASE_NAME=setup
 
 say() { printf '\033[1m[e2e %3ds]\033[0m %s\n' "$(($(date +%s) - T0))" "$*"; }
-die() { local rc=$1; shift; printf '\033[31m[e2e] FAILED:\033[0m %s\n' "$*" >&2; exit "$rc"; }
+VERDICT_LINE=
+CLEANUP=0
+verdict() {  # printed last, by cleanup (directly before cleanup is installed)
+  VERDICT_LINE="VERDICT: $*"
+  [ "$CLEANUP" = 1 ] || echo "${VERDICT_LINE:0:400}"
+}
+die() {
+  local rc=$1; shift
+  printf '\033[31m[e2e] FAILED in %s:\033[0m %s\n' "$PHASE_NAME" "$*" >&2
+  verdict "FAIL ($PHASE_NAME): $*"
+  exit "$rc"
+}
+phase() { PHASE_NAME=$1; say "== $*"; }
 now() { date +%s.%N; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.2f", b-a}'; }
+gbs() { awk -v b="${1:-0}" -v s="${2:-0}" 'BEGIN{ if (s<=0 || b=="") print "-"; else printf "%.2f GB/s", b/1e9/s }'; }
 mib() { awk -v b="${1:-0}" 'BEGIN{ if (b=="" || b=="null") print "-"; else printf "%.1f MiB", b/1048576 }'; }
 
 [ "$(id -u)" = 0 ] || die 2 "run as root (CRIU needs it)"
@@ -44,42 +77,49 @@ case "$DEVICE" in cuda|cpu) ;; *) die 2 "GPUSNAP_E2E_DEVICE must be cuda or cpu"
 
 work=$(mktemp -d /tmp/gpusnap-e2e.XXXXXX)
 repo=$work/repo
-logs=$work/logs
+logs=${OUT:+$OUT/e2e}
+logs=${logs:-$work/logs}
 mkdir -p "$logs"
 touch "$work/.start"
 job_pids=()
 
 collect() {
-  [ -n "${OUT:-}" ] || return 0
-  mkdir -p "$OUT/e2e"
-  cp -r "$logs/." "$OUT/e2e/" 2>/dev/null || true
-  # CRIU's own logs, wherever gpusnap kept them (repository, work directories)
-  find "$repo" "$work"/*.log /tmp/gpusnap-* -maxdepth 4 \( -name '*.log' -o -name 'cuda-report' \) \
-       -newer "$work/.start" -size -20M 2>/dev/null | while read -r f; do
-    dst="$OUT/e2e/criu/$(echo "${f#/}" | tr / _)"
-    mkdir -p "$OUT/e2e/criu"; cp "$f" "$dst" 2>/dev/null || true
-  done
+  # CRIU's logs and gpusnap's guardian log, wherever gpusnap kept them
+  if [ -d "$repo/logs" ]; then
+    mkdir -p "$logs/criu"
+    find "$repo/logs" -maxdepth 1 -type f -newer "$work/.start" -size -50M -exec cp {} "$logs/criu/" \; 2>/dev/null || true
+  fi
+  cp "$work"/*.log "$work"/*.json "$logs/" 2>/dev/null || true
 }
 cleanup() {
   local rc=$?
+  set +e   # collect whatever there is
   for p in "${job_pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   collect
-  if [ "${GPUSNAP_E2E_KEEP:-0}" = 1 ] || [ "$rc" != 0 ]; then
-    say "work directory kept: $work"
-  else
-    rm -rf "$work"
-  fi
+  if [ "${GPUSNAP_E2E_KEEP:-0}" = 1 ]; then say "work directory kept: $work"; else sleep 0.5; rm -rf "$work"; fi
+  say "logs: $logs"
+  [ -z "$VERDICT_LINE" ] || { echo "${VERDICT_LINE:0:400}"; echo "${VERDICT_LINE:0:400}" >"$logs/verdict.txt"; }
   exit "$rc"
 }
 trap cleanup EXIT
-trap 'say "interrupted (deadline?)"; exit 124' TERM INT
+trap 'exit 124' TERM INT
+CLEANUP=1
 
-# ---------------------------------------------------------------- the machine, for the record
+# ---------------------------------------------------------------- environment: fail fast
+phase env "the machine"
 say "machine: $(uname -srm), $(nproc) CPUs, $(awk '/MemTotal/{printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+DRIVER=-
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi >"$logs/nvidia-smi.txt" 2>&1 || true
-  nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version --format=csv >>"$logs/nvidia-smi.txt" 2>&1 || true
-  sed -n '1,20p' "$logs/nvidia-smi.txt"
+  nvidia-smi --query-gpu=index,name,uuid,memory.total,driver_version,persistence_mode --format=csv \
+    >"$logs/gpus.csv" 2>&1 || true
+  cat "$logs/gpus.csv"
+  DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ')
+  PERSIST=$(nvidia-smi --query-gpu=persistence_mode --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' ')
+  say "driver $DRIVER, persistence mode $PERSIST"
+  if [ "$DEVICE" = cuda ] && [ "${DRIVER%%.*}" -lt 570 ] 2>/dev/null; then
+    die 2 "driver $DRIVER has no CUDA checkpoint API (needs r570 or newer)"
+  fi
 elif [ "$DEVICE" = cuda ]; then
   die 2 "nvidia-smi not found: no NVIDIA driver here (GPUSNAP_E2E_DEVICE=cpu for a dry run)"
 fi
@@ -165,133 +205,250 @@ elif [ "$DEVICE" = cuda ]; then
   die 2 "the CUDA plugin gpusnap_cuda.so is in neither $B/plugins nor build/plugins"
 fi
 say "plugin dir: ${GPUSNAP_PLUGIN_DIR:-none}"
+if [ -n "${GPUSNAP_PLUGIN_DIR:-}" ] && ! grep -q "did not return within" "$GPUSNAP_PLUGIN_DIR/gpusnap_cuda.so"; then
+  die 2 "$GPUSNAP_PLUGIN_DIR/gpusnap_cuda.so predates this checkout (no bounded driver calls): rerun scripts/gpu-bundle.sh"
+fi
 [ -f "$B/lib/libgpusnap_pages.so" ] && export GPUSNAP_NATIVE_LIB=$B/lib/libgpusnap_pages.so
 
-say "gpusnap doctor / ps (for the record)"
+"$GPUSNAP_CRIU" check >"$logs/criu-check.txt" 2>&1 || {
+  cat "$logs/criu-check.txt" >&2
+  [ "${GPUSNAP_E2E_IGNORE_CHECK:-0}" = 1 ] || die 2 "criu check failed (GPUSNAP_E2E_IGNORE_CHECK=1 to go on anyway)"
+}
+say "criu check: $(tail -n1 "$logs/criu-check.txt")"
 gpusnap doctor >"$logs/doctor.txt" 2>&1 || true
 gpusnap doctor --json >"$logs/doctor.json" 2>/dev/null || true
-gpusnap ps >"$logs/ps-before.txt" 2>&1 || true
-sed -n '1,60p' "$logs/doctor.txt"
 
-# ---------------------------------------------------------------- the job
-train=(scripts/gpu_train.py --device "$DEVICE" --steps "$STEPS" --step-sleep "$STEP_SLEEP")
-# a session of its own, no terminal, output to a file; stays our child so that we reap it
-start_job() {  # start_job NAME -> sets JOB_PID
+# ---------------------------------------------------------------- helpers
+train=(scripts/gpu_train.py --device "$DEVICE" --steps "$STEPS" --step-sleep "$STEP_SLEEP"
+       --ballast-gb "$BALLAST" --long-kernel-at "$LONG_AT" --long-kernel-secs "$LONG_SECS")
+start_job() {  # start_job NAME -> JOB_PID; a session of its own, no terminal, output to a file
   local name=$1
   (cd "$work" && exec "$VPY" -c 'import os, sys; os.setsid(); os.execv(sys.executable, [sys.executable] + sys.argv[1:])' \
      "$here/${train[0]}" "${train[@]:1}" --out "$work/$name.json" --pidfile "$work/$name.pid" \
-     </dev/null >"$work/$name.log" 2>&1) &
+     --log "$work/$name.log" </dev/null >/dev/null 2>&1) &
   JOB_PID=$!
   job_pids+=("$JOB_PID")
 }
 last_step() { grep -Eo '^step [0-9]+' "$1" 2>/dev/null | tail -n1 | cut -d' ' -f2 || true; }
-wait_step() {  # wait_step LOG STEP SECONDS
+capture() {  # capture PID LABEL: thread states, kernel stacks, GPU view, before anything is killed
+  local pid=$1 f="$logs/state-$2.txt"
+  (
+    set +e   # a thread that ends while we read it must not end the script
+    echo "== $(date -u +%FT%TZ) pid $pid ($2)"
+    cat "/proc/$pid/status" 2>/dev/null | grep -E '^(State|TracerPid|VmRSS|VmHWM|Threads)' || echo "gone"
+    for t in /proc/"$pid"/task/*; do
+      [ -d "$t" ] || continue
+      echo "-- tid ${t##*/} $(cut -d' ' -f3 "$t/stat" 2>/dev/null) $(cat "$t/comm" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null)"
+      cat "$t/stack" 2>/dev/null | head -n 12
+    done
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-compute-apps=pid,used_memory --format=csv 2>&1
+    ps -eo pid,ppid,stat,etime,cmd | grep -E 'criu|gpusnap|gpu_train' | grep -v grep
+  ) >"$f" 2>&1
+  say "captured the state of $pid in $f"
+}
+wait_step() {  # wait_step LOG STEP SECONDS PID: step STEP appears (the job may be a restored one)
   local t=0 s
   while [ "$t" -lt $(($3 * 10)) ]; do
     s=$(last_step "$1"); [ -n "$s" ] && [ "$s" -ge "$2" ] && return 0
-    grep -q '^DONE' "$1" 2>/dev/null && return 1
+    grep -q '^DONE' "$1" 2>/dev/null && return 0
     sleep 0.1; t=$((t + 1))
   done
+  capture "$4" "wait-step-$2"
   return 1
 }
-wait_done() {  # wait_done LOG OUTJSON SECONDS (the restored job is not our child: poll)
-  local t=0
-  while [ "$t" -lt $(($3 * 10)) ]; do
-    [ -s "$2" ] && grep -q '^DONE' "$1" 2>/dev/null && return 0
-    sleep 0.1; t=$((t + 1))
+nlines() { grep -c '^step ' "$1" 2>/dev/null || true; }
+progresses() {  # progresses LOG PID WHAT: a new step line within 20 s
+  local n0 t=0; n0=$(nlines "$1")
+  while [ "$(nlines "$1")" -le "$n0" ]; do
+    t=$((t + 1))
+    [ "$t" -lt 200 ] || { capture "$2" "stalled"; die 3 "$3: no new training step within 20 s (state captured)"; }
+    grep -q '^DONE' "$1" 2>/dev/null && return 0
+    sleep 0.1
   done
-  return 1
 }
+state_of() { awk '{print $3}' "/proc/$1/stat" 2>/dev/null || echo gone; }
 json_get() { "$VPY" -c 'import json,sys; d=json.load(open(sys.argv[1])); v=d.get(sys.argv[2]); print("" if v is None else v)' "$1" "$2"; }
-gpu_mem_of() {  # MiB used by PID per nvidia-smi ("" when unknown)
-  command -v nvidia-smi >/dev/null 2>&1 || return 0
-  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
-    | awk -F', *' -v p="$1" '$1==p {print $2}' | head -n1
+run_gp() {  # run_gp LABEL ARGS...: gpusnap under the phase timeout, --json to $logs/LABEL.json;
+  # on timeout the job's, gpusnap's and CRIU's thread states are captured before anything is killed
+  local label=$1; shift
+  "$VPY" -m gpusnap "$@" --json >"$logs/$label.json" 2>"$logs/$label.err" &
+  local gp=$! t=0 rc=0
+  while kill -0 "$gp" 2>/dev/null; do
+    t=$((t + 1))
+    if [ "$t" -ge $((PHASE * 10)) ]; then
+      capture "${pid:-0}" "$label-timeout-job"
+      capture "$gp" "$label-timeout-gpusnap"
+      for c in $(pgrep -x criu 2>/dev/null) $(pgrep -f 'root/usr/sbin/criu' 2>/dev/null); do capture "$c" "$label-timeout-criu-$c"; done
+      kill -TERM "$gp" 2>/dev/null; sleep 10; kill -9 "$gp" 2>/dev/null
+      wait "$gp" 2>/dev/null || true
+      return 124
+    fi
+    sleep 0.1
+  done
+  wait "$gp" || rc=$?
+  return "$rc"
+}
+criu_log_of() {  # the CRIU log gpusnap kept for snapshot dir $1 and kind dump|restore
+  ls -t "$repo/logs/$(basename "$1")-$2.log" 2>/dev/null | head -n1
+}
+check_plugin_dump() {  # PID SNAPSHOT JSON: the plugin found PID and checkpointed it into the image
+  [ "$DEVICE" = cuda ] || return 0
+  local got; got=$(json_get "$3" cuda_pids)
+  [ "$got" = "[$1]" ] || die 3 "the dump found CUDA processes $got, expected [$1]"
+  local log; log=$(criu_log_of "$2" dump)
+  [ -n "$log" ] || die 3 "no CRIU dump log kept for $2"
+  grep -q "gpusnap_cuda: checkpoint pid=$1 took" "$log" || die 3 "the plugin did not checkpoint $1 ($log)"
+  grep -q "gpusnap_cuda: resume pid=$1: state checkpointed" "$log" || die 3 "the image of $1 is not checkpointed ($log)"
+}
+check_plugin_restore() {  # PID SNAPSHOT
+  [ "$DEVICE" = cuda ] || return 0
+  local log; log=$(criu_log_of "$2" restore)
+  [ -n "$log" ] || die 3 "no CRIU restore log kept for $2"
+  grep -q "gpusnap_cuda: restore pid=$1: CUDA process, restore thread [0-9]*, state checkpointed" "$log" \
+    || die 3 "the plugin did not restore $1 from a checkpointed image ($log)"
+  ! grep -q "Error.*gpusnap_cuda" "$log" || die 3 "the plugin logged errors at restore: $(grep 'Error.*gpusnap_cuda' "$log" | head -n 3)"
+}
+max_gap() {  # max_gap LOG FROM_LINE: the longest pause between steps since then (the freeze, seen by the job)
+  grep -E '^step ' "$1" | tail -n +"$2" | grep -Eo 't=[0-9.]+' | cut -d= -f2 \
+    | awk 'NR>1 && $1-p>m {m=$1-p} {p=$1} END {printf "%.2f", m}' || true
+}
+losses() {  # one line per step; a step written twice (a job killed after a leave-running
+  # dump, then restored from it) must be written the same both times, else both copies stay
+  grep -E '^step [0-9]+/' "$1" | sed 's/ t=.*//' | awk '{
+    split($2, a, "/"); i = a[1] + 0
+    if (!(i in seen)) { seen[i] = $0; order[++n] = i } else if (seen[i] != $0) { extra[i] = extra[i] "\n" $0 }
+  } END { for (k = 1; k <= n; k++) { print seen[order[k]]; if (order[k] in extra) printf "%s\n", substr(extra[order[k]], 2) } }' || true
+}
+mem_avail() { awk '/MemAvailable/{printf "%.0f\n", $2*1024}' /proc/meminfo; }
+sample_mem() {  # sample_mem FILE &: the lowest MemAvailable while it runs
+  local low; low=$(mem_avail)
+  while :; do local m; m=$(mem_avail); [ "$m" -lt "$low" ] && low=$m; echo "$low" >"$1"; sleep 0.2; done
+}
+timed_dump() {  # timed_dump LABEL PID ARGS...: sets SECS; host memory low-water to $logs/LABEL.mem
+  local label=$1 pid=$2; shift 2
+  sample_mem "$work/$label.mem" & local sp=$!
+  local t; t=$(now)
+  local rc=0
+  run_gp "$label" dump "$pid" --repo "$repo" --name e2e "$@" || rc=$?
+  SECS=$(secs "$t" "$(now)")
+  kill "$sp" 2>/dev/null; wait "$sp" 2>/dev/null || true
+  return "$rc"
 }
 
-say "1/4 reference run, uninterrupted ($STEPS steps on $DEVICE)"
+# ---------------------------------------------------------------- reference
+phase reference "uninterrupted run: $STEPS steps on $DEVICE, ${BALLAST} GB tensor"
+mem0=$(mem_avail)
 start_job ref
-wait "$JOB_PID" || die 2 "the reference run failed: $(tail -n 5 "$work/ref.log")"
-cp "$work/ref.log" "$logs/ref.log"
+ref_pid=$JOB_PID
+( sleep $((PHASE * 2)); kill -0 "$ref_pid" 2>/dev/null && { capture "$ref_pid" reference-timeout; kill -9 "$ref_pid"; } ) 2>/dev/null &
+watchdog=$!
+wait "$ref_pid" || die 2 "the reference run failed: $(tail -n 5 "$work/ref.log")"
+kill "$watchdog" 2>/dev/null || true
 ref_hash=$(json_get "$work/ref.json" hash)
-ref_secs=$(json_get "$work/ref.json" seconds)
+ref_sum=$(json_get "$work/ref.json" ballast_sum_end)
 gpu_mem=$(json_get "$work/ref.json" gpu_mem_bytes)
-say "reference: hash ${ref_hash:0:16}…  ($(json_get "$work/ref.json" impl), ${ref_secs}s of training)"
+[ "$(json_get "$work/ref.json" ballast_sum_start)" = "$ref_sum" ] || die 1 "the reference tensor changed by itself"
+say "reference: hash ${ref_hash:0:16}…, tensor sum ${ref_sum:-none}, $(json_get "$work/ref.json" seconds)s"
 
-say "2/4 second run: dump --exit at step $DUMP_AT"
+# ---------------------------------------------------------------- A: dump --exit, restore
+phase A "dump --exit at step $A_AT, restore"
 start_job run
 pid=$JOB_PID
-wait_step "$work/run.log" 1 240 || die 3 "the job did not start: $(tail -n 5 "$work/run.log")"
-[ "$(cat "$work/run.pid")" = "$pid" ] || die 2 "pid mismatch: $(cat "$work/run.pid") vs $pid"
-gpusnap ps >"$logs/ps-during.txt" 2>&1 || true
-gpusnap doctor "$pid" >"$logs/doctor-pid.txt" 2>&1 || true
-wait_step "$work/run.log" "$DUMP_AT" 240 || die 3 "the job never reached step $DUMP_AT: $(tail -n 5 "$work/run.log")"
-smi_mem=$(gpu_mem_of "$pid")
-at1=$(last_step "$work/run.log")
-t=$(now)
-timeout 180 "$VPY" -m gpusnap dump "$pid" --exit --repo "$repo" --name e2e --json \
-  >"$logs/dump1.json" 2>"$logs/dump1.err" || die 3 "gpusnap dump --exit failed: $(tail -n 20 "$logs/dump1.err")"
-dump1_wall=$(secs "$t" "$(now)")
-wait "$pid" 2>/dev/null || true   # reap it: its PID must be free for the restore
+wait_step "$work/run.log" 1 "$PHASE" "$pid" || die 3 "the job did not start: $(tail -n 3 "$work/run.log")"
+gpusnap doctor "$pid" >"$logs/doctor-pid.txt" 2>&1 || true   # for the record
+wait_step "$work/run.log" "$A_AT" "$PHASE" "$pid" || die 3 "the job never reached step $A_AT: $(tail -n 3 "$work/run.log")"
+[ "$(last_step "$work/run.log")" -lt "$LONG_AT" ] || die 2 "the job ran past step $LONG_AT before the first dump (raise GPUSNAP_E2E_STEPS)"
+timed_dump dumpA "$pid" --exit || { capture "$pid" dumpA; die 3 "dump --exit failed: $(tail -n 5 "$logs/dumpA.err"; tail -c 400 "$logs/dumpA.json")"; }
+dumpA_s=$SECS
+snapA=$(json_get "$logs/dumpA.json" snapshot)
+wait "$pid" 2>/dev/null || true
 [ -d "/proc/$pid" ] && die 3 "the job still runs after dump --exit"
-snap1=$(json_get "$logs/dump1.json" snapshot)
-say "dumped at step $at1 in ${dump1_wall}s: $snap1"
-
-say "3/4 restore"
+check_plugin_dump "$pid" "$snapA" "$logs/dumpA.json"
+say "dumped in ${dumpA_s}s ($(gbs "$gpu_mem" "$dumpA_s") of GPU memory): $snapA"
 t=$(now)
-timeout 180 "$VPY" -m gpusnap restore "$snap1" --repo "$repo" --json \
-  >"$logs/restore.json" 2>"$logs/restore.err" || die 3 "gpusnap restore failed: $(tail -n 20 "$logs/restore.err")"
-restore_wall=$(secs "$t" "$(now)")
-rpid=$(json_get "$logs/restore.json" pid)
-[ -n "$rpid" ] || die 3 "gpusnap restore printed no pid"
+run_gp restoreA restore "$snapA" --repo "$repo" || die 3 "restore failed: $(tail -c 600 "$logs/restoreA.json")"
+restoreA_s=$(secs "$t" "$(now)")
+rpid=$(json_get "$logs/restoreA.json" pid)
+[ "$rpid" = "$pid" ] || die 3 "restored as PID '$rpid', expected $pid"
 job_pids+=("$rpid")
-say "restored as PID $rpid in ${restore_wall}s"
+check_plugin_restore "$pid" "$snapA"
+progresses "$work/run.log" "$pid" "after the restore"
+say "restored in ${restoreA_s}s ($(gbs "$gpu_mem" "$restoreA_s")); training goes on"
 
-at_restore=$(last_step "$work/run.log")
-DUMP2_AT=$(( ${at_restore:-$at1} + GAP ))
-say "4/4 incremental dump of the restored job at step $DUMP2_AT (it keeps running)"
-dump2_ok=1
-if [ "$DUMP2_AT" -ge "$STEPS" ]; then
-  dump2_ok=0; say "the restored job is too close to its end for a second dump (raise GPUSNAP_E2E_STEPS)"
-elif wait_step "$work/run.log" "$DUMP2_AT" 240; then
-  t=$(now)
-  if timeout 180 "$VPY" -m gpusnap dump "$rpid" --repo "$repo" --name e2e --json \
-       >"$logs/dump2.json" 2>"$logs/dump2.err"; then
-    dump2_wall=$(secs "$t" "$(now)")
-  else
-    dump2_ok=0; say "second dump failed: $(tail -n 5 "$logs/dump2.err")"
-  fi
+# ---------------------------------------------------------------- B: a lock that must time out
+phase B "dump during a ${LONG_SECS}s kernel with a ${LOCK_MS} ms lock timeout must fail, job RUNNING"
+B_result=skipped
+if [ "$DEVICE" = cuda ]; then
+  t=0; until grep -q '^LONGKERNEL start' "$work/run.log"; do
+    t=$((t + 1)); [ "$t" -lt $((PHASE * 10)) ] || { capture "$pid" long-kernel; die 3 "the long kernel never started"; }
+    sleep 0.1
+  done
+  sleep 1
+  ! grep -q '^LONGKERNEL end' "$work/run.log" || die 3 "the long kernel ended before the dump began (raise GPUSNAP_E2E_LONG_KERNEL_S)"
+  rc=0; timed_dump dumpB "$pid" --gpu-lock-timeout "$LOCK_MS" || rc=$?
+  [ "$rc" = 12 ] || { capture "$pid" dumpB; die 3 "expected exit 12 (GPU checkpoint failed), got $rc: $(tail -c 400 "$logs/dumpB.json")"; }
+  grep -q "cuCheckpointProcessLock" "$logs/dumpB.json" || die 3 "the failure does not name the lock: $(tail -c 400 "$logs/dumpB.json")"
+  st=$(state_of "$pid"); case "$st" in R|S|D) ;; *) capture "$pid" dumpB; die 3 "after the failed dump the job is in state $st" ;; esac
+  [ "$(awk '/^State/{print $2}' "/proc/$pid/status")" != t ] || die 3 "after the failed dump the job is still traced"
+  t=0; until grep -q '^LONGKERNEL end' "$work/run.log"; do   # the kernel runs on; then training must
+    t=$((t + 1)); [ "$t" -lt $((PHASE * 10)) ] || { capture "$pid" long-kernel-end; die 3 "the long kernel never ended after the failed dump"; }
+    sleep 0.1
+  done
+  progresses "$work/run.log" "$pid" "after the failed dump"
+  B_result="failed as it must (exit 12 in ${SECS}s), job state $st, training goes on"
 else
-  dump2_ok=0; say "the restored job did not reach step $DUMP2_AT: $(tail -n 3 "$work/run.log")"
+  say "no GPU: nothing to lock"
 fi
-wait_done "$work/run.log" "$work/run.json" 300 || die 3 "the restored job did not finish: $(tail -n 5 "$work/run.log")"
-cp "$work/run.log" "$logs/run.log"
+
+# ---------------------------------------------------------------- C: leave running, kill, restore
+phase C "dump at step $C_AT leaving the job running, then kill it and restore that snapshot"
+wait_step "$work/run.log" "$C_AT" "$PHASE" "$pid" || die 3 "the job never reached step $C_AT"
+nC0=$(nlines "$work/run.log")
+timed_dump dumpC "$pid" || { capture "$pid" dumpC; die 3 "dump failed: $(tail -c 400 "$logs/dumpC.json")"; }
+dumpC_s=$SECS
+snapC=$(json_get "$logs/dumpC.json" snapshot)
+check_plugin_dump "$pid" "$snapC" "$logs/dumpC.json"
+progresses "$work/run.log" "$pid" "after the leave-running dump"
+freeze_C=$(max_gap "$work/run.log" "$nC0")
+memlow=$(cat "$work/dumpC.mem" 2>/dev/null || echo "$mem0")
+kill -9 "$pid"; while [ -d "/proc/$pid" ]; do sleep 0.1; done
+t=$(now)
+run_gp restoreC restore "$snapC" --repo "$repo" || die 3 "restore of the leave-running snapshot failed: $(tail -c 600 "$logs/restoreC.json")"
+restoreC_s=$(secs "$t" "$(now)")
+check_plugin_restore "$pid" "$snapC"
+progresses "$work/run.log" "$pid" "after the second restore"
+t=0; until [ -s "$work/run.json" ] && grep -q '^DONE' "$work/run.log"; do
+  t=$((t + 1)); [ "$t" -lt $((PHASE * 10)) ] || { capture "$pid" finish; die 3 "the restored job did not finish"; }
+  sleep 0.1
+done
 run_hash=$(json_get "$work/run.json" hash)
+run_sum=$(json_get "$work/run.json" ballast_sum_end)
 
-# ---------------------------------------------------------------- report
-field() { [ -s "$1" ] && json_get "$1" "$2" || echo ""; }
-row() { printf '  %-34s %s\n' "$1" "$2"; }
+# ---------------------------------------------------------------- compare, report
+phase compare "results against the reference"
+losses "$work/ref.log" >"$work/ref.losses"; losses "$work/run.log" >"$work/run.losses"
+nloss=$(wc -l <"$work/ref.losses")
+loss_diff=$(diff "$work/ref.losses" "$work/run.losses" | grep -c '^[<>]' || true)
+diff "$work/ref.losses" "$work/run.losses" >"$logs/loss.diff" 2>&1 || true
+raw=$(json_get "$logs/dumpA.json" bytes_raw)
+row() { printf '  %-40s %s\n' "$1" "$2"; }
 echo
-echo "gpusnap GPU end-to-end ($DEVICE, $STEPS steps)"
+echo "gpusnap GPU end-to-end ($DEVICE, driver $DRIVER, $STEPS steps, ${BALLAST} GB tensor)"
 row "GPU memory (torch max allocated)" "$(mib "$gpu_mem")"
-row "GPU memory (nvidia-smi, the job)" "${smi_mem:+$smi_mem MiB}${smi_mem:--}"
-row "dump --exit: raw CRIU images" "$(mib "$(field "$logs/dump1.json" bytes_raw)")"
-row "dump --exit: stored" "$(mib "$(field "$logs/dump1.json" bytes_stored)")"
-row "dump --exit: time" "$(field "$logs/dump1.json" seconds)s (wall ${dump1_wall}s)"
-row "restore: time" "${restore_wall}s"
-if [ "$dump2_ok" = 1 ]; then
-  row "incremental dump: raw" "$(mib "$(field "$logs/dump2.json" bytes_raw)")"
-  row "incremental dump: stored (new)" "$(mib "$(field "$logs/dump2.json" bytes_stored)")"
-  row "incremental dump: time" "$(field "$logs/dump2.json" seconds)s (wall ${dump2_wall}s)"
-else
-  row "incremental dump" "FAILED"
-fi
-row "reference hash" "$ref_hash"
-row "restored-run hash" "$run_hash"
+row "A dump --exit" "${dumpA_s}s, $(gbs "$gpu_mem" "$dumpA_s") GPU, images $(mib "$raw"), stored $(mib "$(json_get "$logs/dumpA.json" bytes_stored)")"
+row "A restore" "${restoreA_s}s, $(gbs "$gpu_mem" "$restoreA_s") GPU"
+row "B short lock timeout" "$B_result"
+row "C dump leaving it running" "${dumpC_s}s, $(gbs "$gpu_mem" "$dumpC_s") GPU, stored $(mib "$(json_get "$logs/dumpC.json" bytes_stored)") (dedup)"
+row "C freeze seen by the job" "${freeze_C}s (longest gap between steps)"
+row "C host memory low-water during dump" "$(mib "$memlow") available (of $(mib "$mem0") before)"
+row "C restore after kill" "${restoreC_s}s, $(gbs "$gpu_mem" "$restoreC_s") GPU"
+row "CRIUgpu, Llama 3.1 8B on H100 (paper)" "77 s dump / 39 s restore of 56 GB: 0.73 / 1.44 GB/s"
+row "loss lines equal to the reference" "$((nloss - loss_diff / 2)) of $nloss"
+row "weights hash" "${run_hash:0:16}… (reference ${ref_hash:0:16}…)"
+row "tensor sum on the device" "${run_sum:-none} (reference ${ref_sum:-none})"
 echo
-
-if [ "$ref_hash" != "$run_hash" ]; then
-  die 1 "the restored job finished with different weights"
-fi
-[ "$dump2_ok" = 1 ] || die 3 "same weights, but the incremental dump of the restored job failed"
-say "PASS: same weights after dump, kill, restore"
+[ "$loss_diff" = 0 ] || die 1 "$((loss_diff / 2)) loss line(s) differ from the reference ($logs/loss.diff)"
+[ "$run_hash" = "$ref_hash" ] || die 1 "the restored job finished with different weights"
+[ "$run_sum" = "$ref_sum" ] || die 1 "the GPU tensor came back different (sum $run_sum, reference $ref_sum)"
+PHASE_NAME=done
+verdict "PASS ($DEVICE, driver $DRIVER): $nloss loss lines, weights and ${BALLAST} GB tensor identical after dump --exit+restore, a failed dump ($([ "$DEVICE" = cuda ] && echo 'job kept running' || echo 'skipped: cpu')), and leave-running dump+kill+restore; dump ${dumpA_s}s / restore ${restoreA_s}s; freeze ${freeze_C}s"

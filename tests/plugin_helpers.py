@@ -114,7 +114,8 @@ class FakeCuda:
 
     def transitions(self, pid: int | None = None) -> list[str]:
         """Short names of the state-changing calls (optionally for one pid), in order."""
-        return [c.short for c in self.calls() if c.call in TRANSITIONS and (pid is None or c.pid == pid)]
+        return [c.short for c in self.calls() if c.call in TRANSITIONS and (pid is None or c.pid == pid)
+                and c.fields.get("note") != "hanging"]  # a hung call's start; it logs again if it ends
 
     def reset_log(self) -> None:
         (self.dir / "calls.log").unlink(missing_ok=True)

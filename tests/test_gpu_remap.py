@@ -23,8 +23,9 @@ def gpu(i: int, uid: int, name: str = "NVIDIA H200", bus: str | None = None) -> 
             "pci_bus_id": bus or f"0000:{0x19 + i:02x}:00.0"}
 
 
-def machine(*gpus: dict, checkpoint_api: bool = True) -> dict:
-    return {"driver_version": "570.133.20", "cuda_version": "12.8",
+def machine(*gpus: dict, checkpoint_api: bool = True, driver: str = "580.65.06") -> dict:
+    cuda = "13.0" if driver.startswith("58") else "12.8"
+    return {"driver_version": driver, "cuda_version": cuda,
             "checkpoint_api": checkpoint_api, "gpus": list(gpus)}
 
 
@@ -224,7 +225,8 @@ def test_map_of_an_unused_gpu_is_ignored_with_warning():
     plan = plan_gpu_restore(rec, machine(*NEW2), "0=1,1=0")
     assert plan.pairs == [(U(0xA0), U(0xB1))]
     assert any("did not use" in w for w in plan.warnings)
-    assert plan.env() == {"GPUSNAP_GPU_MAP": f"{U(0xA0)}={U(0xB1)}"}
+    assert plan.env() == {"GPUSNAP_GPU_MAP": f"{U(0xA0)}={U(0xB1)}",
+                          "GPUSNAP_GPU_MAP_100": f"{U(0xA0)}={U(0xB1)}"}
     assert plan.to_dict()["pairs"] == [[U(0xA0), U(0xB1)]]
 
 
@@ -354,3 +356,38 @@ def test_cuda_pids_alone_need_a_driver():
     rec = {"driver": machine(*OLD2), "processes": {"101": [U(0xA0)]}}
     with pytest.raises(GpuMismatch, match="2 CUDA process"):
         check_restore_compat(rec, None, cuda_pids=[101, 102])
+
+
+# ---------------------------------------------------------------- per process, driver branch
+
+def test_each_process_gets_its_own_pairs():
+    rec = recorded(OLD2, [[0xA0], [0xA1]])
+    plan = plan_gpu_restore(rec, machine(*NEW2), "0=0,1=1")
+    assert plan.per_process == {100: [(U(0xA0), U(0xB0))], 101: [(U(0xA1), U(0xB1))]}
+    env = plan.env()
+    assert env["GPUSNAP_GPU_MAP_100"] == f"{U(0xA0)}={U(0xB0)}"
+    assert env["GPUSNAP_GPU_MAP_101"] == f"{U(0xA1)}={U(0xB1)}"
+    assert env[GPU_MAP_ENV] == f"{U(0xA0)}={U(0xB0)},{U(0xA1)}={U(0xB1)}"
+
+
+def test_no_remap_no_env():
+    rec = recorded(OLD2, [[0xA0], [0xA1]])
+    assert plan_gpu_restore(rec, machine(*OLD2)).env() == {}
+
+
+@pytest.mark.parametrize("drv", ["570.133.20", "575.51.03"])
+def test_remap_needs_r580(drv):
+    rec = recorded(OLD2, [[0xA0]])
+    with pytest.raises(GpuMismatch, match="r580") as e:
+        check_restore_compat(rec, machine(*NEW2, driver=drv), "0=0")
+    assert drv in e.value.message and "r580" in e.value.hint
+    # without a move, an older driver restores as it is
+    assert check_restore_compat(rec, machine(*OLD2, driver=drv)) == []
+
+
+def test_driver_branch_from_cuda_version_when_module_unknown():
+    from gpusnap.gpu.remap import driver_branch
+    assert driver_branch({"driver_version": None, "cuda_version": "13.0"}) == 580
+    assert driver_branch({"driver_version": None, "cuda_version": "12.8"}) == 570
+    assert driver_branch({"driver_version": "580.1", "cuda_version": "12.8"}) == 580
+    assert driver_branch(None) is None

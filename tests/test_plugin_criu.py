@@ -116,6 +116,9 @@ def test_exit_dump_then_restore(tmp_path, fake, jobs):
     assert names.index("init") < names.index("restore")
     restore = [c for c in calls if c.short == "restore"][0]
     assert restore.fields["gpus"] == f"{U1}={U2}"
+    # the restore thread runs before the driver is asked for the state (a get-state on a
+    # fully frozen process may block: the fake blocks then, and says so)
+    assert [c.fields.get("note") for c in calls if c.short == "state"] == [None]
     assert fake.state(job.pid) == "running"
     rep = [x for x in read_report(tmp_path / "report") if x["op"] == "restore"]
     assert rep == [{"op": "restore", "pid": job.pid, "tid": job.tid_of("root"), "initial": "checkpointed",

@@ -93,6 +93,8 @@ class PostDumpGate:
                 return
             with conn:
                 ok = self.server.wait_drained(self.timeout)
+                if os.environ.get("GPUSNAP_TEST_HOOK") == "gate-fails":  # tests: a failed post-dump
+                    ok = False
                 try:
                     conn.sendall(b"1" if ok else b"0")
                 except OSError:

@@ -433,9 +433,22 @@ def _cached_probe() -> DriverProbe:
     return probe()
 
 
+_remembered: DriverProbe | None = None
+
+
 def probe_cached() -> DriverProbe:
     """probe() without per-process states, once per gpusnap run."""
-    return _cached_probe()
+    return _remembered if _remembered is not None else _cached_probe()
+
+
+def probe_with_states(pids: Iterable[int]) -> DriverProbe:
+    """probe(pids), remembered as this run's probe_cached() too: a dump asks for both and
+    each probe is a child that initialises the driver (about a second on a GPU machine)."""
+    global _remembered
+    p = probe(pids)
+    if p.available and _remembered is None:
+        _remembered = p
+    return p
 
 
 def driver_info() -> dict[str, Any] | None:
@@ -460,9 +473,10 @@ def checkpoint_states(pids: Iterable[int]) -> dict[int, str | None]:
     return {pid: p.states.get(pid) for pid in pids}
 
 
-def resume_inprocess(pid: int) -> dict[str, Any]:
+def resume_inprocess(pid: int, target: str = "running") -> dict[str, Any]:
     """Bring `pid` back to RUNNING in this process: restore if CHECKPOINTED, then unlock if
-    LOCKED. {pid, before, after, error}. Never raises."""
+    LOCKED (unless `target` is 'locked': a process someone else had locked stays so).
+    {pid, before, after, error}. Never raises."""
     res: dict[str, Any] = {"pid": int(pid), "before": None, "after": None, "error": None}
     backend, reason = _open_backend()
     if backend is None:
@@ -479,7 +493,7 @@ def resume_inprocess(pid: int) -> dict[str, Any]:
             if e:
                 errs.append(f"cuCheckpointProcessRestore: {e}")
             st = backend.state(pid)
-        if st == "locked":
+        if st == "locked" and target == "running":
             e = backend.unlock(pid)
             if e:
                 errs.append(f"cuCheckpointProcessUnlock: {e}")
@@ -490,12 +504,17 @@ def resume_inprocess(pid: int) -> dict[str, Any]:
     return res
 
 
-def resume_process(pid: int, *, timeout: float = 60.0) -> dict[str, Any]:
+def resume_process(pid: int, *, timeout: float | None = None, target: str = "running") -> dict[str, Any]:
     """Best-effort recovery after a failed dump: make `pid` RUNNING again on the GPU
     (cuCheckpointProcessRestore if it is checkpointed, then Unlock if locked). The target must
     not be frozen (SIGCONT it first: the driver's restore thread inside it does the work).
     Returns {pid, before, after, error}; never raises. Runs in a child process like probe()."""
+    if timeout is None:  # restore copies GPU memory back: as long as the plugin would wait
+        from gpusnap.gpu import limits
+        timeout = limits.call_timeout_ms() / 1000 * 2 + 30
     cmd = [sys.executable, "-m", "gpusnap.gpu.driver", "--resume", str(int(pid))]
+    if target != "running":
+        cmd.append(target)
     try:
         r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=timeout)
         return json.loads(r.stdout)
@@ -510,8 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m gpusnap.gpu.driver [PID...]`: one JSON DriverProbe on stdout.
     `python -m gpusnap.gpu.driver --resume PID`: resume_inprocess(PID) as JSON."""
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--resume"] and len(args) == 2:
-        print(json.dumps(resume_inprocess(int(args[1]))))
+    if args[:1] == ["--resume"] and len(args) in (2, 3):
+        print(json.dumps(resume_inprocess(int(args[1]), *(args[2:3]))))
         return 0
     pids = [int(a) for a in args if a.lstrip("-").isdigit()]
     print(json.dumps(probe_inprocess(pids).to_dict()))

@@ -200,6 +200,28 @@ def _minor_map(probe: "_driver.DriverProbe | None") -> dict[int, dict[str, Any]]
     return {g["minor"]: g for g in machine_gpus(probe) if g.get("minor") is not None}
 
 
+def smi_compute_apps() -> dict[int, list[str]]:
+    """GPU UUIDs each process has a CUDA context on (NVML's compute processes, through
+    nvidia-smi), {} when nvidia-smi is not installed. Exact where /dev/nvidiaN over-counts:
+    CUDA opens every visible GPU's device file, whichever it computes on."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return {}
+    try:
+        r = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    out: dict[int, list[str]] = {}
+    for line in r.stdout.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("GPU-"):
+            out.setdefault(int(parts[0]), [])
+            if parts[1] not in out[int(parts[0])]:
+                out[int(parts[0])].append(parts[1])
+    return out
+
+
 def smi_memory() -> dict[int, int]:
     """GPU memory used per pid, from nvidia-smi when it is installed (else {})."""
     smi = shutil.which("nvidia-smi")
@@ -322,13 +344,17 @@ def gpu_manifest(pids: Iterable[int]) -> dict[str, Any]:
     probe = _driver.probe_cached()
     gpus = machine_gpus(probe)
     mm = {g["minor"]: g for g in gpus if g.get("minor") is not None}
+    apps = smi_compute_apps() if probe.available else {}
     procs = []
     for pid in pids:
         gp = scan_process(int(pid), mm)
         if gp is None:
             continue
+        from_files = [g["uuid"] or f"minor:{g['minor']}" for g in gp.gpus]
         procs.append({"pid": gp.pid, "comm": gp.comm,
-                      "gpus": [g["uuid"] or f"minor:{g['minor']}" for g in gp.gpus],
+                      # NVML knows where the process has a context; its device files over-count
+                      "gpus": apps.get(gp.pid, from_files),
+                      "gpus_from": "nvml" if gp.pid in apps else "device-files",
                       "device_files": gp.device_files, "libcuda": gp.libcuda,
                       "uvm": gp.uvm, "nccl": gp.nccl})
     used = {u for p in procs for u in p["gpus"]}
@@ -381,3 +407,50 @@ def render_recorded(recorded: dict[str, Any] | None, console: Any) -> None:
         t.add_row(str(g["index"]), g["name"] or "?", _fmt_bytes(g["memory_bytes"]), g["uuid"] or "?",
                   ", ".join(by) or "-")
     console.print(t)
+
+
+# ---------------------------------------------------------------- device files without a CUDA context
+
+NO_CONTEXT_HINT = ("a process that maps /dev/nvidia* without a CUDA context (a DataLoader worker "
+                   "forked after CUDA was initialised, an NVML-only monitor such as a GPU-usage "
+                   "logger) cannot be checkpointed by the driver, and CRIU cannot dump its device "
+                   "mapping: start such workers with the 'spawn' start method or num_workers=0, run "
+                   "monitors outside the job's process tree, or dump a subtree without them")
+
+
+def devices_without_context(pids: Iterable[int],
+                            probe: "_driver.DriverProbe | None" = None) -> list[GpuProcess]:
+    """Processes among `pids` that hold or map /dev/nvidia* but which the driver does not
+    know as CUDA processes. [] when no process touches the devices, or when no driver with
+    the checkpoint API can tell (other checks report that)."""
+    touching = [gp for pid in pids if (gp := scan_process(int(pid))) is not None and gp.device_files]
+    if not touching:
+        return []
+    p = probe if probe is not None else _driver.probe_with_states([gp.pid for gp in touching])
+    if not p.available or not p.checkpoint_api:
+        return []
+    out = []
+    for gp in touching:
+        gp.state = p.states.get(gp.pid)
+        if gp.state is None and scan_process(gp.pid) is not None:
+            out.append(gp)
+    return out
+
+
+def describe_without_context(bad: list[GpuProcess]) -> str:
+    items = [f"PID {g.pid} ({g.comm}: {', '.join(g.device_files[:3])}"
+             + (", ..." if len(g.device_files) > 3 else "") + ")" for g in bad[:6]]
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    return "; ".join(items) + more
+
+
+def refuse_devices_without_context(pids: Iterable[int]) -> None:
+    """Raise GpuUnsupportedProcess, naming them, when any process of the tree maps NVIDIA
+    device files without a CUDA context (found before the job is touched)."""
+    from gpusnap.errors import GpuUnsupportedProcess
+
+    bad = devices_without_context(pids)
+    if bad:
+        raise GpuUnsupportedProcess(
+            f"process(es) of the job use NVIDIA device files without a CUDA context: "
+            f"{describe_without_context(bad)}; the job was not touched", hint=NO_CONTEXT_HINT)

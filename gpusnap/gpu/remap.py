@@ -11,6 +11,12 @@ The result is a list of (old_uuid, new_uuid) pairs that gpusnap hands to the CUD
 and the plugin to cuCheckpointProcessRestore as gpuPairs. When the pairs are not all
 identities the list covers *every* GPU the snapshot's processes used (identity pairs
 included), so the driver always gets a complete, one-to-one mapping.
+
+Each process also gets its own pairs, for the GPUs it used (GPUSNAP_GPU_MAP_<pid>; the
+per-process facts come from NVML's compute processes when nvidia-smi could tell at dump
+time, else from the /dev/nvidiaN files it held). Moving a process to other GPUs needs the
+driver's restore-time remapping, which came with r580: an older driver is refused with
+a message saying so.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from typing import Any, Iterable, Sequence
 from gpusnap.errors import GpuMismatch, UsageError
 
 GPU_MAP_ENV = "GPUSNAP_GPU_MAP"
+# cuCheckpointProcessRestore honours gpuPairs from this driver branch on
+MIN_REMAP_DRIVER = 580
 _UUID_BODY = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 Pair = tuple[str, str]
@@ -129,14 +137,20 @@ class GpuRestorePlan:
     pairs: list[Pair] = field(default_factory=list)   # for $GPUSNAP_GPU_MAP; [] = no remap
     used: list[str] = field(default_factory=list)     # UUIDs the snapshot's processes used
     warnings: list[str] = field(default_factory=list)
+    per_process: dict[int, list[Pair]] = field(default_factory=dict)  # pid -> its own pairs
 
     @property
     def env_value(self) -> str:
         return format_gpu_map_env(self.pairs)
 
     def env(self) -> dict[str, str]:
-        """Environment to add to CRIU's for the plugin ({} when nothing is remapped)."""
-        return {GPU_MAP_ENV: self.env_value} if self.pairs else {}
+        """Environment to add to CRIU's for the plugin ({} when nothing is remapped):
+        GPUSNAP_GPU_MAP for every process, GPUSNAP_GPU_MAP_<pid> for those whose GPUs are known."""
+        if not self.pairs:
+            return {}
+        out = {GPU_MAP_ENV: self.env_value}
+        out.update({f"{GPU_MAP_ENV}_{pid}": format_gpu_map_env(p) for pid, p in self.per_process.items()})
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"pairs": [list(p) for p in self.pairs], "used": self.used,
@@ -295,8 +309,39 @@ def plan_gpu_restore(recorded: dict[str, Any] | None, current: dict[str, Any] | 
 
     ordered = [(g["uuid"], mapping[g["uuid"]]["uuid"]) for g in used]
     if any(o != n for o, n in ordered):
+        _check_remap_driver(current, ordered)
         plan.pairs = ordered
+        for p in _recorded_procs(recorded or {}) or []:
+            mine = [(o, n) for o, n in ordered if o in (p.get("gpus") or [])]
+            if mine and str(p.get("pid", "")).isdigit():
+                plan.per_process[int(p["pid"])] = mine
     return plan
+
+
+def driver_branch(info: dict[str, Any] | None) -> int | None:
+    """570 for driver 570.133.20; from the CUDA version (13.0 came with r580) when the
+    module's version is unknown; None when neither is known."""
+    v = str((info or {}).get("driver_version") or "")
+    if v.split(".")[0].isdigit():
+        return int(v.split(".")[0])
+    cv = str((info or {}).get("cuda_version") or "")
+    try:
+        major, minor = (int(x) for x in cv.split(".")[:2])
+    except ValueError:
+        return None
+    return 580 if (major, minor) >= (13, 0) else 570 if (major, minor) >= (12, 8) else 0
+
+
+def _check_remap_driver(current: dict[str, Any] | None, pairs: list[Pair]) -> None:
+    branch = driver_branch(current)
+    if branch is not None and branch < MIN_REMAP_DRIVER:
+        moved = ", ".join(f"{o} -> {n}" for o, n in pairs if o != n)
+        raise GpuMismatch(
+            f"the restore would move GPU state ({moved}), but this machine's NVIDIA driver "
+            f"({(current or {}).get('driver_version') or (current or {}).get('cuda_version')}) cannot remap "
+            f"GPUs on restore: that needs r{MIN_REMAP_DRIVER} or newer",
+            hint=f"update the driver to r{MIN_REMAP_DRIVER}+ (CUDA 13.0), or restore where the snapshot's "
+                 "GPUs are (same UUIDs) without --gpu-map")
 
 
 def check_restore_compat(recorded: dict[str, Any] | None, current: dict[str, Any] | None,

@@ -4,6 +4,11 @@
 
 #include "gs_gpumap.h"
 #include "gs_track.h"
+#include "gs_tree.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 static int failures, checks;
 
@@ -208,8 +213,47 @@ static void test_restore_plan(void)
 	CHECK(gs_restore_plan(GS_UNKNOWN, &pl) == -1);
 }
 
+/* gs_tree_pids: a process, its child and grandchild, root first, each once. */
+static void test_tree(void)
+{
+	int fds[2], pids[16], n, i, have_child = 0, have_grand = 0;
+	pid_t child, grand = -1;
+
+	CHECK(gs_tree_pids(0x3fffffff, pids, 16) == -1);
+	CHECK(pipe(fds) == 0);
+	child = fork();
+	if (child == 0) {
+		pid_t g = fork();
+
+		if (g == 0) {
+			pause();
+			_exit(0);
+		}
+		if (write(fds[1], &g, sizeof(g)) != sizeof(g))
+			_exit(1);
+		pause();
+		_exit(0);
+	}
+	CHECK(read(fds[0], &grand, sizeof(grand)) == sizeof(grand));
+	n = gs_tree_pids(getpid(), pids, 16);
+	CHECK(n >= 3);
+	CHECK(pids[0] == getpid());
+	for (i = 0; i < n; i++) {
+		have_child += pids[i] == child;
+		have_grand += pids[i] == grand;
+	}
+	CHECK(have_child == 1 && have_grand == 1);
+	CHECK(gs_tree_pids(getpid(), pids, 1) == 1);
+	kill(grand, SIGKILL);
+	kill(child, SIGKILL);
+	waitpid(child, NULL, 0);
+	close(fds[0]);
+	close(fds[1]);
+}
+
 int main(void)
 {
+	test_tree();
 	test_uuid();
 	test_gpu_map();
 	test_table();

@@ -5,12 +5,21 @@
  * All state lives in files under $FAKE_CUDA_DIR, so that the test, `criu dump`
  * and a later `criu restore` share it:
  *
- *   procs/<pid>       declares a CUDA process: "tid=<tid> state=<state>"
- *                     (state: running|locked|checkpointed|failed; a bare
- *                     "<tid>" means running). <tid> must be a real thread of
- *                     <pid>: it stands for the CUDA restore thread.
+ *   procs/<pid>       declares a CUDA process: "tid=<tid> state=<state>
+ *                     [peer=<pid>]" (state: running|locked|checkpointed|
+ *                     failed; a bare "<tid>" means running). <tid> must be a
+ *                     real thread of <pid>: it stands for the CUDA restore
+ *                     thread. With a peer (an NCCL rank of the same job):
+ *                     its lock fails (CUDA_ERROR_TIMEOUT, note=peer-frozen)
+ *                     while the peer is stopped (its GPU work in flight needs
+ *                     the peer's CPU side), and its unlock fails
+ *                     (CUDA_ERROR_ILLEGAL_STATE, note=peer-checkpointed)
+ *                     while the peer is still checkpointed.
  *   calls.log         one line per call: "<call> pid=<pid> rc=<rc> [k=v...]"
- *   fail/<call>       make <call> return the CUresult written in the file
+ *   fail/<call>       make <call> return the CUresult written in the file;
+ *                     "hang [<s>]" instead makes it block for <s> seconds
+ *                     (default 60; removing the file ends it) and then do
+ *                     its work; a "times=<n>" token limits it to n calls
  *   fail/<call>.<pid> the same, for one process only
  *   gpus              the GPUs cuDeviceGet* report, one per line:
  *                     "<GPU-uuid> <memory bytes> <name...>"; without the file
@@ -27,6 +36,9 @@
  * CUDA_ERROR_OPERATING_SYSTEM, note=restore-thread-stopped.
  * Inside `criu restore`, a declared process is CHECKPOINTED when first met:
  * its memory came from an image taken while it was checkpointed.
+ * cuCheckpointProcessGetState blocks while the restore thread is stopped (as
+ * the real one may on a frozen process), up to $FAKE_CUDA_BLOCK_S seconds
+ * (default 20), and logs note=blocked-while-frozen.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -103,41 +115,98 @@ out:
 		close(fd);
 }
 
-/* Injected failure for call (and pid), or CUDA_SUCCESS. */
-static CUresult injected(const char *call, int pid)
+/*
+ * Injected failure for call (and pid), or CUDA_SUCCESS. A "hang" spec blocks
+ * here first (hung set) and then lets the call do its work.
+ */
+static CUresult injected_ex(const char *call, int pid, bool *hung)
 {
-	char path[4096], buf[32];
+	char path[4096], buf[128], *tok, *save = NULL;
 	const char *dir = fake_dir();
 	CUresult rc = CUDA_SUCCESS;
-	int i, fd = -1;
+	int i, fd = -1, times = -1, hang = -1;
 	ssize_t n;
 
+	if (hung)
+		*hung = false;
 	if (dir == NULL)
 		goto out;
-	for (i = 0; i < 2 && rc == CUDA_SUCCESS; i++) {
+	for (i = 0; i < 2; i++) {
 		if (i == 0)
 			snprintf(path, sizeof(path), "%s/fail/%s.%d", dir, call, pid);
 		else
 			snprintf(path, sizeof(path), "%s/fail/%s", dir, call);
 		fd = open(path, O_RDONLY | O_CLOEXEC);
-		if (fd < 0)
-			continue;
-		n = read(fd, buf, sizeof(buf) - 1);
-		close(fd);
-		fd = -1;
-		buf[n > 0 ? n : 0] = '\0';
-		rc = (CUresult)atoi(buf);
-		if (rc == CUDA_SUCCESS)
-			rc = CUDA_ERROR_UNKNOWN;
+		if (fd >= 0)
+			break;
 	}
+	if (fd < 0)
+		goto out;
+	n = read(fd, buf, sizeof(buf) - 1);
+	close(fd);
+	buf[n > 0 ? n : 0] = '\0';
+	for (tok = strtok_r(buf, " \t\n", &save); tok; tok = strtok_r(NULL, " \t\n", &save)) {
+		if (!strncmp(tok, "times=", 6))
+			times = atoi(tok + 6);
+		else if (!strcmp(tok, "hang"))
+			hang = 60;
+		else if (hang == 60 && isdigit((unsigned char)tok[0]))
+			hang = atoi(tok);
+		else if (rc == CUDA_SUCCESS)
+			rc = (CUresult)atoi(tok);
+	}
+	if (times > 0) {
+		/* count down; the last allowed one removes the file */
+		if (times == 1) {
+			unlink(path);
+		} else {
+			char nb[128];
+			int len = snprintf(nb, sizeof(nb), "%s times=%d\n", hang >= 0 ? "hang" : "", times - 1);
+
+			if (hang >= 0)
+				len = snprintf(nb, sizeof(nb), "hang %d times=%d\n", hang, times - 1);
+			else
+				len = snprintf(nb, sizeof(nb), "%d times=%d\n", (int)rc, times - 1);
+			fd = open(path, O_WRONLY | O_TRUNC | O_CLOEXEC);
+			if (fd >= 0) {
+				if (write(fd, nb, (size_t)len) < 0) {
+				}
+				close(fd);
+			}
+		}
+	}
+	if (hang >= 0) {
+		struct timespec ts = { 0, 10000000 };
+		struct stat sb;
+		int t;
+
+		rc = CUDA_SUCCESS;
+		if (hung)
+			*hung = true;
+		log_call(call, pid, 0, "note=hanging secs=%d", hang);
+		for (t = 0; t < hang * 100; t++) {
+			if (times != 1 && stat(path, &sb))
+				break;
+			nanosleep(&ts, NULL);
+		}
+		goto out;
+	}
+	if (rc == CUDA_SUCCESS)
+		rc = CUDA_ERROR_UNKNOWN;
 out:
 	return rc;
+}
+
+static CUresult injected(const char *call, int pid)
+{
+	return injected_ex(call, pid, NULL);
 }
 
 /* ---- per-process state files -------------------------------------------- */
 
 struct proc {
 	int tid;
+	int peer;
 	CUprocessState state;
 };
 
@@ -200,10 +269,13 @@ static int read_proc(int pid, struct proc *p)
 		goto out;
 	buf[n] = '\0';
 	p->tid = -1;
+	p->peer = 0;
 	p->state = CU_PROCESS_STATE_RUNNING;
 	for (tok = strtok_r(buf, " \t\n", &save); tok; tok = strtok_r(NULL, " \t\n", &save)) {
 		if (!strncmp(tok, "tid=", 4))
 			p->tid = atoi(tok + 4);
+		else if (!strncmp(tok, "peer=", 5))
+			p->peer = atoi(tok + 5);
 		else if (isdigit((unsigned char)tok[0]))
 			p->tid = atoi(tok);
 		else if (!strcmp(tok, "state=running"))
@@ -230,7 +302,10 @@ static void write_proc(int pid, const struct proc *p)
 
 	snprintf(path, sizeof(path), "%s/procs/%d", fake_dir(), pid);
 	snprintf(tmp, sizeof(tmp), "%s/procs/.%d.tmp", fake_dir(), pid);
-	len = snprintf(buf, sizeof(buf), "tid=%d state=%s\n", p->tid, state_name(p->state));
+	if (p->peer > 0)
+		len = snprintf(buf, sizeof(buf), "tid=%d state=%s peer=%d\n", p->tid, state_name(p->state), p->peer);
+	else
+		len = snprintf(buf, sizeof(buf), "tid=%d state=%s\n", p->tid, state_name(p->state));
 	fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
 	if (fd < 0)
 		return;
@@ -343,6 +418,7 @@ static CUresult transition(const char *call, int pid, CUprocessState from, CUpro
 	struct proc p;
 	CUresult rc;
 	char st = 0, note[64] = "";
+	bool hung = false;
 	int lk = -1;
 
 	if (fake_dir() == NULL) {
@@ -366,9 +442,17 @@ static CUresult transition(const char *call, int pid, CUprocessState from, CUpro
 			goto out;
 		}
 	}
-	rc = injected(call, pid);
+	/* a hang must not hold the directory lock: other processes call too */
+	unlock_dir(lk);
+	rc = injected_ex(call, pid, &hung);
+	lk = lock_dir();
 	if (rc != CUDA_SUCCESS) {
 		snprintf(note, sizeof(note), "note=injected");
+		goto out;
+	}
+	if (read_proc(pid, &p)) {
+		rc = CUDA_ERROR_INVALID_VALUE;
+		snprintf(note, sizeof(note), "note=gone");
 		goto out;
 	}
 	if (p.state != from) {
@@ -380,6 +464,24 @@ static CUresult transition(const char *call, int pid, CUprocessState from, CUpro
 		rc = CUDA_ERROR_OPERATING_SYSTEM;
 		snprintf(note, sizeof(note), "note=restore-thread-stopped state=%c", st ? st : '?');
 		goto out;
+	}
+	if (p.peer > 0) {
+		struct proc pp;
+		char pst = thread_state(p.peer, p.peer);
+
+		if (from == CU_PROCESS_STATE_RUNNING && (pst == 't' || pst == 'T')) {
+			rc = CUDA_ERROR_TIMEOUT;
+			snprintf(note, sizeof(note), "note=peer-frozen peer=%d", p.peer);
+			goto out;
+		}
+		if (to == CU_PROCESS_STATE_RUNNING && read_proc(p.peer, &pp) == 0) {
+			restore_incarnation(p.peer, &pp);
+			if (pp.state == CU_PROCESS_STATE_CHECKPOINTED) {
+				rc = CUDA_ERROR_ILLEGAL_STATE;
+				snprintf(note, sizeof(note), "note=peer-checkpointed peer=%d", p.peer);
+				goto out;
+			}
+		}
 	}
 	p.state = to;
 	write_proc(pid, &p);
@@ -486,14 +588,41 @@ out:
 	return rc;
 }
 
+/* Waits while the restore thread of pid is stopped, up to $FAKE_CUDA_BLOCK_S s. true: it blocked. */
+static bool block_while_frozen(int pid)
+{
+	struct timespec ts = { 0, 10000000 };
+	const char *v = getenv("FAKE_CUDA_BLOCK_S");
+	int limit = (v && v[0] ? atoi(v) : 20) * 100, i, lk;
+	struct proc p;
+	char st;
+	bool blocked = false;
+
+	lk = lock_dir();
+	i = read_proc(pid, &p);
+	unlock_dir(lk);
+	if (i)
+		return false;
+	for (i = 0; i < limit; i++) {
+		st = thread_state(pid, p.tid);
+		if (st != 't' && st != 'T')
+			break;
+		blocked = true;
+		nanosleep(&ts, NULL);
+	}
+	return blocked;
+}
+
 EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
 {
 	struct proc p;
 	CUresult rc = CUDA_ERROR_INVALID_VALUE;
+	bool blocked = false;
 	int lk = -1;
 
 	if (state == NULL || fake_dir() == NULL)
 		goto out;
+	blocked = block_while_frozen(pid);
 	lk = lock_dir();
 	if (read_proc(pid, &p))
 		goto out;
@@ -503,7 +632,8 @@ EXPORT CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
 		*state = p.state;
 out:
 	unlock_dir(lk);
-	log_call("cuCheckpointProcessGetState", pid, rc, "state=%s", rc == CUDA_SUCCESS ? state_name(*state) : "-");
+	log_call("cuCheckpointProcessGetState", pid, rc, "state=%s%s", rc == CUDA_SUCCESS ? state_name(*state) : "-",
+		 blocked ? " note=blocked-while-frozen" : "");
 	return rc;
 }
 

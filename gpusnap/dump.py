@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap import paths, preflight, proc
-from gpusnap import restore_needs
+from gpusnap import appendfiles, restore_needs
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
@@ -443,7 +443,9 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if overlap:
                 staging.go.set()
             server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
-            gate = PostDumpGate(workdir, server)
+            # sizes of the files the job appends to, as of the freeze (gpusnap/appendfiles.py)
+            appending = appendfiles.Recorder(appendfiles.scan(pids))
+            gate = PostDumpGate(workdir, server, at_freeze=appending.at_freeze)
             phase("staging")
 
             def criu_progress(done: int, total: int) -> None:
@@ -481,8 +483,9 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 server.finish(timeout=30)
             phase("storing")
             cuda_pids = _read_cuda_report(workdir / "cuda-report")
+            extra = {"append_files": appending.files} if appending.files is not None else {}
             snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
-                                             "frozen_seconds": frozen})
+                                             "frozen_seconds": frozen, **extra})
             kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
             phase("commit")
             if stopped:

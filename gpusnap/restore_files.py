@@ -1,14 +1,16 @@
 """Files the job had open that changed after the dump: checked, and output files fixed, before CRIU runs.
 
 CRIU records the size of every regular file a process has open or mapped (except files opened
-O_WRONLY|O_APPEND) and refuses to restore when the size differs ("File X has bad size").
+O_APPEND for writing, whose size gpusnap records itself at the freeze: `meta.append_files`,
+gpusnap/appendfiles.py) and refuses to restore when the size differs ("File X has bad size").
 A job started as `python train.py > train.log` keeps writing its log after the dump; when it
 crashes later, the log is longer than the snapshot expects. Here, before CRIU runs:
 
 - an output file (opened for writing) that grew: the bytes beyond the snapshot's size are moved
   into `<file>.gpusnap-<snapshot id>-after` next to it (fsynced first), the file is truncated
   back to the size the restored job expects, and the restore says so in one line;
-- an output file that shrank, was rotated away or vanished: refused, naming the file (the
+- an output file that shrank, was rotated away (for appended files: another inode at that
+  path) or vanished: refused, naming the file (the
   snapshot does not hold file contents, so what the job expects there cannot be rebuilt);
 - an input file (opened read-only, or mapped: libraries, data) that changed size or vanished:
   refused, naming the file.
@@ -235,6 +237,27 @@ def _move_tail(path: str, size: int, snap_id: str) -> Moved:
     return Moved(path=path, after=after, size=size, moved=moved)
 
 
+def _append_files(snap) -> list[dict]:
+    """`meta.append_files`: the files the job appended to, with their size at the freeze."""
+    meta = snap.manifest.get("meta") or {}
+    raw = meta.get("append_files")
+    if raw is None:
+        return []
+    ok = isinstance(raw, list) and all(
+        isinstance(e, dict) and isinstance(e.get("path"), str) and e["path"].startswith("/")
+        and all(isinstance(e.get(k), int) and not isinstance(e.get(k), bool) and e[k] >= 0
+                for k in ("size", "dev", "ino")) for e in raw)
+    if not ok:
+        raise CorruptSnapshot(f"snapshot {snap.path} has a malformed meta.append_files")
+    return [e for e in raw if not e["path"].startswith(PSEUDO_FS)]
+
+
+def _same_file(st: os.stat_result, e: dict, same_host: bool) -> bool:
+    # st_dev numbers are per machine (an NFS mount's differs from node to node): on another
+    # host only the inode number can tell the file the job wrote from a rotated one
+    return st.st_ino == e["ino"] and (st.st_dev == e["dev"] or not same_host)
+
+
 def prepare(snap) -> FileFixes:
     """Check every file the snapshot had open against what CRIU will expect; refuse
     (FilesChanged, naming each file) or fix output files that grew. Returns what was fixed."""
@@ -249,6 +272,12 @@ def prepare(snap) -> FileFixes:
             continue
         f = files.setdefault(rf.name, [rf.size, False])
         f[1] = f[1] or rf.writable
+    meta = snap.manifest.get("meta") or {}
+    same_host = meta.get("hostname") in (None, os.uname().nodename)
+    appended: dict[str, dict] = {}
+    for e in _append_files(snap):
+        appended[e["path"]] = e
+        files.setdefault(e["path"], [e["size"], True])[1] = True
     for name, (size, writable) in files.items():
         kind = "output file" if writable else "input file"
         try:
@@ -258,6 +287,10 @@ def prepare(snap) -> FileFixes:
             continue
         except OSError as e:
             problems.append(f"{kind} {name} cannot be checked: {e.strerror}")
+            continue
+        if name in appended and not _same_file(st, appended[name], same_host):
+            problems.append(f"output file {name} was rotated or replaced since the snapshot (another file "
+                            "is at that path now); the snapshot does not hold its contents")
             continue
         if st.st_size == size:
             continue

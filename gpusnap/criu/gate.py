@@ -58,8 +58,9 @@ def native_gate() -> Path | None:
 
 
 class PostDumpGate:
-    def __init__(self, workdir: Path, server: CaptureServer, timeout: float = 600.0):
+    def __init__(self, workdir: Path, server: CaptureServer, timeout: float = 600.0, at_freeze=None):
         self.server = server
+        self.at_freeze = at_freeze    # called once CRIU reaches post-dump: the job is still frozen
         self.timeout = timeout
         self.sock_path = workdir / "gate.sock"
         self.script = workdir / "gpusnap-post-dump"
@@ -92,6 +93,11 @@ class PostDumpGate:
             except OSError:
                 return
             with conn:
+                if self.at_freeze is not None:
+                    try:
+                        self.at_freeze()
+                    except Exception:   # noqa: BLE001 - a failed measure must not keep the job frozen
+                        pass
                 ok = self.server.wait_drained(self.timeout)
                 if os.environ.get("GPUSNAP_TEST_HOOK") == "gate-fails":  # tests: a failed post-dump
                     ok = False

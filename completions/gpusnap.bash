@@ -10,12 +10,15 @@ _gpusnap() {
 }
 _gpusnap_words() {
     case "$1" in
-        "") echo "doctor dump inspect ls prune ps restore schedule verify --help --version -h" ;;
+        "") echo "doctor dump export forget import inspect ls prune ps restore schedule verify --help --version -h" ;;
         "doctor") echo "--help --json -h" ;;
         "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --tcp-established -h -q" ;;
+        "export") echo "--help --json --output --repo -h -o" ;;
+        "forget") echo "--all --dry-run --help --json --keep-last --name --prune --repo -h -n" ;;
+        "import") echo "--help --json --repo -h" ;;
         "inspect") echo "--help --json --repo -h" ;;
-        "ls") echo "--help --json --repo -h" ;;
-        "prune") echo "--dry-run --help --json --keep-last --name --repo -h -n" ;;
+        "ls") echo "--help --json --name --repo -h" ;;
+        "prune") echo "--all --dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "restore") echo "--gpu-map --help --json --quiet --repo -h -q" ;;
         "schedule") echo "add ls rm --help -h" ;;

@@ -2,6 +2,9 @@
 complete -c gpusnap -f
 complete -c gpusnap -n '__fish_use_subcommand' -a doctor
 complete -c gpusnap -n '__fish_use_subcommand' -a dump
+complete -c gpusnap -n '__fish_use_subcommand' -a export
+complete -c gpusnap -n '__fish_use_subcommand' -a forget
+complete -c gpusnap -n '__fish_use_subcommand' -a import
 complete -c gpusnap -n '__fish_use_subcommand' -a inspect
 complete -c gpusnap -n '__fish_use_subcommand' -a ls
 complete -c gpusnap -n '__fish_use_subcommand' -a prune
@@ -11,45 +14,62 @@ complete -c gpusnap -n '__fish_use_subcommand' -a schedule
 complete -c gpusnap -n '__fish_use_subcommand' -a verify
 complete -c gpusnap -n '__fish_use_subcommand' -l help
 complete -c gpusnap -n '__fish_use_subcommand' -l version
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump inspect ls prune ps restore schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump inspect ls prune ps restore schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l compress
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l exit
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l gpu-lock-timeout
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l keep-last
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l match
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l name
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l pidfile
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l quiet
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor inspect ls prune ps restore schedule verify' -l tcp-established
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump ls prune ps restore schedule verify' -F
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps restore schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps restore schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump inspect prune ps restore schedule verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore schedule verify' -l dry-run
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore schedule verify' -l keep-last
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore schedule verify' -l name
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump inspect ls ps restore schedule verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump inspect ls prune restore schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump inspect ls prune restore schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l gpu-map
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l quiet
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump inspect ls prune ps schedule verify' -F
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a add
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a ls
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -a rm
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import inspect ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import inspect ls prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l compress
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l exit
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l gpu-lock-timeout
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l keep-last
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l match
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l pidfile
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l quiet
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l tcp-established
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps restore schedule verify' -l output
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l all
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l keep-last
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l prune
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps restore schedule verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l all
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l keep-last
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l name
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps restore schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune restore schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -l gpu-map
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -l quiet
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify' -a add
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify' -a ls
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify' -a rm
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help
@@ -62,8 +82,8 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from ls' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l repo
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -l structure-only
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump inspect ls prune ps restore schedule' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l repo
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l structure-only
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -F

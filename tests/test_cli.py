@@ -58,6 +58,6 @@ def test_match_pidfile_and_inspect(sample_job, repo):
     ls = run_json("ls", "--repo", repo)
     assert [s["name"] for s in ls["snapshots"]] == ["m", "p"]
     assert run_json("verify", "--repo", repo)["ok"] is True
-    pr = run_json("prune", "--keep-last", "0", "--name", "m", "--repo", repo)
+    pr = run_json("prune", "--keep-last", "0", "--name", "m", "--all", "--repo", repo)
     assert len(pr["snapshots_deleted"]) == 1
     assert [s["name"] for s in run_json("ls", "--repo", repo)["snapshots"]] == ["p"]

@@ -214,6 +214,24 @@ class Repository:
                                    "give more digits of the id")
         raise SnapshotNotFound(f"no snapshot {ref!r} in repository {self.path}", "list them with: gpusnap ls")
 
+    def remove_snapshot(self, snap: "Snapshot") -> None:
+        """Delete one committed snapshot: its directory and its kept logs (REPO/logs/<dir>/).
+        The data it referenced stays until prune finds nothing needs it. Readers never see a
+        half-deleted snapshot: the directory is renamed to snapshots/.del-* (ignored by every
+        reader, removed by prune if a crash leaves it) before it is deleted. The caller holds
+        the writer lock, and the readers lock exclusively (a restore may be reading it)."""
+        import shutil
+        if not self.holds_lock():
+            raise RepositoryError("remove_snapshot() needs the repository's writer lock (use repo.writer_lock())")
+        sd = self.path / "snapshots"
+        if Path(snap.path).parent != sd:
+            raise SnapshotNotFound(f"{snap.path} is not a snapshot of repository {self.path}")
+        tomb = sd / f".del-{snap.path.name}"
+        os.rename(snap.path, tomb)
+        fsutil.fsync_dir(sd)
+        shutil.rmtree(tomb)
+        shutil.rmtree(self.path / "logs" / snap.path.name, ignore_errors=True)
+
     def usage(self) -> dict:
         from .inspect import repo_usage
         return repo_usage(self)

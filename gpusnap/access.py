@@ -22,7 +22,7 @@ def _denied(root: Path, what: str, owner: int | None) -> AccessDenied:
     me = _user(os.geteuid())
     if owner is not None and owner != os.geteuid():
         who = _user(owner)
-        hint = (f"run it as {who} (`sudo gpusnap ...` for root's repository), or use a repository of "
+        hint = (f"run gpusnap as {who} (`sudo gpusnap ...` for root's repository), or use a repository of "
                 f"your own with --repo DIR")
         msg = f"repository {root} belongs to {who}; {me} cannot {what} it"
     else:

@@ -37,7 +37,8 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 _json_mode = False
 _json_emitted = False
 
-RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True,
+# readable=False: gpusnap checks access itself (access.py), with its own error and hint
+RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True, readable=False,
                        help="Repository directory (default /var/lib/gpusnap).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
 
@@ -126,7 +127,8 @@ def dump(
     pid: Optional[int] = typer.Argument(None, help="Root of the process tree to snapshot."),
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Find the job by a regular expression on its command line."),
-    pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
+    pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", readable=False,
+                                            help="Read the PID from FILE."),
     repo: Optional[Path] = RepoOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
@@ -582,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
 
             rich_utils.rich_format_error(e)
         sys.exit(UsageError.exit_code)
-    except (KeyboardInterrupt, click_exc.Abort):
+    except (KeyboardInterrupt, typer.Abort):
         if _json_mode:
             report_error(GpusnapError("interrupted"), force_json=True, code=130)
         else:

@@ -1,0 +1,134 @@
+"""forget, prune's guards, ls --name and totals, logs removed with their snapshot: on real
+repositories (snapshots written through the repository's own writer), through the CLI."""
+
+import os
+import random
+
+import pytest
+
+from conftest import run_gpusnap, run_json
+from gpusnap import forget as forget_mod
+from gpusnap.errors import UsageError
+from gpusnap.render import human_bytes
+from gpusnap.repo import Repository
+from gpusnap.repo.verify import verify
+from repo_helpers import PAGE, dump, read_all
+
+
+def _repo(tmp_path, names=("a", "a", "a", "b", "b")):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    shared = os.urandom(PAGE * 50)
+    images = []
+    for k, n in enumerate(names):
+        img = shared + os.urandom(PAGE * 30)
+        snap, _ = dump(repo, {"pages-1.img": img, "core-1.img": b"core%d" % k * 40}, name=n)
+        images.append((snap, img))
+    return repo, images
+
+
+def _names(repo_path):
+    return [(s["name"], s["dir"]) for s in run_json("ls", "--repo", repo_path)["snapshots"]]
+
+
+def test_human_bytes_is_the_one_formatter():
+    assert human_bytes(0) == "0 B" and human_bytes(1023) == "1023 B"
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(5 << 30) == "5.0 GiB"
+    assert human_bytes(None) == "-"
+
+
+def test_forget_one_snapshot_then_prune_frees_its_data(tmp_path):
+    repo, images = _repo(tmp_path)
+    victim, _ = images[1]
+    before = run_json("ls", "--repo", repo.path)
+    dry = run_json("forget", victim.id, "--dry-run", "--repo", repo.path)
+    assert [f["dir"] for f in dry["snapshots_forgotten"]] == [victim.path.name]
+    assert len(_names(repo.path)) == 5                     # dry run changed nothing
+    res = run_json("forget", victim.id, "--repo", repo.path)
+    assert [f["dir"] for f in res["snapshots_forgotten"]] == [victim.path.name]
+    assert victim.path.name not in [d for _, d in _names(repo.path)]
+    # its data stays until prune; prune alone (no --keep-last) frees it and keeps every snapshot
+    pr = run_json("prune", "--repo", repo.path)
+    assert pr["snapshots_deleted"] == [] and pr["bytes_freed"] > 30 * PAGE * 0.9
+    after = run_json("ls", "--repo", repo.path)
+    assert after["totals"]["snapshots"] == 4
+    assert after["totals"]["bytes_stored"] < before["totals"]["bytes_stored"]
+    rep = verify(Repository.open(repo.path))
+    assert rep.ok, rep.problems
+    for snap, img in images[:1] + images[2:]:
+        assert read_all(Repository.open(repo.path).snapshot(snap.path.name), "pages-1.img") == img
+
+
+def test_forget_keep_last_per_name_and_prune_flag(tmp_path):
+    repo, images = _repo(tmp_path)
+    res = run_json("forget", "--name", "a", "--keep-last", "1", "--prune", "--repo", repo.path)
+    assert [f["dir"] for f in res["snapshots_forgotten"]] == [images[0][0].path.name, images[1][0].path.name]
+    assert res["prune"]["bytes_freed"] > 0
+    assert [n for n, _ in _names(repo.path)] == ["a", "b", "b"]
+    # without --name the retention is per name: keep 1 of each
+    run_json("forget", "--keep-last", "1", "--repo", repo.path)
+    assert [n for n, _ in _names(repo.path)] == ["a", "b"]
+
+
+def test_a_name_with_several_snapshots_is_not_guessed(tmp_path):
+    repo, images = _repo(tmp_path)
+    proc = run_gpusnap("forget", "a", "--repo", repo.path)
+    assert proc.returncode == UsageError.exit_code and "names 3 snapshots" in proc.stderr
+    assert len(_names(repo.path)) == 5
+
+
+@pytest.mark.parametrize("cmd", ["prune", "forget"])
+def test_deleting_every_snapshot_needs_name_and_all(tmp_path, cmd):
+    repo, _ = _repo(tmp_path)
+    for args in (["--keep-last", "0"], ["--keep-last", "0", "--all"], ["--keep-last", "0", "--name", "a"]):
+        proc = run_gpusnap(cmd, *args, "--repo", repo.path)
+        assert proc.returncode == UsageError.exit_code, (args, proc.stderr)
+        assert "hint:" in proc.stderr
+    assert len(_names(repo.path)) == 5
+    dry = run_json(cmd, "--keep-last", "0", "--name", "a", "--all", "--dry-run", "--repo", repo.path)
+    assert len(dry.get("snapshots_deleted", dry.get("snapshots_forgotten", []))) == 3
+    assert len(_names(repo.path)) == 5
+    run_json(cmd, "--keep-last", "0", "--name", "a", "--all", "--repo", repo.path)
+    assert [n for n, _ in _names(repo.path)] == ["b", "b"]
+
+
+def test_keep_last_help_says_per_name():
+    for cmd in ("prune", "forget"):
+        text = " ".join(run_gpusnap(cmd, "--help", check=True, env={"COLUMNS": "200"}).stdout.split())
+        assert "of each name" in text
+
+
+def test_ls_name_filter_and_totals_in_human_units(tmp_path):
+    repo, _ = _repo(tmp_path)
+    data = run_json("ls", "--name", "b", "--repo", repo.path)
+    assert [s["name"] for s in data["snapshots"]] == ["b", "b"]
+    assert data["totals"]["snapshots"] == 5 and data["totals"]["names"] == 2
+    assert 0 < data["totals"]["bytes_stored"] < data["totals"]["bytes_raw"]
+    proc = run_gpusnap("ls", "--repo", repo.path, check=True)
+    assert "KiB" in proc.stdout and "5 snapshot(s) of 2 name(s)" in proc.stderr
+    proc = run_gpusnap("prune", "--keep-last", "1", "--repo", repo.path, check=True)
+    assert "freed" in proc.stdout and ("KiB" in proc.stdout or "MiB" in proc.stdout)
+
+
+def test_logs_go_with_their_snapshot(tmp_path):
+    repo, images = _repo(tmp_path)
+    logs = repo.path / "logs"
+    for snap, _ in images:
+        (logs / snap.path.name).mkdir(parents=True, exist_ok=True)
+        (logs / snap.path.name / "dump-x.log").write_text("log")
+    (logs / "failed-dump-a-1.log").write_text("a failed dump: no snapshot, kept")
+    run_json("forget", images[0][0].path.name, "--repo", repo.path)
+    assert not (logs / images[0][0].path.name).exists()
+    run_json("prune", "--keep-last", "1", "--name", "b", "--repo", repo.path)
+    assert not (logs / images[3][0].path.name).exists() and (logs / images[4][0].path.name).exists()
+    assert (logs / "failed-dump-a-1.log").exists()
+    assert forget_mod.sweep_logs(Repository.open(repo.path)) == []
+
+
+def test_remove_snapshot_needs_the_writer_lock(tmp_path):
+    repo, images = _repo(tmp_path, names=("a",))
+    from gpusnap.errors import RepositoryError
+    with pytest.raises(RepositoryError):
+        repo.remove_snapshot(images[0][0])
+    with repo.writer_lock():
+        repo.remove_snapshot(images[0][0])
+    assert repo.snapshots() == [] and not any(n.startswith(".del-") for n in os.listdir(repo.path / "snapshots"))

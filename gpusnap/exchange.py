@@ -232,7 +232,7 @@ class _Data:
                     raise BadExportFile(f"export file is damaged: {what}: {e}",
                                         hint="copy the file again; nothing was imported") from None
                 if not self.buf:
-                    raise BadExportFile(f"export file is damaged: empty data record in {what}")
+                    raise _bad(f"empty data record in {what}")
             k = min(n, len(self.buf))
             parts.append(self.buf[:k])
             self.buf = self.buf[k:]
@@ -241,7 +241,7 @@ class _Data:
 
     def at_boundary(self, what: str) -> None:
         if self.buf:
-            raise BadExportFile(f"export file is damaged: {what} carries {len(self.buf)} bytes too many")
+            raise _bad(f"{what} carries {len(self.buf)} bytes too many")
 
 
 def _bad(what: str) -> BadExportFile:
@@ -303,10 +303,10 @@ def read_import(repo, f) -> dict:
     magic, version, flags, reserved = HEADER.unpack(head)
     if magic != MAGIC:
         raise BadExportFile("not a gpusnap export file (bad magic)",
-                            hint="give a file written by `gpusnap export`")
+                            hint="give a file written by `gpusnap export`; nothing was imported")
     if version != VERSION or flags or reserved:
         raise BadExportFile(f"export file version {version} is not supported (this gpusnap reads {VERSION})",
-                            hint="import it with the gpusnap version that exported it, or a newer one")
+                            hint="import it with a gpusnap that reads it (a newer one); nothing was imported")
     _, _, mbytes = src.record(TAG_MANIFEST, MANIFEST_MAX, "the manifest")
     try:
         m, src_id = parse_manifest(mbytes)

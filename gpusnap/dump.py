@@ -299,7 +299,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             phase("drain")
             cuda_pids = _read_cuda_report(workdir / "cuda-report")
             snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0})
-            kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
+            kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}/dump")
             phase("commit")
             if stopped:
                 _kill_tree(pids)

@@ -127,7 +127,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
         runner.supervise(criu, server, progress, total)
         if criu.returncode != 0 or server.failed:
             server.abort()
-            kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}")
+            kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}/failed-restore")
             err = server.error()
             if isinstance(err, GpusnapError):
                 err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
@@ -143,7 +143,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
             pid = int(pidfile.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             pid = pids[0]
-        runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+        runner.keep_log(repository.path, log, f"{Path(snap.path).name}/restore")
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)

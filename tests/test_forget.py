@@ -132,3 +132,54 @@ def test_remove_snapshot_needs_the_writer_lock(tmp_path):
     with repo.writer_lock():
         repo.remove_snapshot(images[0][0])
     assert repo.snapshots() == [] and not any(n.startswith(".del-") for n in os.listdir(repo.path / "snapshots"))
+
+
+@pytest.mark.criu
+def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sample_job, tmp_path):
+    """Two failed dumps in a row keep two logs; a snapshot's dump and restore logs live in
+    REPO/logs/<snapshot>/ and go when the snapshot is forgotten."""
+    import socket
+    import subprocess
+
+    from conftest import kill_pids
+    repo = tmp_path / "repo"
+    path = tmp_path / "outside.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    holder = subprocess.Popen(
+        ["python3", "-c", f"import socket,time; s=socket.socket(socket.AF_UNIX); s.connect({str(path)!r}); "
+                          "time.sleep(120)"], start_new_session=True)
+    try:
+        conn, _ = server.accept()  # held open: the connection leaves the tree
+        logs = []
+        for _ in range(2):
+            proc = run_gpusnap("dump", holder.pid, "--repo", repo, "--json")
+            assert proc.returncode == 8, proc.stderr
+            import json
+            logs.append(json.loads(proc.stdout)["criu_log"])
+        assert logs[0] != logs[1] and all(os.path.isfile(p) for p in logs)
+    finally:
+        holder.kill()
+        holder.wait()
+        server.close()
+
+    job = sample_job(steps=100000, mb=4, threads=1, step_ms=20)
+    job.wait_steps(2)
+    d = run_json("dump", job.pid, "--repo", repo, "--name", "logged")
+    snapdir = os.path.basename(d["snapshot"])
+    job.kill()
+    for _ in range(2):
+        r = run_json("restore", d["snapshot"])
+        kill_pids([r["pid"], *r.get("pids", []), *job.pids])
+        job.pids = job.pids or [r["pid"]]
+        import time
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in job.pids):
+            time.sleep(0.05)
+    kept = sorted(os.listdir(repo / "logs" / snapdir))
+    assert len([k for k in kept if k.startswith("dump-")]) == 1, kept
+    assert len([k for k in kept if k.startswith("restore-")]) == 2, kept
+    run_json("forget", snapdir, "--repo", repo)
+    assert not (repo / "logs" / snapdir).exists()
+    assert all(os.path.isfile(p) for p in logs)      # failed dumps belong to no snapshot: kept

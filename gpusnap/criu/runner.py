@@ -159,27 +159,41 @@ def require_privileges(action: str) -> None:
 
 
 def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
-    """Copy a CRIU log into REPO/logs/<label>.log (private) and return where it went. On a
-    full repository disk the log goes to a private temporary directory instead; a log is
-    never worth failing over."""
+    """Copy a CRIU log into REPO/logs/<label>-<UTC time>-<pid>.log (private, never over an
+    existing log) and return where it went. `label` "<snapshot dir>/<what>" keeps the log in
+    REPO/logs/<snapshot dir>/, which goes when the snapshot goes. On a full repository disk
+    the log goes to a private temporary directory instead; a log is never worth failing over."""
     import shutil
     import tempfile
+    import time
 
     if not log.exists():
         return None
+    stem = f"{label}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
+
+    def copy_new(folder: Path) -> str:
+        dst = folder / f"{stem}.log"
+        dst.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        k = 1
+        while True:
+            try:
+                fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:
+                k += 1
+                dst = folder / f"{stem}-{k}.log"
+        with os.fdopen(fd, "wb") as out, open(log, "rb") as src:
+            shutil.copyfileobj(src, out)
+        return str(dst)
+
     try:
         logs = Path(repo_path) / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)
-        dst = logs / f"{label}.log"
-        shutil.copyfile(log, dst)
-        os.chmod(dst, 0o600)
-        return str(dst)
+        return copy_new(logs)
     except OSError:
         pass
     try:
-        dst = Path(tempfile.mkdtemp(prefix="gpusnap-log-")) / f"{label}.log"
-        shutil.copyfile(log, dst)
-        return str(dst)
+        return copy_new(Path(tempfile.mkdtemp(prefix="gpusnap-log-")))
     except OSError:
         return None
 

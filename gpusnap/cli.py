@@ -24,7 +24,7 @@ app = typer.Typer(
          "Dump a running job (it keeps running), restore it after a crash, reboot or preemption, "
          "and keep a deduplicated history of snapshots in one repository.",
     no_args_is_help=True,
-    add_completion=True,
+    add_completion=False,  # completions: the shipped scripts in completions/ (gpusnap/completion.py)
     context_settings={"help_option_names": ["-h", "--help"]},
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,  # locals may hold job memory: never print them

@@ -567,7 +567,10 @@ def _json_requested(argv: list[str] | None) -> bool:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: the one place where errors become exit codes. With --json every path,
     a bad command line included, prints exactly one JSON object."""
-    from typer._click import exceptions as click_exc
+    try:
+        from typer._click import exceptions as click_exc    # typer >= 0.22 vendors click
+    except ImportError:                                      # pragma: no cover - older typer
+        from click import exceptions as click_exc
 
     try:
         rv = app(args=argv, prog_name="gpusnap", standalone_mode=False)
@@ -598,3 +601,13 @@ def main(argv: list[str] | None = None) -> None:
                                "or use --repo with a repository of your own")
         report_error(ad)
         sys.exit(ad.exit_code)
+    except Exception as e:  # a bug: with --json still one object on stdout; the traceback on stderr
+        if not (_json_mode or _json_requested(argv)):
+            raise
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        report_error(GpusnapError(f"internal error: {type(e).__name__}: {e}",
+                                  hint="please report this with the command and the traceback above"),
+                     force_json=True)
+        sys.exit(GpusnapError.exit_code)

@@ -320,6 +320,12 @@ def read_import(repo, f) -> dict:
     meta = dict(m.get("meta") or {})
     meta["imported_from"] = {"id": src_id, "repo_id": m.get("repo_id"), "created": m.get("created")}
     with repo.writer_lock():
+        for s in repo.snapshots():   # importing the same snapshot twice keeps one copy
+            if s.id == src_id or (s.meta.get("imported_from") or {}).get("id") == src_id:
+                while f.read(1 << 20):   # let a writer at the other end of a pipe finish
+                    pass
+                return {"snapshot": str(s.path), "id": s.id, "name": s.name, "source_id": src_id,
+                        "already_present": True, "bytes_read": src.n, "bytes_stored": 0}
         w = repo.new_snapshot(m["name"], compress=compress, meta=meta)
         w.created = float(m["created"])   # the snapshot keeps the time its dump started
         try:
@@ -347,7 +353,7 @@ def read_import(repo, f) -> dict:
             raise
     st = w.stats
     return {"snapshot": str(snap.path), "id": snap.id, "name": snap.name, "source_id": src_id,
-            "bytes_read": src.n, "bytes_raw": st.get("bytes_raw", 0),
+            "already_present": False, "bytes_read": src.n, "bytes_raw": st.get("bytes_raw", 0),
             "bytes_stored": st.get("bytes_stored", 0), "pages_total": st.get("pages_total", 0),
             "pages_dedup": st.get("pages_dedup", 0)}
 

@@ -91,22 +91,25 @@ def inspect_snapshot(repo: Repository, snap: Snapshot) -> dict:
 
 
 def render(report: dict, console) -> None:
-    """Human-readable form of inspect_snapshot()'s report (console: anything with print())."""
+    """Human-readable form of inspect_snapshot()'s report (console: anything with print()).
+    The snapshot path is escaped: it may hold `[...]`, which rich would read as markup."""
+    from rich.markup import escape
+
     from gpusnap.render import human_bytes as human
 
     r = report
-    console.print(f"snapshot {r['snapshot']}  id {r['id']}  name {r['name']}", markup=False)
+    console.print(escape(f"snapshot {r['snapshot']}  id {r['id']}  name {r['name']}"))
     console.print(f"pages: {r['pages_total']} total, {r['pages_zero']} zero, {r['pages_dedup']} deduplicated, "
-                  f"{r['pages_compressed']} compressed, {r['pages_raw']} raw", markup=False)
+                  f"{r['pages_compressed']} compressed, {r['pages_raw']} raw")
     ratio = r["bytes_stored"] / r["bytes_raw"] if r["bytes_raw"] else 0
     console.print(f"bytes: {human(r['bytes_raw'])} from CRIU, {human(r['bytes_stored'])} stored by this dump "
-                  f"({ratio:.1%}); now {human(r['bytes_unique'])} unique, {human(r['bytes_shared'])} shared", markup=False)
+                  f"({ratio:.1%}); now {human(r['bytes_unique'])} unique, {human(r['bytes_shared'])} shared")
     for im in r["images"]:
         if im["type"] == "pages":
             console.print(f"  {im['name']}: {human(im['size'])}, {im['pages']} pages ({im['pages_zero']} zero, "
-                          f"{im['pages_dedup']} dedup, {im['pages_compressed']} compressed, {im['pages_raw']} raw)", markup=False)
+                          f"{im['pages_dedup']} dedup, {im['pages_compressed']} compressed, {im['pages_raw']} raw)")
         else:
-            console.print(f"  {im['name']}: {human(im['size'])}", markup=False)
+            console.print(f"  {im['name']}: {human(im['size'])}")
 
 
 def repo_totals(repo: Repository, usage: dict) -> dict:

@@ -167,7 +167,7 @@ def dump(
     if json_:
         _emit_json(data)
         return
-    out.print(result.snapshot)
+    out.print(result.snapshot, markup=False)
     if not quiet and err.is_terminal:
         ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
@@ -494,7 +494,7 @@ def schedule_add(
     if json_:
         _emit_json(s.to_dict())
     else:
-        out.print(f"{s.path}: {s.cron}  {s.command}")
+        out.print(f"{s.path}: {s.cron}  {s.command}", markup=False)
 
 
 @schedule_app.command("ls")
@@ -509,7 +509,7 @@ def schedule_ls(json_: bool = JsonOpt) -> None:
         _emit_json({"schedules": [s.to_dict() for s in items]})
         return
     for s in items:
-        out.print(f"{s.name}\t{s.cron}\t{s.command}")
+        out.print(f"{s.name}\t{s.cron}\t{s.command}", markup=False)
     if not items:
         err.print("no schedules")
 
@@ -525,7 +525,7 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
     if json_:
         _emit_json(s.to_dict())
     else:
-        out.print(f"removed {s.path}")
+        out.print(f"removed {s.path}", markup=False)
 
 
 @app.callback(invoke_without_command=True)

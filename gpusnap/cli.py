@@ -259,7 +259,8 @@ def inspect(
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Show a snapshot: processes, memory, page statistics, sizes, GPU information."""
+    """Show a snapshot: processes with command lines and cwd, open files (do they still match
+    the disk?), sockets, memory, page statistics, sizes, GPU information."""
     global _json_mode
     _json_mode = json_
     from gpusnap import describe

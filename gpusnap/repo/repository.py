@@ -227,6 +227,7 @@ class Repository:
         if Path(snap.path).parent != sd:
             raise SnapshotNotFound(f"{snap.path} is not a snapshot of repository {self.path}")
         tomb = sd / f".del-{snap.path.name}"
+        shutil.rmtree(tomb, ignore_errors=True)   # left by a crash while an earlier namesake went
         os.rename(snap.path, tomb)
         fsutil.fsync_dir(sd)
         shutil.rmtree(tomb)

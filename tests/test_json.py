@@ -143,6 +143,13 @@ def test_schedule_commands(tmp_path):
     check(0, "schedule", "ls", env=env)
     check(UsageError.exit_code, "schedule", "add", "--match", "x", "--name", "s", "--every", "nonsense", env=env)
     check(UsageError.exit_code, "schedule", "rm", env=env)
+    # add/rm write system files (cron or systemd, the schedule module decides): whatever the
+    # outcome on this machine, one object
+    e = dict(os.environ, **env)
+    for args in (["schedule", "add", "--match", "no-such-job-xyz", "--name", "jsoncheck", "--every", "30m",
+                  "--repo", tmp_path / "r"], ["schedule", "rm", "jsoncheck"]):
+        one_object(subprocess.run([*GPUSNAP, *map(str, args), "--json"], capture_output=True, text=True, env=e,
+                                  cwd=ROOT, timeout=120))
 
 
 @pytest.mark.skipif(not HAVE_RUNUSER, reason="needs root and runuser to run as another user")

@@ -20,6 +20,10 @@ def _user(uid: int) -> str:
 
 def _denied(root: Path, what: str, owner: int | None) -> AccessDenied:
     me = _user(os.geteuid())
+    if what == "create":
+        where = f" ({_user(owner)}'s directory)" if owner is not None else ""
+        return AccessDenied(f"{me} cannot create repository {root} there{where}",
+                            hint="use --repo with a directory you can write to, or run gpusnap as root")
     if owner is not None and owner != os.geteuid():
         who = _user(owner)
         hint = (f"run gpusnap as {who} (`sudo gpusnap ...` for root's repository), or use a repository of "
@@ -56,6 +60,12 @@ def check_repo(root: Path, write: bool = False) -> bool:
     except PermissionError:
         raise _denied(root, what, _owner(root.parent)) from None
     except (FileNotFoundError, NotADirectoryError):
+        if write:   # it would be created: the nearest existing directory above must be writable
+            p = root.parent
+            while not p.exists() and p.parent != p:
+                p = p.parent
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise _denied(root, "create", _owner(p))
         return False
     try:
         st = os.stat(root / "config")

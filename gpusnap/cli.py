@@ -434,8 +434,7 @@ def import_cmd(
         access.check_readable_file(Path(file), "export file")
     root = locate.repo_path(repo)
     access.check_repo(root, write=True)
-    repository = Repository.open(root, create=True)
-    result = exchange.import_snapshot(repository, file)
+    result = exchange.import_snapshot(lambda: Repository.open(root, create=True), file)
     if json_:
         _emit_json(result)
     else:
@@ -597,9 +596,9 @@ def main(argv: list[str] | None = None) -> None:
     except PermissionError as e:  # a last net: never a traceback for a permission problem
         from gpusnap.errors import AccessDenied
 
-        ad = AccessDenied(f"permission denied: {e.filename or e}",
-                          hint="run gpusnap as the owner of the repository (root's: `sudo gpusnap ...`), "
-                               "or use --repo with a repository of your own")
+        what = e.filename or str(e)
+        ad = AccessDenied(f"permission denied: {what}",
+                          hint=f"run gpusnap as root (`sudo gpusnap ...`) or as the owner of {what}")
         report_error(ad)
         sys.exit(ad.exit_code)
     except Exception as e:  # a bug: with --json still one object on stdout; the traceback on stderr

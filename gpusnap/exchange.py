@@ -294,7 +294,9 @@ def _feed_blob(sink, im: dict, data: _Data) -> None:
 
 def read_import(repo, f) -> dict:
     """Stage the export read from `f` in a snapshot writer of `repo`, check every checksum,
-    then commit. Any failure aborts the writer (nothing of the file stays)."""
+    then commit. Any failure aborts the writer (nothing of the file stays). `repo` may be a
+    callable returning the repository: it is called once the header and manifest are read
+    (a file that is no export never creates a repository)."""
     from gpusnap.repo.codec import codec_id
     from gpusnap.repo.format import FormatError, parse_manifest
 
@@ -319,6 +321,8 @@ def read_import(repo, f) -> dict:
         compress = "auto"
     meta = dict(m.get("meta") or {})
     meta["imported_from"] = {"id": src_id, "repo_id": m.get("repo_id"), "created": m.get("created")}
+    if callable(repo):
+        repo = repo()
     with repo.writer_lock():
         for s in repo.snapshots():   # importing the same snapshot twice keeps one copy
             if s.id == src_id or (s.meta.get("imported_from") or {}).get("id") == src_id:

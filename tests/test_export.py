@@ -135,6 +135,8 @@ def test_real_job_exported_imported_and_restored(sample_job, tmp_path, reference
     (tmp_path / "bad.gsx").write_bytes(bytes(bad))
     assert run_gpusnap("import", tmp_path / "bad.gsx", "--repo", repo_b).returncode == BadExportFile.exit_code
     assert not (repo_b / "snapshots").exists() or os.listdir(repo_b / "snapshots") == []
+    assert run_gpusnap("import", "-", "--repo", repo_b, input="not an export").returncode == BadExportFile.exit_code
+    assert not repo_b.exists() or os.listdir(repo_b / "snapshots") == []
     # through a pipe, into the second repository, and restored from there
     proc = subprocess.run(f"{' '.join(GPUSNAP)} export {info['snapshot']} -o - | "
                           f"{' '.join(GPUSNAP)} import --repo {repo_b} -", shell=True, capture_output=True,

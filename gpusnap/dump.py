@@ -176,6 +176,8 @@ def _retain(repo, name: str, keep_last: int) -> list[str]:
     if plan.delete:
         with repo.readers_lock(exclusive=True):
             prune_mod.execute_prune(repo, plan, dry_run=False)
+        from gpusnap.forget import sweep_logs
+        sweep_logs(repo)   # the logs of the snapshots that went
     return list(plan.delete)
 
 

@@ -195,3 +195,23 @@ def test_dump_and_restore_json(sample_job, repo, tmp_path, world):
     r = check(0, "restore", d["snapshot"])
     kill_pids([r["pid"], *r.get("pids", []), *job.pids])
     check(SnapshotNotFound.exit_code, "restore", "nope", "--repo", repo)
+
+
+@pytest.mark.skipif(not HAVE_RUNUSER, reason="needs root and runuser to run as another user")
+@pytest.mark.parametrize("args", [
+    ["schedule", "add", "--match", "no-such-job-xyz", "--name", "nobodys", "--every", "30m"],
+    ["import", "-", "--repo", "/var/lib/gpusnap-nobody-cannot/repo"],
+    ["doctor"],
+    ["ps"],
+])
+def test_not_root_any_command_has_gpusnaps_own_error(args):
+    """Whatever the outcome as user nobody (the schedule module decides its own checks): one
+    JSON object, or gpusnap's own message with a hint; never a traceback or a usage box."""
+    for json_ in (True, False):
+        proc = subprocess.run(["runuser", "-u", "nobody", "--", *GPUSNAP, *args, *(["--json"] if json_ else [])],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120, input="")
+        assert "Traceback" not in proc.stderr and "Usage:" not in proc.stderr, proc.stderr
+        if json_:
+            one_object(proc)
+        elif proc.returncode not in (0, 1):
+            assert proc.stderr.startswith("gpusnap: ") and "hint: " in proc.stderr, proc.stderr

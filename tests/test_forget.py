@@ -180,6 +180,15 @@ def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sampl
     kept = sorted(os.listdir(repo / "logs" / snapdir))
     assert len([k for k in kept if k.startswith("dump-")]) == 1, kept
     assert len([k for k in kept if k.startswith("restore-")]) == 2, kept
-    run_json("forget", snapdir, "--repo", repo)
-    assert not (repo / "logs" / snapdir).exists()
+    # a retention by dump --keep-last takes the logs of what it prunes
+    r = run_json("restore", d["snapshot"])
+    try:
+        d2 = run_json("dump", r["pid"], "--repo", repo, "--name", "logged", "--keep-last", "1")
+    finally:
+        kill_pids([r["pid"], *r.get("pids", []), *job.pids])
+    assert d2["pruned"] and not (repo / "logs" / snapdir).exists()
+    snapdir2 = os.path.basename(d2["snapshot"])
+    assert [k for k in os.listdir(repo / "logs" / snapdir2) if k.startswith("dump-")]
+    run_json("forget", snapdir2, "--repo", repo)
+    assert not (repo / "logs" / snapdir2).exists()
     assert all(os.path.isfile(p) for p in logs)      # failed dumps belong to no snapshot: kept

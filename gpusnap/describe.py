@@ -171,13 +171,15 @@ def processes(snap) -> list[dict[str, Any]]:
         ids = (_load(snap, f"ids-{pid}.img") or [{}])[0]
         fs = (_load(snap, f"fs-{pid}.img") or [{}])[0]
         mm = (_load(snap, f"mm-{pid}.img") or [{}])[0]
-        cmdline = None
+        cmdline, cmdline_from = None, None
         if mm.get("mm_arg_end", 0) > mm.get("mm_arg_start", 0):
             raw = _read_memory(snap, pagemap, [(int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))])[0]
             if raw is not None:
                 cmdline = [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
+                cmdline_from = "memory"
         if cmdline is None and pid == meta.get("pid") and meta.get("cmdline"):
-            cmdline = [meta["cmdline"]]
+            # too big to read here (CMDLINE_READ_LIMIT): the line recorded at dump, one string
+            cmdline, cmdline_from = [meta["cmdline"]], "dump"
         fds = []
         fdinfo = _load(snap, f"fdinfo-{ids.get('files_id')}.img") if "files_id" in ids else None
         for fd in fdinfo or []:
@@ -186,7 +188,7 @@ def processes(snap) -> list[dict[str, Any]]:
         root = fdesc(int(fs["root_id"])).get("path") if "root_id" in fs else None
         cuda = pid in (meta.get("cuda_pids") or [])
         rows.append({"pid": pid, "ppid": int(e.get("ppid", 0)), "pgid": e.get("pgid"), "sid": e.get("sid"),
-                     "comm": comm, "cmdline": cmdline, "cwd": cwd, "root": root,
+                     "comm": comm, "cmdline": cmdline, "cmdline_from": cmdline_from, "cwd": cwd, "root": root,
                      "threads": len(e.get("threads", [])) or 1, "memory_bytes": pages * PAGE,
                      "pages_image": f"pages-{pagemap[0].get('pages_id')}.img" if pagemap else None,
                      "cuda": cuda, "fds": fds})

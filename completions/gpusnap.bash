@@ -7,7 +7,7 @@ _gpusnap_words() {
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --name --prune --repo -h -n" ;;
         "import") echo "--help --json --repo -h" ;;
-        "inspect") echo "--help --json --repo -h" ;;
+        "inspect") echo "--help --images --json --repo -h" ;;
         "ls") echo "--help --json --name --repo -h" ;;
         "prune") echo "--all --dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;

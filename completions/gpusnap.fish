@@ -81,6 +81,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps restore schedule verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps restore schedule verify' -F
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l images
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps restore schedule verify' -s h

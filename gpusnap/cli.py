@@ -257,6 +257,7 @@ def ls_cmd(
 def inspect(
     snapshot: str = typer.Argument(..., metavar="DIR|NAME"),
     repo: Optional[Path] = RepoOpt,
+    images: bool = typer.Option(False, "--images", help="Also list CRIU's image files with their page statistics."),
     json_: bool = JsonOpt,
 ) -> None:
     """Show a snapshot: processes with command lines and cwd, open files (do they still match
@@ -270,7 +271,7 @@ def inspect(
     if json_:
         _emit_json(report)
         return
-    describe.render(report, out)
+    describe.render(report, out, images=images)
 
 
 @app.command()

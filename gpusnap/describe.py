@@ -219,7 +219,7 @@ def describe(repository, snap) -> dict[str, Any]:
     return report
 
 
-def render(report: dict[str, Any], console) -> None:
+def render(report: dict[str, Any], console, images: bool = False) -> None:
     """The human view. Everything from the snapshot goes through rich Text, never markup:
     a command line like `train.py --layers [idx]` must print as it is."""
     from rich.table import Table
@@ -229,7 +229,7 @@ def render(report: dict[str, Any], console) -> None:
     from gpusnap.render import human_bytes, plain
     from gpusnap.repo import inspect as repo_inspect
 
-    repo_inspect.render(report, console)
+    repo_inspect.render(report, console, images=images)
     table = Table(title="processes", box=None, title_justify="left")
     for col in ("pid", "ppid", "command", "threads", "memory", "GPU", "cwd"):
         table.add_column(col, justify="right" if col in ("pid", "ppid", "threads", "memory") else "left")
@@ -263,3 +263,7 @@ def render(report: dict[str, Any], console) -> None:
         gpu_procs.render_recorded(report["gpu"], console)
     else:
         console.print("GPU: none recorded (a CPU-only job)")
+    changed = report.get("files_changed") or []
+    if changed:
+        console.print(Text(f"restore will fail until these files are as they were at the dump: "
+                           f"{', '.join(changed)}", style="bold red"))

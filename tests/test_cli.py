@@ -106,6 +106,9 @@ def test_inspect_shows_what_a_restore_depends_on(tmp_path):
         text = run_gpusnap("inspect", d["snapshot"], check=True, env={"COLUMNS": "250"}).stdout
         assert "--layers [idx]" in text
         assert "differs" in text and f"127.0.0.1:{port}" in text
+        assert "restore will fail until these files are as they were" in " ".join(text.split())
+        assert "pages-" not in text     # CRIU's image files only on request
+        assert "pages-" in run_gpusnap("inspect", d["snapshot"], "--images", check=True).stdout
         os.unlink(data)
         assert run_json("inspect", d["snapshot"])["files_changed"] == [str(data)]
         assert {f["path"]: f for f in run_json("inspect", d["snapshot"])["files"]}[str(data)]["now_status"] == "missing"

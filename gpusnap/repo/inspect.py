@@ -90,7 +90,7 @@ def inspect_snapshot(repo: Repository, snap: Snapshot) -> dict:
     return snapshot_stats(repo, snap)
 
 
-def render(report: dict, console) -> None:
+def render(report: dict, console, images: bool = True) -> None:
     """Human-readable form of inspect_snapshot()'s report (console: anything with print()).
     The snapshot path is escaped: it may hold `[...]`, which rich would read as markup."""
     from rich.markup import escape
@@ -104,7 +104,7 @@ def render(report: dict, console) -> None:
     ratio = r["bytes_stored"] / r["bytes_raw"] if r["bytes_raw"] else 0
     console.print(f"bytes: {human(r['bytes_raw'])} from CRIU, {human(r['bytes_stored'])} stored by this dump "
                   f"({ratio:.1%}); now {human(r['bytes_unique'])} unique, {human(r['bytes_shared'])} shared")
-    for im in r["images"]:
+    for im in r["images"] if images else []:
         if im["type"] == "pages":
             console.print(f"  {im['name']}: {human(im['size'])}, {im['pages']} pages ({im['pages_zero']} zero, "
                           f"{im['pages_dedup']} dedup, {im['pages_compressed']} compressed, {im['pages_raw']} raw)")

@@ -12,7 +12,17 @@ import os
 import shutil
 from dataclasses import dataclass, field
 
-from gpusnap.errors import SnapshotNotFound, UsageError
+from gpusnap.errors import CorruptSnapshot, SnapshotNotFound, UsageError
+
+
+@dataclass
+class Unreadable:
+    """A snapshot directory whose manifest cannot be read: forget may still drop it when it
+    is named explicitly (its directory name or path), which is how a user gets rid of it."""
+    path: object
+    id: str | None = None
+    name: str | None = None
+    created: float | None = None
 
 
 @dataclass
@@ -69,6 +79,22 @@ def _resolve(repo, ref: str):
     return repo.snapshot(ref)
 
 
+def _snapshot_dir(repo, ref: str):
+    """REPO/snapshots/<dir> for a directory name or path inside this repository, else None."""
+    from pathlib import Path
+
+    sd = repo.path / "snapshots"
+    p = Path(ref)
+    cand = p if ("/" in ref or p.is_absolute()) else sd / ref
+    try:
+        cand = cand.absolute()
+        if cand.parent.resolve() == sd.resolve() and cand.is_dir() and not cand.name.startswith("."):
+            return sd / cand.name
+    except OSError:
+        pass
+    return None
+
+
 def select(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
            all_: bool = False) -> tuple[list, list]:
     """(snapshots to forget, snapshots kept), both oldest first."""
@@ -78,9 +104,18 @@ def select(repo, refs: list[str], name: str | None = None, keep_last: int | None
     if refs:
         if keep_last is not None or all_ or name is not None:
             raise UsageError("give snapshots, or --name/--keep-last/--all, not both")
-        doomed_ids: set[str] = set()
+        doomed_paths: dict = {}
         for ref in refs:
-            doomed_ids.add(_resolve(repo, ref).id)
+            try:
+                s = _resolve(repo, ref)
+            except CorruptSnapshot:
+                p = _snapshot_dir(repo, ref)
+                if p is None:
+                    raise
+                s = Unreadable(p)
+            doomed_paths.setdefault(s.path.name, s)
+        doomed = sorted(doomed_paths.values(), key=lambda s: (s.created or 0, s.path.name))
+        return doomed, [s for s in snaps if s.path.name not in doomed_paths]
     else:
         if all_ and keep_last is None:
             keep_last = 0
@@ -115,7 +150,7 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
         if prune:
             if dry_run:
                 # what prune would free once these are gone: plan their deletion, change nothing
-                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[s.id for s in doomed])
+                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[s.id for s in doomed if s.id])
             else:
                 plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[])
             res.prune = prune_mod.execute_prune(repo, plan, dry_run=dry_run).to_dict()

@@ -192,3 +192,21 @@ def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sampl
     run_json("forget", snapdir2, "--repo", repo)
     assert not (repo / "logs" / snapdir2).exists()
     assert all(os.path.isfile(p) for p in logs)      # failed dumps belong to no snapshot: kept
+
+
+def test_an_unreadable_snapshot_can_be_forgotten_by_its_directory(tmp_path):
+    """A snapshot whose manifest is damaged blocks prune; naming its directory forgets it."""
+    repo, images = _repo(tmp_path, names=("a", "a", "b"))
+    broken = images[1][0].path
+    m = broken / "manifest"
+    data = bytearray(m.read_bytes())
+    data[10] ^= 1
+    m.write_bytes(bytes(data))
+    assert run_gpusnap("prune", "--repo", repo.path).returncode != 0      # refuses while it is there
+    proc = run_gpusnap("forget", "a", "--repo", repo.path)                # by name: only readable ones count
+    assert proc.returncode == 0 and broken.exists()
+    res = run_json("forget", broken.name, "--repo", repo.path)
+    assert [f["dir"] for f in res["snapshots_forgotten"]] == [broken.name] and not broken.exists()
+    assert run_json("prune", "--repo", repo.path)["bytes_freed"] > 0
+    assert verify(Repository.open(repo.path)).ok
+    assert [n for n, _ in _names(repo.path)] == ["b"]

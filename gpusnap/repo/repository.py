@@ -214,12 +214,14 @@ class Repository:
                                    "give more digits of the id")
         raise SnapshotNotFound(f"no snapshot {ref!r} in repository {self.path}", "list them with: gpusnap ls")
 
-    def remove_snapshot(self, snap: "Snapshot") -> None:
+    def remove_snapshot(self, snap) -> None:
         """Delete one committed snapshot: its directory and its kept logs (REPO/logs/<dir>/).
         The data it referenced stays until prune finds nothing needs it. Readers never see a
         half-deleted snapshot: the directory is renamed to snapshots/.del-* (ignored by every
-        reader, removed by prune if a crash leaves it) before it is deleted. The caller holds
-        the writer lock, and the readers lock exclusively (a restore may be reading it)."""
+        reader, removed by prune if a crash leaves it) before it is deleted. `snap` is a
+        Snapshot, or anything with the `path` of a snapshot directory (one whose manifest is
+        unreadable). The caller holds the writer lock, and the readers lock exclusively (a
+        restore may be reading it)."""
         import shutil
         if not self.holds_lock():
             raise RepositoryError("remove_snapshot() needs the repository's writer lock (use repo.writer_lock())")

@@ -63,10 +63,14 @@ _gpusnap_arg_kind() {
         "verify") echo snapshot ;;
     esac
 }
-_gpusnap_snapshots() {  # $1: the repository; directory names only, nothing opened
+_gpusnap_snapshots() {  # $1: the repository; directory names and the names in them, nothing opened
     local d="$1/snapshots" x
     [ -r "$d" ] || return 0
-    for x in "$d"/*/; do [ -d "$x" ] && x="${x%/}" && echo "${x##*/}"; done
+    for x in "$d"/*/; do
+        [ -d "$x" ] || continue
+        x="${x%/}"; x="${x##*/}"; echo "$x"
+        echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)
+    done | sort -u
 }
 _gpusnap_schedules() {
     local f

@@ -15,8 +15,10 @@ function __gpusnap_snapshots
     set -l d (__gpusnap_repo)/snapshots
     test -r $d; or return 0
     for x in $d/*/
-        basename $x
-    end
+        set -l b (basename $x)
+        echo $b
+        string replace -r -- '-\d{8}T\d{6}Z(-\d+)?$' '' $b
+    end | sort -u
 end
 function __gpusnap_schedules
     set -l dir /etc/cron.d

@@ -5,7 +5,7 @@ switched off so there is no second, different behaviour.
 
 Static scripts need no Python at completion time. What they complete beyond command and
 option names: codecs after `--compress`, directories after `--repo`, files where a file is
-expected, snapshot directory names for restore/inspect/verify/forget/export (read from
+expected, snapshot directory names and snapshot names for restore/inspect/verify/forget/export (read from
 `REPO/snapshots/`, the repository being `--repo` on the line, else $GPUSNAP_REPO, else
 /var/lib/gpusnap: one directory listing, nothing opened), and schedule names for
 `schedule rm` (gpusnap-NAME files in $GPUSNAP_CRON_DIR or /etc/cron.d, gpusnap-NAME.timer
@@ -73,10 +73,14 @@ def _sh_tables(tree, values) -> list[str]:
     for path, kind in sorted(ARGUMENTS.items()):
         lines.append(f'        "{path}") echo {kind} ;;')
     lines += ["    esac", "}",
-              "_gpusnap_snapshots() {  # $1: the repository; directory names only, nothing opened",
+              "_gpusnap_snapshots() {  # $1: the repository; directory names and the names in them, nothing opened",
               '    local d="$1/snapshots" x',
               '    [ -r "$d" ] || return 0',
-              '    for x in "$d"/*/; do [ -d "$x" ] && x="${x%/}" && echo "${x##*/}"; done',
+              '    for x in "$d"/*/; do',
+              '        [ -d "$x" ] || continue',
+              '        x="${x%/}"; x="${x##*/}"; echo "$x"',
+              '        echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)',
+              '    done | sort -u',
               "}",
               "_gpusnap_schedules() {",
               "    local f",
@@ -177,8 +181,10 @@ def fish() -> str:
              "    set -l d (__gpusnap_repo)/snapshots",
              "    test -r $d; or return 0",
              "    for x in $d/*/",
-             "        basename $x",
-             "    end",
+             "        set -l b (basename $x)",
+             "        echo $b",
+             "        string replace -r -- '-\\d{8}T\\d{6}Z(-\\d+)?$' '' $b",
+             "    end | sort -u",
              "end",
              "function __gpusnap_schedules",
              "    set -l dir /etc/cron.d",

@@ -60,9 +60,9 @@ def test_bash(repo):
     assert _bash(["gpusnap", "schedule", "a"]) == ["add"]
     assert _bash(["gpusnap", "dump", "--compress", ""]) == sorted(CODECS)
     assert _bash(["gpusnap", "dump", "--compress", "z"]) == ["zstd"]
-    assert _bash(["gpusnap", "restore", "--repo", str(repo), "tr"]) == SNAPS[:2]
+    assert _bash(["gpusnap", "restore", "--repo", str(repo), "tr"]) == ["train", *SNAPS[:2]]
     for cmd in ("inspect", "verify", "forget", "export"):
-        assert _bash(["gpusnap", cmd, "f"], env={"GPUSNAP_REPO": str(repo)}) == [SNAPS[2]]
+        assert _bash(["gpusnap", cmd, "f"], env={"GPUSNAP_REPO": str(repo)}) == ["fold", SNAPS[2]]
     assert _bash(["gpusnap", "restore", "tr"], env={"GPUSNAP_REPO": str(repo / "nowhere")}) == []
     got = _bash(["gpusnap", "schedule", "rm", ""], env={"GPUSNAP_CRON_DIR": str(repo.parent / "cron.d")})
     assert "nightly" in got and "add" not in got and not [w for w in got if not w.startswith("-") and w != "nightly"]
@@ -81,9 +81,9 @@ def test_fish(repo):
     subprocess.run(["fish", "-n", str(COMPLETIONS / "gpusnap.fish")], check=True)
     assert complete("gpusnap du") == ["dump"]
     assert complete("gpusnap dump --compress ") == sorted(CODECS)
-    assert complete(f"gpusnap restore --repo {repo} tr") == SNAPS[:2]
+    assert complete(f"gpusnap restore --repo {repo} tr") == ["train", *SNAPS[:2]]
     for cmd in ("inspect", "verify", "forget", "export"):
-        assert complete(f"gpusnap {cmd} f", env={"GPUSNAP_REPO": str(repo)}) == [SNAPS[2]]
+        assert complete(f"gpusnap {cmd} f", env={"GPUSNAP_REPO": str(repo)}) == ["fold", SNAPS[2]]
     assert complete("gpusnap schedule rm ", env={"GPUSNAP_CRON_DIR": str(repo.parent / "cron.d")}) == ["nightly"]
 
 
@@ -127,9 +127,11 @@ def test_zsh(repo):
     env = {"GPUSNAP_REPO": str(repo), "GPUSNAP_CRON_DIR": str(repo.parent / "cron.d")}
     shown = _zsh_tab("gpusnap dump --compress ", "shuffle2-zstd", env)
     assert all(c in shown for c in CODECS), shown
-    shown = _zsh_tab(f"gpusnap restore --repo {repo} tr", "train-20261130T1", env)
-    assert "train-20261130T1" in shown and "fold" not in shown, shown
-    shown = _zsh_tab("gpusnap inspect fo", SNAPS[2], env)     # unique: completed in place
+    shown = _zsh_tab(f"gpusnap restore --repo {repo} tr", "repo train", env)   # the name, the common prefix
+    assert "fold" not in shown, shown
+    shown = _zsh_tab(f"gpusnap restore --repo {repo} train-20261130T1", "T111500Z", env)   # ambiguous: listed
+    assert SNAPS[0] in shown and SNAPS[1] in shown and "fold" not in shown, shown
+    shown = _zsh_tab("gpusnap inspect fold-", SNAPS[2], env)     # unique: completed in place
     assert SNAPS[2] in shown, shown
     shown = _zsh_tab("gpusnap schedule rm ni", "nightly", env)
     assert "nightly" in shown, shown

@@ -315,6 +315,12 @@ def read_import(repo, f) -> dict:
         m, src_id = parse_manifest(mbytes)
     except FormatError as e:
         raise _bad(f"manifest: {e}") from None
+    try:
+        created = float(m["created"])
+    except (TypeError, ValueError, KeyError):
+        created = -1.0
+    if not 0 <= created < 2 ** 33:      # it names the snapshot directory (a UTC time stamp)
+        raise _bad("the manifest's creation time is out of range")
     compress = m.get("compress", "auto")
     try:
         codec_id(compress)
@@ -332,7 +338,7 @@ def read_import(repo, f) -> dict:
                 return {"snapshot": str(s.path), "id": s.id, "name": s.name, "source_id": src_id,
                         "already_present": True, "bytes_read": src.n, "bytes_stored": 0}
         w = repo.new_snapshot(m["name"], compress=compress, meta=meta)
-        w.created = float(m["created"])   # the snapshot keeps the time its dump started
+        w.created = created   # the snapshot keeps the time its dump started
         try:
             data = _Data(src)
             for im in m["images"]:

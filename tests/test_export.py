@@ -152,3 +152,34 @@ def test_real_job_exported_imported_and_restored(sample_job, tmp_path, reference
         assert job.result() == expected
     finally:
         kill_pids(job.pids)
+
+
+def test_every_flipped_byte_is_refused_in_process(tmp_path):
+    """Flip bytes all over an export (header, record heads, manifest, page lists, data,
+    trailer): each import fails with BadExportFile, never another exception, and leaves the
+    receiving repository as it was."""
+    import io
+    import random
+
+    repo, snap, _ = _sample(tmp_path)
+    buf = io.BytesIO()
+    exchange.write_export(snap, buf)
+    good = buf.getvalue()
+    target = Repository.open(tmp_path / "b", create=True)
+    dump(target, {"pages-1.img": os.urandom(PAGE * 3)}, name="resident")
+    before = _tree(target.path)
+    rnd = random.Random(5)
+    positions = list(range(0, 64)) + [len(good) - k for k in range(1, 40)] + \
+        [rnd.randrange(len(good)) for _ in range(60)]
+    for pos in positions:
+        bad = bytearray(good)
+        bad[pos] ^= 1 << rnd.randrange(8)
+        with pytest.raises(BadExportFile):
+            exchange.read_import(Repository.open(target.path), io.BytesIO(bytes(bad)))
+    for cut in (0, 1, 15, 16, 27, len(good) // 2, len(good) - 33, len(good) - 1):
+        with pytest.raises(BadExportFile):
+            exchange.read_import(Repository.open(target.path), io.BytesIO(good[:cut]))
+    after = _tree(target.path)
+    assert {k: v for k, v in after.items() if not k.startswith("locks/")} == \
+        {k: v for k, v in before.items() if not k.startswith("locks/")}
+    exchange.read_import(Repository.open(target.path), io.BytesIO(good))     # the intact file still imports

@@ -3,7 +3,7 @@ _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump export forget import inspect ls prune ps restore schedule verify --help --version -h" ;;
         "doctor") echo "--help --json -h" ;;
-        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --tcp-established -h -q" ;;
+        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --name --prune --repo -h -n" ;;
         "import") echo "--help --json --repo -h" ;;
@@ -12,10 +12,11 @@ _gpusnap_words() {
         "prune") echo "--all --dry-run --help --json --keep-last --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "restore") echo "--gpu-map --help --json --quiet --repo -h -q" ;;
-        "schedule") echo "add ls rm --help -h" ;;
-        "schedule add") echo "--cron --every --help --json --keep-last --match --name --repo -h" ;;
+        "schedule") echo "add ls rm run --help -h" ;;
+        "schedule add") echo "--cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
         "schedule ls") echo "--help --json -h" ;;
         "schedule rm") echo "--help --json -h" ;;
+        "schedule run") echo "--config-dir --help --json -h" ;;
         "verify") echo "--help --json --repo --structure-only -h" ;;
     esac
 }
@@ -28,6 +29,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "dump|--name") echo text ;;
         "dump|--pidfile") echo file ;;
         "dump|--repo") echo dir ;;
+        "dump|--user") echo text ;;
         "export|--output") echo file ;;
         "export|--repo") echo dir ;;
         "export|-o") echo file ;;
@@ -49,6 +51,8 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "schedule add|--match") echo text ;;
         "schedule add|--name") echo text ;;
         "schedule add|--repo") echo dir ;;
+        "schedule add|--user") echo text ;;
+        "schedule run|--config-dir") echo text ;;
         "verify|--repo") echo dir ;;
     esac
 }
@@ -60,6 +64,7 @@ _gpusnap_arg_kind() {
         "inspect") echo snapshot ;;
         "restore") echo snapshot ;;
         "schedule rm") echo schedule ;;
+        "schedule run") echo schedule ;;
         "verify") echo snapshot ;;
     esac
 }
@@ -72,11 +77,11 @@ _gpusnap_snapshots() {  # $1: the repository; directory names and the names in t
         echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)
     done | sort -u
 }
-_gpusnap_schedules() {
+_gpusnap_schedules() {  # the schedules' records (gpusnap/schedule.py: spec_dir)
     local f
-    for f in "${GPUSNAP_CRON_DIR:-/etc/cron.d}"/gpusnap-* /etc/systemd/system/gpusnap-*.timer; do
+    for f in "${GPUSNAP_SCHEDULE_DIR:-/etc/gpusnap/schedules}"/*.json; do
         [ -e "$f" ] || continue
-        f="${f##*/gpusnap-}"; echo "${f%.timer}"
+        f="${f##*/}"; echo "${f%.json}"
     done
 }
 _gpusnap() {

@@ -21,10 +21,10 @@ function __gpusnap_snapshots
     end | sort -u
 end
 function __gpusnap_schedules
-    set -l dir /etc/cron.d
-    set -q GPUSNAP_CRON_DIR; and set dir $GPUSNAP_CRON_DIR
-    for f in $dir/gpusnap-* /etc/systemd/system/gpusnap-*.timer
-        string replace -r '^.*/gpusnap-' '' -- $f | string replace -r '\.timer$' ''
+    set -l dir /etc/gpusnap/schedules
+    set -q GPUSNAP_SCHEDULE_DIR; and set dir $GPUSNAP_SCHEDULE_DIR
+    for f in $dir/*.json
+        string replace -r '^.*/' '' -- $f | string replace -r '\.json$' ''
     end
 end
 complete -c gpusnap -n '__fish_use_subcommand' -a doctor
@@ -57,6 +57,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l tcp-established
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -l user -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps restore schedule verify' -s q
 complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps restore schedule verify' -l help
@@ -113,11 +114,12 @@ complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_s
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -s q
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps schedule verify' -a '(__gpusnap_snapshots)'
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm' -a add
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm' -a ls
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm' -a rm
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm run' -a add
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm run' -a ls
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm run' -a rm
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm run' -a run
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm run' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore verify && not __fish_seen_subcommand_from add ls rm run' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help
@@ -125,7 +127,9 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l match -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l replace
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l user -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from ls' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from ls' -l json
@@ -134,6 +138,11 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from rm' -a '(__gpusnap_schedules)'
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l config-dir -x
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -a '(__gpusnap_schedules)'
 complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore schedule' -l repo -x -a '(__fish_complete_directories)'

@@ -7,6 +7,7 @@ place, `main()`. `--json` prints exactly one JSON object on stdout (an error obj
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -97,9 +98,8 @@ def _progress(label: str, enabled: bool):
     return bar, update
 
 
-def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path]) -> int:
-    from gpusnap import proc
-
+def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
+                 user: Optional[str] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
     if sum(given) != 1:
         raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
@@ -109,16 +109,9 @@ def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Pat
         except (OSError, ValueError, IndexError):
             raise UsageError(f"--pidfile {pidfile}: no PID could be read from it") from None
     if match is not None:
-        hits = proc.find_matching(match)
-        if not hits:
-            from gpusnap.errors import ProcessNotFound
+        from gpusnap import validate
 
-            raise ProcessNotFound(f"no running process matches {match!r}")
-        if len(hits) > 1:
-            listing = "; ".join(f"{p}: {proc.cmdline(p)[:60]}" for p in hits[:5])
-            raise UsageError(f"{len(hits)} process trees match {match!r} ({listing})",
-                             hint="make the pattern more specific, or pass the PID")
-        return hits[0]
+        return validate.find_job(match, None if user is None else validate.resolve_user(user))
     return pid  # type: ignore[return-value]
 
 
@@ -129,6 +122,8 @@ def dump(
                                         help="Find the job by a regular expression on its command line."),
     pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", readable=False,
                                             help="Read the PID from FILE."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="With --match: only this user's processes."),
     repo: Optional[Path] = RepoOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
@@ -153,7 +148,9 @@ def dump(
     from gpusnap import locate
     from gpusnap.dump import DumpRequest, dump as do_dump
 
-    target = _resolve_pid(pid, match, pidfile)
+    if user is not None and match is None:
+        raise UsageError("--user only narrows --match")
+    target = _resolve_pid(pid, match, pidfile, user)
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
                       keep_last=keep_last)
@@ -164,10 +161,22 @@ def dump(
     else:
         result = do_dump(req)
     data = result.to_dict()
+    from gpusnap.dump import retention_error
+
+    failed = retention_error(result)
     if json_:
+        if failed is not None:
+            data.update({"error": failed.title, "message": failed.message, "exit_code": failed.exit_code,
+                         "hint": failed.hint})
         _emit_json(data)
+        if failed is not None:
+            raise typer.Exit(failed.exit_code)
         return
     out.print(result.snapshot, markup=False)
+    for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
+        err.print(f"gpusnap: warning: retention: {w}", style="yellow", markup=False)
+    if failed is not None:
+        raise failed
     if not quiet and err.is_terminal:
         ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
@@ -222,7 +231,7 @@ def ls_cmd(
     root = _repo_root(repo)
     rows = []
     totals = {"snapshots": 0, "names": 0, "bytes_raw": 0, "bytes_stored": 0, "ratio": None}
-    if (root / "config").exists():
+    if os.path.lexists(root):     # a file, or a directory that is no repository: an error, not "empty"
         repository = Repository.open(root)
         usage = repository.usage()
         totals = repo_inspect.repo_totals(repository, usage)
@@ -292,7 +301,9 @@ def verify(
         refs = [str(snap.path)]
     else:
         repository, refs = _open_repo(repo), None
-    report = verify_mod.verify(repository, refs, read_data=not structure_only)
+    # a prune deleting snapshots while verify reads them must not look like damage: wait for it
+    with repository.readers_lock():
+        report = verify_mod.verify(repository, refs, read_data=not structure_only)
     data = report.to_dict()
     failure = None
     if not report.ok:
@@ -362,6 +373,11 @@ def prune(
               f"{data.get('packs_deleted', 0)}, rewritten: {data.get('packs_rewritten', 0)}; "
               f"{'would free' if data.get('dry_run') else 'freed'} {_human(data.get('bytes_freed', 0))}",
               markup=False)
+    for why in data.get("unreadable", []):
+        err.print(f"gpusnap: warning: left alone: {why}", style="yellow", markup=False)
+    if data.get("data_kept"):
+        err.print(f"gpusnap: warning: {data['data_kept']} (`gpusnap forget DIR` drops a snapshot beyond repair)",
+                  style="yellow", markup=False)
 
 
 @app.command()
@@ -479,40 +495,60 @@ def ps(json_: bool = JsonOpt) -> None:
 @schedule_app.command("add")
 def schedule_add(
     match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
-    name: str = typer.Option(..., "--name", help="Snapshot name, also the schedule's name."),
+    name: str = typer.Option(..., "--name", help="Schedule name, also the snapshot name ([A-Za-z0-9_-])."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
     keep_last: int = typer.Option(4, "--keep-last", metavar="N", min=1, help="Snapshots of this name to keep."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="Owner of the job (default: whoever owns what --match finds now); "
+                                            "only this user's processes are ever dumped."),
+    replace: bool = typer.Option(False, "--replace", help="Overwrite an existing schedule of this name."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Snapshot a job periodically (a file in /etc/cron.d), keeping the newest N."""
+    """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo)
+    s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
+                     replace=replace)
+    moved = getattr(s, "replaced_repo", None)
     if json_:
-        _emit_json(s.to_dict())
-    else:
-        out.print(f"{s.path}: {s.cron}  {s.command}", markup=False)
+        _emit_json({**s.to_dict(), "replaced_repo": moved})
+        return
+    out.print(f"{s.name}: {s.when}, job {s.match!r} of user {s.user}, repository {s.repo}, keep {s.keep_last}")
+    out.print(f"  {s.backend}: {', '.join(s.files)}; log {s.log}")
+    if moved:
+        err.print(f"[yellow]note: this schedule used repository {moved} before[/]")
 
 
 @schedule_app.command("ls")
 def schedule_ls(json_: bool = JsonOpt) -> None:
-    """List gpusnap's cron schedules."""
+    """List schedules: when, last run, result, next run; a job gone for runs in a row."""
     global _json_mode
     _json_mode = json_
     from gpusnap import schedule
 
-    items = schedule.list_schedules()
+    items = [schedule.status(s) for s in schedule.list_schedules()]
     if json_:
-        _emit_json({"schedules": [s.to_dict() for s in items]})
+        _emit_json({"schedules": items})
         return
-    for s in items:
-        out.print(f"{s.name}\t{s.cron}\t{s.command}", markup=False)
     if not items:
         err.print("no schedules")
+        return
+    table = Table(box=None)
+    for col in ("name", "when", "user", "last run (UTC)", "result", "next run (UTC)", "repository"):
+        table.add_column(col)
+    for st in items:
+        result = st["result"] or "-"
+        if st["job_gone"]:
+            result = f"JOB GONE ({st['runs_without_job']} runs)"
+        elif not st["installed"]:
+            result += " (NOT INSTALLED)"
+        table.add_row(st["name"], st["when"], st["user"], st["last_run"] or "never", result,
+                      st["next_run"] or "-", st["repo"])
+    out.print(table)
 
 
 @schedule_app.command("rm")
@@ -526,7 +562,28 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
     if json_:
         _emit_json(s.to_dict())
     else:
-        out.print(f"removed {s.path}", markup=False)
+        out.print(f"removed schedule {s.name} ({', '.join(s.files)})")
+
+
+@schedule_app.command("run")
+def schedule_run(
+    name: str = typer.Argument(...),
+    config_dir: Optional[Path] = typer.Option(None, "--config-dir", metavar="DIR",
+                                              help="Where the schedule's record is (default /etc/gpusnap/schedules)."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Run a schedule once, as its timer or cron line does; logs one JSON line."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import schedule
+
+    rec = schedule.run(name, config_dir)
+    for w in rec.get("warnings", []):
+        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+    if json_:
+        _emit_json(rec)
+    else:
+        out.print(rec.get("snapshot", ""))
 
 
 @app.callback(invoke_without_command=True)

@@ -8,8 +8,7 @@ option names: codecs after `--compress`, directories after `--repo`, files where
 expected, snapshot directory names and snapshot names for restore/inspect/verify/forget/export (read from
 `REPO/snapshots/`, the repository being `--repo` on the line, else $GPUSNAP_REPO, else
 /var/lib/gpusnap: one directory listing, nothing opened), and schedule names for
-`schedule rm` (gpusnap-NAME files in $GPUSNAP_CRON_DIR or /etc/cron.d, gpusnap-NAME.timer
-units in /etc/systemd/system).
+`schedule rm`/`run` (the NAME.json records in $GPUSNAP_SCHEDULE_DIR or /etc/gpusnap/schedules).
 """
 
 from __future__ import annotations
@@ -22,7 +21,8 @@ DEFAULT_REPO = "/var/lib/gpusnap"
 OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file"}
 # what a command's positional arguments are
 ARGUMENTS = {"restore": "snapshot", "inspect": "snapshot", "verify": "snapshot", "forget": "snapshot",
-             "export": "snapshot", "import": "file", "schedule rm": "schedule"}
+             "export": "snapshot", "import": "file", "schedule rm": "schedule",
+             "schedule run": "schedule"}
 
 
 def _tree() -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
@@ -82,11 +82,11 @@ def _sh_tables(tree, values) -> list[str]:
               '        echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)',
               '    done | sort -u',
               "}",
-              "_gpusnap_schedules() {",
+              "_gpusnap_schedules() {  # the schedules' records (gpusnap/schedule.py: spec_dir)",
               "    local f",
-              '    for f in "${GPUSNAP_CRON_DIR:-/etc/cron.d}"/gpusnap-* /etc/systemd/system/gpusnap-*.timer; do',
+              '    for f in "${GPUSNAP_SCHEDULE_DIR:-/etc/gpusnap/schedules}"/*.json; do',
               '        [ -e "$f" ] || continue',
-              '        f="${f##*/gpusnap-}"; echo "${f%.timer}"',
+              '        f="${f##*/}"; echo "${f%.json}"',
               "    done",
               "}"]
     return lines
@@ -187,10 +187,10 @@ def fish() -> str:
              "    end | sort -u",
              "end",
              "function __gpusnap_schedules",
-             "    set -l dir /etc/cron.d",
-             "    set -q GPUSNAP_CRON_DIR; and set dir $GPUSNAP_CRON_DIR",
-             "    for f in $dir/gpusnap-* /etc/systemd/system/gpusnap-*.timer",
-             "        string replace -r '^.*/gpusnap-' '' -- $f | string replace -r '\\.timer$' ''",
+             "    set -l dir /etc/gpusnap/schedules",
+             "    set -q GPUSNAP_SCHEDULE_DIR; and set dir $GPUSNAP_SCHEDULE_DIR",
+             "    for f in $dir/*.json",
+             "        string replace -r '^.*/' '' -- $f | string replace -r '\\.json$' ''",
              "    end",
              "end"]
     top = [w for w in tree[""] if not w.startswith("-")]

@@ -609,4 +609,12 @@ def run_doctor(pid: int | None = None) -> DoctorReport:
     _check_driver(r, probe)
     if pid is not None:
         _check_pid(r, int(pid), probe, sysres)
+    _check_schedules(r)
     return r
+
+
+def _check_schedules(r: DoctorReport) -> None:
+    """Can schedules run here (systemd or a cron daemon), and is each one healthy."""
+    from gpusnap import schedule
+
+    schedule.doctor_checks(r.add)

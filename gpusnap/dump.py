@@ -63,6 +63,7 @@ class DumpResult:
     log: str | None = None
     pruned: list[str] = field(default_factory=list)
     prune_error: str | None = None
+    prune_warnings: list[str] = field(default_factory=list)
     # wall seconds per phase: preflight, criu (CRIU running, pages streaming in), drain (the
     # page pipeline and pack writes finishing after CRIU exits), commit (index, manifest,
     # fsyncs, rename), retention
@@ -79,10 +80,25 @@ def default_name(pid: int) -> str:
 
 
 def check_name(name: str) -> str:
-    if not NAME_RX.match(name):
+    if not isinstance(name, str) or not NAME_RX.fullmatch(name):  # whole: no trailing newline
         raise UsageError(f"snapshot name {name!r} is not allowed",
                          hint="use letters, digits, '.', '_' and '-' (up to 64, starting with a letter or digit)")
     return name
+
+
+PF_KTHREAD = 0x00200000
+
+
+def _refuse_kernel_thread(pid: int) -> None:
+    """A kernel thread (kthreadd, PID 2, and its children) has no memory of its own to dump."""
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+        flags = int(st[st.rindex(")") + 2:].split()[6])
+    except (OSError, ValueError, IndexError):
+        return
+    if flags & PF_KTHREAD:
+        raise NotDumpable(f"PID {pid} is a kernel thread; there is no process to snapshot",
+                          hint="give the PID of a user-space process (see `ps -ef`; kernel threads are in [brackets])")
 
 
 def _free_bytes(path: Path) -> int:
@@ -168,17 +184,32 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
                       log_path=kept, last_lines=lines, hint=runner.explain(lines))
 
 
-def _retain(repo, name: str, keep_last: int) -> list[str]:
-    """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock)."""
+def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
+    """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock).
+    Returns (snapshot ids deleted, warnings: entries of snapshots/ that could not be read and
+    were skipped, data kept because of them). Raises on failure."""
     from gpusnap.repo import prune as prune_mod
 
     plan = prune_mod.plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
+    warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
     if plan.delete:
         with repo.readers_lock(exclusive=True):
-            prune_mod.execute_prune(repo, plan, dry_run=False)
-        from gpusnap.forget import sweep_logs
-        sweep_logs(repo)   # the logs of the snapshots that went
-    return list(plan.delete)
+            res = prune_mod.execute_prune(repo, plan, dry_run=False)
+        if res.get("data_kept"):
+            warnings.append(res["data_kept"])
+    return list(plan.delete), warnings
+
+
+def retention_error(result: "DumpResult") -> GpusnapError | None:
+    """The error a dump whose retention failed ends with (its snapshot stays committed)."""
+    from gpusnap.errors import RetentionFailed
+
+    if result.prune_error is None:
+        return None
+    return RetentionFailed(
+        f"snapshot {result.snapshot} is committed, but --keep-last retention failed: {result.prune_error}",
+        hint="older snapshots of this name were not pruned; run `gpusnap verify`, fix what it names, "
+             "then `gpusnap prune --keep-last N --name NAME`")
 
 
 def _kill_tree(pids: list[int]) -> None:
@@ -224,6 +255,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     runner.require_privileges("dump")
     runner.criu_info()
     proc.require_process(req.pid)
+    _refuse_kernel_thread(req.pid)
     name = req.name or default_name(req.pid)
     pids = proc.tree(req.pid)
     estimate = proc.rss_bytes(pids)
@@ -293,7 +325,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if criu.returncode != 0 or server.failed:
                 server.abort()
                 raise _failure(server.error(), criu.returncode, log,
-                               runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}"))
+                               runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
             stopped = not req.leave_running
             server.finish(timeout=30)
             if progress:
@@ -301,18 +333,21 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             phase("drain")
             cuda_pids = _read_cuda_report(workdir / "cuda-report")
             snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0})
-            kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}/dump")
+            kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
             phase("commit")
             if stopped:
                 _kill_tree(pids)
                 stopped = False
             pruned: list[str] = []
             prune_error = None
+            prune_warnings: list[str] = []
             if req.keep_last:
                 try:
-                    pruned = _retain(repo, snap.name, req.keep_last)
-                except GpusnapError as e:  # the snapshot is safe; retention can wait for the next run
+                    pruned, prune_warnings = _retain(repo, snap.name, req.keep_last)
+                except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
                     prune_error = e.message
+                except OSError as e:
+                    prune_error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
                 phase("retention")
         except (KeyboardInterrupt, _Terminate):
             if server is not None:
@@ -339,4 +374,5 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
-        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error, phases=phases)
+        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
+        prune_warnings=prune_warnings, phases=phases)

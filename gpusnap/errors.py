@@ -119,6 +119,20 @@ class NotDumpable(GpusnapError):
     title = "cannot snapshot this process"
 
 
+class RetentionFailed(GpusnapError):
+    """The new snapshot is committed, but `dump --keep-last` could not prune the old ones."""
+
+    exit_code = 21
+    title = "retention failed"
+
+
+class SchedulerUnavailable(GpusnapError):
+    """Neither systemd nor a cron daemon runs here: a schedule would never run."""
+
+    exit_code = 22
+    title = "no scheduler"
+
+
 class Interrupted(GpusnapError):
     exit_code = 130
     title = "interrupted"

@@ -8,8 +8,6 @@ none needs `--name` and an explicit `--all`.
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass, field
 
 from gpusnap.errors import CorruptSnapshot, SnapshotNotFound, UsageError
@@ -87,12 +85,12 @@ def _snapshot_dir(repo, ref: str):
     p = Path(ref)
     cand = p if ("/" in ref or p.is_absolute()) else sd / ref
     try:
-        cand = cand.absolute()
-        if cand.parent.resolve() == sd.resolve() and cand.is_dir() and not cand.name.startswith("."):
-            return sd / cand.name
+        if cand.absolute().parent.resolve() != sd.resolve():
+            return None
     except OSError:
-        pass
-    return None
+        return None
+    # only a directory gpusnap trusts (not a symlink, not another user's): see _snapshot_entries
+    return sd / cand.name if sd / cand.name in repo._snapshot_dirs() else None
 
 
 def select(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
@@ -157,19 +155,9 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
     return res
 
 
-def sweep_logs(repo) -> list[str]:
-    """Remove kept logs whose snapshot is gone (REPO/logs/<dir>/ without snapshots/<dir>):
-    whoever deleted the snapshot (forget, prune, a retention), its logs go with it."""
-    logs = repo.path / "logs"
-    removed = []
-    try:
-        entries = os.listdir(logs)
-    except OSError:
-        return removed
-    snaps = repo.path / "snapshots"
-    for n in entries:
-        p = logs / n
-        if not n.startswith(".") and p.is_dir() and not p.is_symlink() and not (snaps / n).is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(n)
-    return removed
+def sweep_logs(repo) -> int:
+    """Remove the kept logs of snapshots that are gone (prune's rule, gpusnap/repo/prune.py):
+    whoever deleted the snapshot, its logs go with it."""
+    from gpusnap.repo import prune as prune_mod
+
+    return prune_mod.prune_logs(repo.path)

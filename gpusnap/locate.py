@@ -40,6 +40,8 @@ def open_snapshot(ref: str, repo: str | os.PathLike | None = None):
         repository = Repository.open(owner)
         return repository, repository.snapshot(str(candidate.resolve()))
     root = repo_path(repo)
+    if os.path.lexists(root) and not os.access(root, os.R_OK | os.X_OK):
+        Repository.open(root)       # its own error (permissions, ownership), with a hint
     if not (root / "config").is_file():
         raise SnapshotNotFound(f"{ref} is neither a snapshot directory nor a snapshot in {root} "
                                "(no repository there)",

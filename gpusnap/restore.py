@@ -75,6 +75,16 @@ def _check_pids_free(pids: list[int], snap_path) -> None:
                              "on another machine or in a PID namespace)")
 
 
+def _pids_taken_meanwhile(pids: list[int], snap_path, kept) -> None:
+    """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
+    the same moment): that is PidsInUse, not a CRIU failure."""
+    busy = [p for p in pids if proc.read_stat(p) is not None]
+    if busy:
+        raise PidsInUse(f"PID(s) needed by the snapshot were taken while it was restoring: "
+                        f"{', '.join(map(str, busy[:5]))} (another restore of the same job?)",
+                        hint=f"the job is probably running again already; check it (CRIU log kept at {kept})")
+
+
 def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     meta = snap.manifest.get("meta", {})
     recorded = meta.get("gpu")
@@ -127,12 +137,14 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
         runner.supervise(criu, server, progress, total)
         if criu.returncode != 0 or server.failed:
             server.abort()
-            kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}/failed-restore")
+            kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
+                                                    f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
             err = server.error()
             if isinstance(err, GpusnapError):
                 err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
                 raise err
             lines = runner.log_errors(log)
+            _pids_taken_meanwhile(pids, snap.path, kept)
             raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                              last_lines=lines, hint=runner.explain(lines))
         server.finish(timeout=30)
@@ -143,7 +155,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
             pid = int(pidfile.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             pid = pids[0]
-        runner.keep_log(repository.path, log, f"{Path(snap.path).name}/restore")
+        runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)

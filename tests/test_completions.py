@@ -27,9 +27,9 @@ def repo(tmp_path):
     for s in SNAPS:
         (r / "snapshots" / s).mkdir(parents=True)
     (r / "snapshots" / ".tmp-train-1-2").mkdir()     # a dump in progress: never offered
-    cron = tmp_path / "cron.d"
-    cron.mkdir()
-    (cron / "gpusnap-nightly").write_text("# gpusnap schedule nightly\n")
+    specs = tmp_path / "schedules"
+    specs.mkdir()
+    (specs / "nightly.json").write_text("{}")
     return r
 
 
@@ -64,7 +64,7 @@ def test_bash(repo):
     for cmd in ("inspect", "verify", "forget", "export"):
         assert _bash(["gpusnap", cmd, "f"], env={"GPUSNAP_REPO": str(repo)}) == ["fold", SNAPS[2]]
     assert _bash(["gpusnap", "restore", "tr"], env={"GPUSNAP_REPO": str(repo / "nowhere")}) == []
-    got = _bash(["gpusnap", "schedule", "rm", ""], env={"GPUSNAP_CRON_DIR": str(repo.parent / "cron.d")})
+    got = _bash(["gpusnap", "schedule", "rm", ""], env={"GPUSNAP_SCHEDULE_DIR": str(repo.parent / "schedules")})
     assert "nightly" in got and "add" not in got and not [w for w in got if not w.startswith("-") and w != "nightly"]
     assert _bash(["gpusnap", "ls", "--repo", str(repo)[:-2]]) == [str(repo)]
 
@@ -84,7 +84,7 @@ def test_fish(repo):
     assert complete(f"gpusnap restore --repo {repo} tr") == ["train", *SNAPS[:2]]
     for cmd in ("inspect", "verify", "forget", "export"):
         assert complete(f"gpusnap {cmd} f", env={"GPUSNAP_REPO": str(repo)}) == ["fold", SNAPS[2]]
-    assert complete("gpusnap schedule rm ", env={"GPUSNAP_CRON_DIR": str(repo.parent / "cron.d")}) == ["nightly"]
+    assert complete("gpusnap schedule rm ", env={"GPUSNAP_SCHEDULE_DIR": str(repo.parent / "schedules")}) == ["nightly"]
 
 
 def _zsh_tab(typed: str, want: str, env: dict) -> str:
@@ -124,7 +124,7 @@ def _zsh_tab(typed: str, want: str, env: dict) -> str:
 
 @pytest.mark.skipif(not shutil.which("zsh"), reason="zsh is not installed (scripts/setup.sh installs it)")
 def test_zsh(repo):
-    env = {"GPUSNAP_REPO": str(repo), "GPUSNAP_CRON_DIR": str(repo.parent / "cron.d")}
+    env = {"GPUSNAP_REPO": str(repo), "GPUSNAP_SCHEDULE_DIR": str(repo.parent / "schedules")}
     shown = _zsh_tab("gpusnap dump --compress ", "shuffle2-zstd", env)
     assert all(c in shown for c in CODECS), shown
     shown = _zsh_tab(f"gpusnap restore --repo {repo} tr", "repo train", env)   # the name, the common prefix

@@ -112,16 +112,20 @@ def test_ls_name_filter_and_totals_in_human_units(tmp_path):
 def test_logs_go_with_their_snapshot(tmp_path):
     repo, images = _repo(tmp_path)
     logs = repo.path / "logs"
+    logs.mkdir(exist_ok=True)
     for snap, _ in images:
-        (logs / snap.path.name).mkdir(parents=True, exist_ok=True)
-        (logs / snap.path.name / "dump-x.log").write_text("log")
+        (logs / f"{snap.path.name}-dump.log").write_text("log")
+        (logs / f"{snap.path.name}-restore-2.log").write_text("log")
     (logs / "failed-dump-a-1.log").write_text("a failed dump: no snapshot, kept")
+    def kept(snap):
+        return [n for n in (f"{snap.path.name}-dump.log", f"{snap.path.name}-restore-2.log") if (logs / n).exists()]
+
     run_json("forget", images[0][0].path.name, "--repo", repo.path)
-    assert not (logs / images[0][0].path.name).exists()
+    assert kept(images[0][0]) == [] and len(kept(images[1][0])) == 2
     run_json("prune", "--keep-last", "1", "--name", "b", "--repo", repo.path)
-    assert not (logs / images[3][0].path.name).exists() and (logs / images[4][0].path.name).exists()
+    assert kept(images[3][0]) == [] and len(kept(images[4][0])) == 2
     assert (logs / "failed-dump-a-1.log").exists()
-    assert forget_mod.sweep_logs(Repository.open(repo.path)) == []
+    assert forget_mod.sweep_logs(Repository.open(repo.path)) == 0
 
 
 def test_remove_snapshot_needs_the_writer_lock(tmp_path):
@@ -136,8 +140,8 @@ def test_remove_snapshot_needs_the_writer_lock(tmp_path):
 
 @pytest.mark.criu
 def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sample_job, tmp_path):
-    """Two failed dumps in a row keep two logs; a snapshot's dump and restore logs live in
-    REPO/logs/<snapshot>/ and go when the snapshot is forgotten."""
+    """Two failed dumps in a row keep two logs; a snapshot's dump and restore logs are named
+    after it, never overwrite each other, and go when the snapshot goes."""
     import socket
     import subprocess
 
@@ -177,32 +181,34 @@ def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sampl
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in job.pids):
             time.sleep(0.05)
-    kept = sorted(os.listdir(repo / "logs" / snapdir))
-    assert len([k for k in kept if k.startswith("dump-")]) == 1, kept
-    assert len([k for k in kept if k.startswith("restore-")]) == 2, kept
+    kept = sorted(n for n in os.listdir(repo / "logs") if n.startswith(snapdir + "-"))
+    assert kept == [f"{snapdir}-dump.log", f"{snapdir}-restore-2.log", f"{snapdir}-restore.log"], kept
     # a retention by dump --keep-last takes the logs of what it prunes
     r = run_json("restore", d["snapshot"])
     try:
         d2 = run_json("dump", r["pid"], "--repo", repo, "--name", "logged", "--keep-last", "1")
     finally:
         kill_pids([r["pid"], *r.get("pids", []), *job.pids])
-    assert d2["pruned"] and not (repo / "logs" / snapdir).exists()
+    assert d2["pruned"] and not [n for n in os.listdir(repo / "logs") if n.startswith(snapdir + "-")]
     snapdir2 = os.path.basename(d2["snapshot"])
-    assert [k for k in os.listdir(repo / "logs" / snapdir2) if k.startswith("dump-")]
+    assert (repo / "logs" / f"{snapdir2}-dump.log").is_file()
     run_json("forget", snapdir2, "--repo", repo)
-    assert not (repo / "logs" / snapdir2).exists()
+    assert not (repo / "logs" / f"{snapdir2}-dump.log").exists()
     assert all(os.path.isfile(p) for p in logs)      # failed dumps belong to no snapshot: kept
 
 
 def test_an_unreadable_snapshot_can_be_forgotten_by_its_directory(tmp_path):
-    """A snapshot whose manifest is damaged blocks prune; naming its directory forgets it."""
+    """A snapshot whose manifest is damaged keeps prune from deleting data (it may need any of
+    it); naming its directory forgets it, and prune frees the data again."""
     repo, images = _repo(tmp_path, names=("a", "a", "b"))
     broken = images[1][0].path
     m = broken / "manifest"
     data = bytearray(m.read_bytes())
     data[10] ^= 1
     m.write_bytes(bytes(data))
-    assert run_gpusnap("prune", "--repo", repo.path).returncode != 0      # refuses while it is there
+    held = run_json("prune", "--repo", repo.path)                        # frees nothing while it is there
+    assert held["data_kept"] and held["bytes_freed"] == 0 and broken.exists()
+    assert "gpusnap forget DIR" in run_gpusnap("prune", "--repo", repo.path).stderr
     proc = run_gpusnap("forget", "a", "--repo", repo.path)                # by name: only readable ones count
     assert proc.returncode == 0 and broken.exists()
     res = run_json("forget", broken.name, "--repo", repo.path)

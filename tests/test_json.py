@@ -96,7 +96,8 @@ def test_read_commands(world):
     check(SnapshotNotFound.exit_code, "verify", "nope", "--repo", r)
     check(UsageError.exit_code, "inspect", "--repo", r)                 # missing argument (typer's parser)
     check(UsageError.exit_code, "ls", "--no-such-option")
-    assert check(0, "ls", "--repo", world["notrepo"])["snapshots"] == []   # no repository there: nothing listed
+    check(RepositoryError.exit_code, "ls", "--repo", world["notrepo"])    # a directory that is no repository
+    assert check(0, "ls", "--repo", world["base"] / "nothing-here")["snapshots"] == []
 
 
 def test_verify_on_a_damaged_repository_is_one_object(world):
@@ -139,7 +140,9 @@ def test_machine_commands():
 
 
 def test_schedule_commands(tmp_path):
-    env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log")}
+    env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log"),
+           "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"), "GPUSNAP_SYSTEMD_DIR": str(tmp_path / "systemd"),
+           "GPUSNAP_SCHEDULER": "cron"}
     check(0, "schedule", "ls", env=env)
     check(UsageError.exit_code, "schedule", "add", "--match", "x", "--name", "s", "--every", "nonsense", env=env)
     check(UsageError.exit_code, "schedule", "rm", env=env)
@@ -147,7 +150,8 @@ def test_schedule_commands(tmp_path):
     # outcome on this machine, one object
     e = dict(os.environ, **env)
     for args in (["schedule", "add", "--match", "no-such-job-xyz", "--name", "jsoncheck", "--every", "30m",
-                  "--repo", tmp_path / "r"], ["schedule", "rm", "jsoncheck"]):
+                  "--repo", tmp_path / "r"], ["schedule", "ls"], ["schedule", "run", "jsoncheck"],
+                 ["schedule", "rm", "jsoncheck"]):
         one_object(subprocess.run([*GPUSNAP, *map(str, args), "--json"], capture_output=True, text=True, env=e,
                                   cwd=ROOT, timeout=120))
 

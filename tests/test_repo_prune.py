@@ -3,7 +3,6 @@ import random
 
 import pytest
 
-from gpusnap.errors import RepositoryError
 from gpusnap.repo import Repository
 from gpusnap.repo.prune import PrunePlan, execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.verify import verify
@@ -123,12 +122,18 @@ def test_crash_mid_prune_still_verifies(tmp_path, step):
     assert not list((repo.path / "tmp").iterdir())
 
 
-def test_prune_refuses_with_broken_snapshot(tmp_path):
+def test_prune_skips_a_broken_snapshot_and_keeps_data(tmp_path):
+    """An unreadable snapshot never blocks the retention of the others, and is never deleted;
+    while it is unreadable no data goes (it may need any of it)."""
     repo = Repository.open(tmp_path / "repo", create=True)
-    hist = _history(repo, 2)
+    hist = _history(repo, 3)
     (hist[0][0].path / "manifest").write_bytes(b"garbage")
-    with pytest.raises(RepositoryError):
-        execute_prune(repo, plan_prune(snapshots_info(repo), 1))
+    packs_before = sorted((repo.path / "packs").rglob("*"))
+    res = execute_prune(repo, plan_prune(snapshots_info(repo), 1))
+    assert res["snapshots_deleted"] == [hist[1][0].path.name]
+    assert hist[0][0].path.is_dir() and res["unreadable"] and "data_kept" in res
+    assert sorted((repo.path / "packs").rglob("*")) == packs_before
+    assert read_all(repo.snapshot(hist[2][0].path.name), "pages-1.img") == hist[2][1]
 
 
 def test_plan_accepts_snapshot_objects_and_cli_helpers(tmp_path):

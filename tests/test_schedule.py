@@ -1,56 +1,309 @@
-"""Cron schedules: the files written, listed and removed, and the command in them really
-dumps the matched job with retention."""
+"""Schedules (issue 8 item 3, issue 13 schedules): nothing typed reaches a cron line or unit
+file, every argument is checked as `dump` checks it, intervals mean what they say, the job's
+owner is recorded and --match never picks another user's process, and the exact command a
+cron line runs dumps a real job with the real CRIU and logs one JSON line per run."""
 
+import datetime as dt
+import json
+import os
+import pwd
 import subprocess
 
 import pytest
 
-from conftest import run_gpusnap, run_json
-from gpusnap import schedule
-from gpusnap.errors import UsageError
+from conftest import PY, ROOT, run_gpusnap, run_json
+from gpusnap import cronexpr, schedule, validate
+from gpusnap.errors import ProcessNotFound, UsageError
+
+NOBODY = pwd.getpwnam("nobody").pw_uid
 
 
 @pytest.fixture
-def crondir(tmp_path, monkeypatch):
-    d = tmp_path / "cron.d"
-    monkeypatch.setenv("GPUSNAP_CRON_DIR", str(d))
-    monkeypatch.setenv("GPUSNAP_LOG_DIR", str(tmp_path / "log"))
-    return d
+def sched_env(tmp_path, monkeypatch):
+    env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log"),
+           "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"), "GPUSNAP_SYSTEMD_DIR": str(tmp_path / "systemd"),
+           "GPUSNAP_SCHEDULER": "cron"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
 
 
-@pytest.mark.parametrize("every,expr", [("30m", "*/30 * * * *"), ("2h", "0 */2 * * *"), ("1d", "0 3 * * *")])
-def test_every_translates_to_cron(every, expr):
-    assert schedule.cron_expr(every, None) == expr
+@pytest.fixture
+def sleeper(tmp_path):
+    """A real process whose command line holds a unique marker (owned by root)."""
+    marker = f"gpusnap-sched-marker-{os.getpid()}-{abs(hash(str(tmp_path)))}"
+    p = subprocess.Popen([PY, "-c", "import time,sys; time.sleep(600)", marker], start_new_session=True)
+    while marker not in open(f"/proc/{p.pid}/cmdline").read():   # (exec'd once Popen returns)
+        assert p.poll() is None
+    yield marker, p
+    p.kill()
+    p.wait()
 
 
-@pytest.mark.parametrize("every,cron", [("90m", None), ("x", None), (None, "* * *"), (None, "rm -rf / * * *"),
-                                        ("5m", "* * * * *"), (None, None)])
-def test_bad_schedules_are_refused(every, cron):
+def _cron_command(path) -> str:
+    """The command part of the one job line of a cron.d file (what cron hands to sh -c)."""
+    lines = [ln for ln in open(path).read().splitlines() if ln and not ln.startswith("#") and "=" not in ln.split()[0]]
+    assert len(lines) == 1, lines
+    fields = lines[0].split(None, 6)
+    assert fields[5] == "root"
+    return fields[6]
+
+
+# -- intervals and cron expressions ---------------------------------------------------------
+@pytest.mark.parametrize("every,expr", [("30m", "*/30 * * * *"), ("1m", "* * * * *"), ("15m", "*/15 * * * *"),
+                                        ("60m", "0 * * * *"), ("2h", "0 */2 * * *"), ("1h", "0 * * * *"),
+                                        ("1d", "0 3 * * *"), ("24h", "0 3 * * *")])
+def test_every_translates_to_cron_exactly(every, expr):
+    assert cronexpr.every_to_cron(every) == expr
+
+
+@pytest.mark.parametrize("every", ["45m", "90m", "7m", "5h", "2d", "x", "0m", "30", "30m\n", "-5m", "40d"])
+def test_every_cron_cannot_express_is_refused(every):
     with pytest.raises(UsageError):
-        schedule.cron_expr(every, cron)
+        cronexpr.every_to_cron(every)
 
 
-def test_add_ls_rm(crondir):
-    s = schedule.add("fold", "python train.py", every="30m", keep_last=3)
-    text = (crondir / "gpusnap-fold").read_text()
-    assert text.startswith("# gpusnap schedule fold")
-    assert "*/30 * * * * root " in text and "--keep-last 3" in text and "'python train.py'" in text
+def test_every_45m_is_exact_on_a_systemd_timer():
+    assert cronexpr.every_to_systemd("45m") == "2700s"
+    assert cronexpr.every_to_systemd("2d") == "172800s"
+
+
+@pytest.mark.parametrize("expr", ["99 99 99 99 99", "60 * * * *", "* 24 * * *", "* * 0 * *", "* * * 13 *",
+                                  "* * * * 8", "* * *", "rm -rf / * * *", "*/0 * * * *", "5-1 * * * *",
+                                  "* * * jan *", "@hourly", "* * * * *\n* * * * * root touch /tmp/x",
+                                  "*/5%x * * * *", "1,,2 * * * *"])
+def test_bad_cron_expressions_are_refused(expr):
+    with pytest.raises(UsageError):
+        cronexpr.check(expr)
+
+
+def test_cron_next_fire():
+    t = dt.datetime(2026, 1, 1, 10, 7, 30)          # a Thursday
+    assert cronexpr.next_fire("*/15 * * * *", t) == dt.datetime(2026, 1, 1, 10, 15)
+    assert cronexpr.next_fire("0 3 * * 1-5", dt.datetime(2026, 1, 3, 10, 0)) == dt.datetime(2026, 1, 5, 3, 0)
+    assert cronexpr.next_fire("0 0 1 * *", t) == dt.datetime(2026, 2, 1, 0, 0)
+    # both day fields restricted: either matches (the 13th, or any Friday)
+    assert cronexpr.next_fire("0 12 13 * 5", t) == dt.datetime(2026, 1, 2, 12, 0)
+    assert cronexpr.next_fire("0 12 * * 7", t) == dt.datetime(2026, 1, 4, 12, 0)   # 7 = Sunday
+
+
+def test_cron_to_systemd_calendar():
+    assert cronexpr.cron_to_oncalendar("*/15 * * * *") == "*-*-* *:00,15,30,45:00"
+    assert cronexpr.cron_to_oncalendar("0 3 * * 1-5") == "Mon,Tue,Wed,Thu,Fri *-*-* 03:00:00"
+    with pytest.raises(UsageError):
+        cronexpr.cron_to_oncalendar("0 3 13 * 5")
+
+
+# -- names and arguments -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["nl\n", "a.b", "", "a b", "x" * 65, "a/b", "-"[:0], "ä", "a\0"])
+def test_bad_schedule_names_are_refused(name):
+    with pytest.raises(UsageError):
+        validate.check_schedule_name(name)
+
+
+@pytest.mark.parametrize("match", ["python\n* * * * * root touch /tmp/PWNED #", "a\0b", "(", "", "a\rb"])
+def test_bad_match_is_refused_like_dump(match, sched_env):
+    with pytest.raises(UsageError):
+        schedule.add("x", match, every="30m", user="root")
+    if "\0" not in match:
+        p = run_gpusnap("dump", "--match", match, "--repo", "/nonexistent-repo")
+        assert p.returncode == 2, p.stderr
+
+
+def test_injection_attempts_never_reach_the_cron_file(sched_env, tmp_path):
+    with pytest.raises(UsageError):
+        schedule.add("x", "python\n* * * * * root touch /tmp/PWNED #", every="30m", user="root")
+    with pytest.raises(UsageError):
+        schedule.add("nl\n", "python", every="30m", user="root")
+    with pytest.raises(UsageError):
+        schedule.add("x", "python", cron="99 99 99 99 99", user="root")
+    with pytest.raises(UsageError):
+        schedule.add("x", "python", every="30m", user="root", repo=tmp_path / "r\n* * * * * root id #")
+    assert not os.path.exists(sched_env["GPUSNAP_CRON_DIR"]) or not os.listdir(sched_env["GPUSNAP_CRON_DIR"])
+    # a pattern with cron's '%' and shell quotes is stored, never written on the cron line
+    pat = "a\\%b'$(touch /tmp/PWNED)`id`"
+    s = schedule.add("pct", pat, every="30m", user="root", repo=tmp_path / "repo")
+    text = open(s.path).read()
+    assert "%" not in text and "PWNED" not in text and "$(" not in text
+    cmd = _cron_command(s.path)
+    assert cmd.endswith(f"schedule run pct --config-dir {sched_env['GPUSNAP_SCHEDULE_DIR']} "
+                        f"2>>{sched_env['GPUSNAP_LOG_DIR']}/schedule-pct.err")
+    assert schedule.load("pct").match == pat
+    spec = os.stat(os.path.join(sched_env["GPUSNAP_SCHEDULE_DIR"], "pct.json"))
+    assert spec.st_mode & 0o777 == 0o600 and os.stat(s.path).st_mode & 0o777 == 0o644
+
+
+def test_cron_file_content(sched_env, tmp_path):
+    s = schedule.add("fold", "python train.py", every="30m", keep_last=3, user="nobody", repo=tmp_path / "repo")
+    text = open(s.path).read()
+    assert s.path == os.path.join(sched_env["GPUSNAP_CRON_DIR"], "gpusnap-fold")
+    assert text.startswith("# gpusnap schedule fold (job owner nobody")
+    job = [ln for ln in text.splitlines() if ln.startswith("*/30 * * * * root ")]
+    assert len(job) == 1
+    assert schedule.load("fold").uid == NOBODY and schedule.load("fold").keep_last == 3
     assert [x.name for x in schedule.list_schedules()] == ["fold"]
     assert schedule.remove("fold").path == s.path
-    assert schedule.list_schedules() == []
+    assert schedule.list_schedules() == [] and not os.path.exists(s.path)
     with pytest.raises(UsageError):
         schedule.remove("fold")
 
 
+def test_systemd_timer_files(sched_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPUSNAP_SCHEDULER", "systemd")
+    s = schedule.add("every45", "python train.py", every="45m", user="root", repo=tmp_path / "repo")
+    d = sched_env["GPUSNAP_SYSTEMD_DIR"]
+    timer = open(os.path.join(d, "gpusnap-every45.timer")).read()
+    service = open(os.path.join(d, "gpusnap-every45.service")).read()
+    assert "OnUnitActiveSec=2700s" in timer and "WantedBy=timers.target" in timer
+    assert "Type=oneshot" in service
+    assert f"ExecStart={' '.join(s.command())}\n" in service and "%" not in service
+    s2 = schedule.add("weekdays", "python train.py", cron="0 3 * * 1-5", user="root", repo=tmp_path / "repo")
+    assert "OnCalendar=Mon,Tue,Wed,Thu,Fri *-*-* 03:00:00" in open(s2.files[0]).read()
+    assert {x.name for x in schedule.list_schedules()} == {"every45", "weekdays"}
+    schedule.remove("every45")
+    assert not os.path.exists(os.path.join(d, "gpusnap-every45.timer"))
+
+
+def test_add_of_an_existing_name_refuses_without_replace(sched_env, tmp_path):
+    schedule.add("job", "python train.py", every="30m", user="root", repo=tmp_path / "r1")
+    with pytest.raises(UsageError, match="exists"):
+        schedule.add("job", "python train.py", every="1h", user="root", repo=tmp_path / "r2")
+    assert schedule.load("job").repo == str(tmp_path / "r1")
+    s = schedule.add("job", "python train.py", every="1h", user="root", repo=tmp_path / "r2", replace=True)
+    assert s.replaced_repo == str(tmp_path / "r1") and schedule.load("job").when == "0 * * * *"
+    p = run_gpusnap("schedule", "add", "--match", "python train.py", "--name", "job", "--every", "1h",
+                    "--user", "root", "--repo", tmp_path / "r2", env=sched_env)
+    assert p.returncode == 2 and "--replace" in p.stderr
+
+
+def test_owner_is_recorded_from_the_running_job(sched_env, sleeper, tmp_path):
+    sleeper, p = sleeper
+    assert p.poll() is None, "the marker process died"
+    s = schedule.add("own", sleeper, every="30m", repo=tmp_path / "repo")
+    assert s.uid == os.geteuid()
+    with pytest.raises(UsageError, match="owner is unknown"):
+        schedule.add("own2", sleeper + "-nothing-runs", every="30m", repo=tmp_path / "repo")
+
+
+def test_match_never_picks_another_users_process(tmp_path):
+    """The issue's lesser item: --match also matching another user's process."""
+    marker = f"gpusnap-two-users-{os.getpid()}"
+    mine = subprocess.Popen([PY, "-c", "import time; time.sleep(600)", marker], start_new_session=True)
+    theirs = subprocess.Popen(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                               PY, "-c", "import time; time.sleep(600)", marker], start_new_session=True)
+    try:
+        import time
+        deadline = time.monotonic() + 10
+        while validate.process_uid(theirs.pid) != NOBODY and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(UsageError, match="2 process trees"):
+            validate.find_job(marker)
+        assert validate.find_job(marker, os.geteuid()) == mine.pid
+        assert validate.find_job(marker, NOBODY) == theirs.pid
+        mine.kill()
+        mine.wait()
+        with pytest.raises(ProcessNotFound, match="other users ignored"):
+            validate.find_job(marker, os.geteuid())
+    finally:
+        for p in (mine, theirs):
+            p.kill()
+            p.wait()
+
+
+def test_detect_scheduler(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
+    kind, why = schedule.detect_scheduler(str(tmp_path / "none"), which=lambda n: None)
+    if not any(os.path.exists(f"/usr/sbin/{d}") for d in schedule.CRON_DAEMONS):
+        assert kind is None and "cron daemon" in why
+    (tmp_path / "run-systemd").mkdir()
+    assert schedule.detect_scheduler(str(tmp_path / "run-systemd"))[0] == "systemd"
+    assert schedule.detect_scheduler(str(tmp_path / "none"), which=lambda n: "/usr/sbin/cron" if n == "cron"
+                                     else None)[0] == "cron"
+
+
+@pytest.mark.skipif(os.path.isdir("/run/systemd/system") or any(
+    os.path.exists(p) for d in schedule.CRON_DAEMONS for p in (f"/usr/sbin/{d}", f"/usr/bin/{d}")),
+    reason="this machine has a scheduler")
+def test_no_scheduler_is_said_in_add_and_doctor(sched_env, tmp_path):
+    env = dict(sched_env)
+    env["GPUSNAP_SCHEDULER"] = ""
+    p = run_gpusnap("schedule", "add", "--match", "x", "--name", "n", "--every", "30m", "--user", "root",
+                    "--repo", tmp_path / "repo", env=env)
+    assert p.returncode == 22 and "apt install cron" in p.stderr, p.stderr
+    d = run_gpusnap("doctor", "--json", env=env)
+    checks = {c["name"]: c for c in json.loads(d.stdout)["checks"]}
+    assert checks["scheduler"]["status"] == "warn" and "cron" in checks["scheduler"]["fix"]
+
+
+def test_job_gone_is_reported_after_runs_in_a_row(sched_env, tmp_path):
+    """The exact cron command, run for real: the job does not exist, each run logs a JSON
+    line 'no-job' and exits 5; after GONE_AFTER runs `ls` and `doctor` say the job is gone."""
+    s = schedule.add("gone", f"no-such-job-{os.getpid()}-xyz", every="30m", user="root", repo=tmp_path / "repo")
+    cmd = _cron_command(s.path)
+    for i in range(schedule.GONE_AFTER):
+        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
+        assert p.returncode == 5, (p.stdout, p.stderr)
+    lines = open(s.log).read().splitlines()
+    recs = [json.loads(ln) for ln in lines]
+    assert [r["outcome"] for r in recs] == ["no-job"] * schedule.GONE_AFTER
+    assert [r["runs_without_job"] for r in recs] == list(range(1, schedule.GONE_AFTER + 1))
+    assert all(dt.datetime.strptime(r["time"], "%Y-%m-%dT%H:%M:%SZ") for r in recs)
+    assert "gone for 3 runs" in open(s.log[:-4] + ".err").read()
+    st = run_json("schedule", "ls", env=sched_env)["schedules"][0]
+    assert st["job_gone"] and st["result"] == "no-job" and st["last_run"] == recs[-1]["time"]
+    assert st["next_run"] > st["last_run"]
+    text = run_gpusnap("schedule", "ls", env=sched_env).stdout
+    assert "JOB GONE" in text
+    checks = {c["name"]: c for c in json.loads(run_gpusnap("doctor", "--json", env=sched_env).stdout)["checks"]}
+    assert checks["schedule gone"]["status"] == "warn" and "3 runs in a row" in checks["schedule gone"]["detail"]
+
+
 @pytest.mark.criu
-def test_the_cron_command_dumps_and_keeps_the_last_n(crondir, sample_job, repo):
+def test_the_cron_command_dumps_keeps_the_last_n_and_logs_json(sched_env, sample_job, repo):
     job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     marker = f"gpusnap.samples.job {job.out}"
-    s = schedule.add("sched", marker, every="5m", keep_last=2, repo=repo)
+    p = run_gpusnap("schedule", "add", "--match", marker, "--name", "sched", "--every", "5m", "--keep-last", "2",
+                    "--repo", repo, "--json", env=sched_env)
+    assert p.returncode == 0, p.stderr
+    s = schedule.load("sched")
+    assert s.uid == 0
+    cmd = _cron_command(s.path)
     for _ in range(3):
-        subprocess.run(["sh", "-c", s.command], check=True, timeout=120)
+        r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    recs = [json.loads(ln) for ln in open(s.log).read().splitlines()]
+    assert [r["outcome"] for r in recs] == ["ok"] * 3
+    assert all(r["pid"] == job.pid and r["bytes_raw"] > 0 and r["snapshot"] and r["exit_code"] == 0 for r in recs)
+    assert recs[-1]["pruned"] == 1
     listing = run_json("ls", "--repo", repo)
     assert [x["name"] for x in listing["snapshots"]] == ["sched", "sched"]
+    assert {x["path"] for x in listing["snapshots"]} == {r["snapshot"] for r in recs[1:]}
+    st = run_json("schedule", "ls", env=sched_env)["schedules"][0]
+    assert st["result"] == "ok" and st["last_run"] == recs[-1]["time"] and st["next_run"] and not st["job_gone"]
     assert job.alive()
     assert run_gpusnap("verify", "--repo", repo).returncode == 0
+
+
+def test_legacy_cron_file_is_flagged_by_doctor(sched_env):
+    os.makedirs(sched_env["GPUSNAP_CRON_DIR"])
+    old = os.path.join(sched_env["GPUSNAP_CRON_DIR"], "gpusnap-old")
+    with open(old, "w") as f:
+        f.write("# gpusnap schedule old\n*/30 * * * * root gpusnap dump --match 'x' --name old\n")
+    checks = {c["name"]: c for c in json.loads(run_gpusnap("doctor", "--json", env=sched_env).stdout)["checks"]}
+    assert checks["schedule file gpusnap-old"]["status"] == "warn"
+    p = run_gpusnap("schedule", "add", "--match", "x", "--name", "old", "--every", "30m", "--user", "root",
+                    env=sched_env)
+    assert p.returncode == 2 and "--replace" in p.stderr
+
+
+def test_not_root_gets_an_error_not_a_traceback(tmp_path):
+    env = {"GPUSNAP_SCHEDULER": "cron", "GPUSNAP_SCHEDULE_DIR": "/etc/gpusnap-test-not-writable/schedules",
+           "GPUSNAP_CRON_DIR": "/etc/cron.d", "GPUSNAP_LOG_DIR": "/var/log/gpusnap-test-nope",
+           "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", PY, "-m", "gpusnap",
+                        "schedule", "add", "--match", "x", "--name", "y", "--every", "30m", "--user", "root",
+                        "--repo", "/tmp/gpusnap-nobody-repo-none"],
+                       capture_output=True, text=True, env={**os.environ, **env}, cwd="/")
+    assert p.returncode == 3 and "Traceback" not in p.stderr and "sudo" in p.stderr, p.stderr
+    assert not os.path.exists("/etc/gpusnap-test-not-writable")

@@ -159,41 +159,48 @@ def require_privileges(action: str) -> None:
 
 
 def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
-    """Copy a CRIU log into REPO/logs/<label>-<UTC time>-<pid>.log (private, never over an
-    existing log) and return where it went. `label` "<snapshot dir>/<what>" keeps the log in
-    REPO/logs/<snapshot dir>/, which goes when the snapshot goes. On a full repository disk
+    """Copy a CRIU log into REPO/logs/<label>.log (private) and return where it went; never
+    over an existing log (<label>-2.log, -3, ... instead), never through a symlink. Logs of a
+    snapshot are named <snapshot dir>-dump / -restore and go when it goes (prune.prune_logs);
+    callers make the labels of failed runs unique (time and pid). On a full repository disk
     the log goes to a private temporary directory instead; a log is never worth failing over."""
-    import shutil
     import tempfile
-    import time
+
+    from gpusnap.errors import GpusnapError
 
     if not log.exists():
         return None
-    stem = f"{label}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
 
-    def copy_new(folder: Path) -> str:
-        dst = folder / f"{stem}.log"
-        dst.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        k = 1
-        while True:
-            try:
-                fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                break
-            except FileExistsError:
+    def free_name(folder: Path) -> str:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            name, k = f"{label}.log", 1
+            while True:
+                try:
+                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return name
                 k += 1
-                dst = folder / f"{stem}-{k}.log"
-        with os.fdopen(fd, "wb") as out, open(log, "rb") as src:
-            shutil.copyfileobj(src, out)
-        return str(dst)
+                name = f"{label}-{k}.log"
+        finally:
+            os.close(dfd)
 
     try:
+        from gpusnap.repo import fsutil
+
         logs = Path(repo_path) / "logs"
         logs.mkdir(mode=0o700, exist_ok=True)
-        return copy_new(logs)
-    except OSError:
+        name = free_name(logs)
+        fsutil.copy_into(log, logs, name)          # never through a symlink in the repository
+        return str(logs / name)
+    except (OSError, GpusnapError):               # (a planted symlink: refused, the log goes to tmp)
         pass
     try:
-        return copy_new(Path(tempfile.mkdtemp(prefix="gpusnap-log-")))
+        import shutil
+
+        dst = Path(tempfile.mkdtemp(prefix="gpusnap-log-")) / f"{label}.log"
+        shutil.copyfile(log, dst)
+        return str(dst)
     except OSError:
         return None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
@@ -12,7 +13,11 @@ def mkdir_private(path: Path) -> None:
         os.mkdir(path, 0o700)
     except FileExistsError:
         return
-    os.chmod(path, 0o700)
+    fd = open_dir(path)      # (umask may have narrowed it; never chmod through a symlink)
+    try:
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -24,10 +29,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def create_tmp(tmpdir: Path, prefix: str) -> tuple[Path, int]:
-    p = tmpdir / f"{prefix}{secrets.token_hex(8)}.tmp"
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    """A new private file in `tmpdir`, created exclusively (O_EXCL) in the directory itself,
+    never through a symlink put in its place (O_NOFOLLOW on the directory)."""
+    name = f"{prefix}{secrets.token_hex(8)}.tmp"
+    dfd = open_dir(tmpdir)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+    finally:
+        os.close(dfd)
     os.fchmod(fd, 0o600)
-    return p, fd
+    return tmpdir / name, fd
 
 
 def write_file_atomic(tmpdir: Path, dest: Path, data: bytes) -> None:
@@ -46,7 +58,7 @@ def write_file_atomic(tmpdir: Path, dest: Path, data: bytes) -> None:
 
 def write_private(path: Path, data: bytes) -> None:
     """Create (exclusively) a private file, write, fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -59,3 +71,143 @@ def unlink_quiet(path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+# -- trusting no one (docs/format.md §1: who may own what) -----------------------------
+# A repository is used by root; anything in it that another user could write or replace
+# would hand that user root's hands (a planted symlink truncated or deleted as root). So
+# every directory of a repository must be owned by the caller or root and writable by
+# nobody else, and nothing inside it is reached through a symlink.
+
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def trusted_uids() -> tuple[int, int]:
+    return (os.geteuid(), 0)
+
+
+def untrusted_reason(st: os.stat_result, *, want_dir: bool | None = None) -> str | None:
+    """Why an lstat() result must not be trusted, or None."""
+    import stat as _stat
+    if _stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if want_dir is True and not _stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if want_dir is False and not _stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid not in trusted_uids():
+        return f"is owned by uid {st.st_uid}, neither you nor root"
+    if st.st_mode & 0o022:
+        return f"is writable by {'group and others' if st.st_mode & 0o022 == 0o022 else ('group' if st.st_mode & 0o020 else 'others')} (mode {st.st_mode & 0o7777:04o})"
+    return None
+
+
+def untrusted(p, why: str):
+    from gpusnap.errors import RepositoryError
+    return RepositoryError(
+        f"refusing to use repository: {p} {why}",
+        "a repository must be owned by you or root and writable by nobody else, with no symbolic "
+        "links inside (another user could otherwise make gpusnap, as root, overwrite or delete any "
+        "file); check who changed it, then e.g. chown -R root: and chmod -R go-w it")
+
+
+def _is_link(path, dir_fd) -> bool:
+    import stat as _stat
+    try:
+        return _stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def open_dir(path, dir_fd: int | None = None) -> int:
+    """A directory fd that never went through a symlink at its last component (O_NOFOLLOW);
+    a symlink there is refused as planted (RepositoryError)."""
+    try:
+        return os.open(path, NOFOLLOW_DIR, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(path, dir_fd):
+            raise untrusted(path, "is a symbolic link") from None
+        raise
+
+
+def open_nofollow(name, flags: int, dir_fd: int | None = None, mode: int = 0o600) -> int:
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise untrusted(name, "is a symbolic link") from None
+        raise
+
+
+def open_lock_file(dir_path, name: str) -> int:
+    """Open (creating) a lock file in `dir_path` without following a symlink anywhere in
+    the last two components, and refuse anything but a private regular file with one link
+    (a hard link to another file would be truncated by the lock's owner otherwise)."""
+    import stat as _stat
+    dfd = open_dir(dir_path)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise untrusted(f"{dir_path}/{name}", "is a symbolic link") from None
+        raise
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    bad = untrusted_reason(st, want_dir=False)
+    if bad is None and st.st_nlink != 1:
+        bad = f"has {st.st_nlink} hard links"
+    if bad is None and not _stat.S_ISREG(st.st_mode):
+        bad = "is not a regular file"
+    if bad:
+        os.close(fd)
+        raise untrusted(f"{dir_path}/{name}", bad)
+    return fd
+
+
+def clear_dir(path, keep=lambda name: False) -> int:
+    """Delete the files directly in `path` (never through a symlink: the directory is opened
+    O_NOFOLLOW and entries are unlinked relative to it; subdirectories are left alone).
+    Returns how many went."""
+    import stat as _stat
+    try:
+        dfd = open_dir(path)
+    except FileNotFoundError:
+        return 0
+    n = 0
+    try:
+        for name in os.listdir(dfd):
+            if keep(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if _stat.S_ISDIR(st.st_mode):
+                    continue
+                os.unlink(name, dir_fd=dfd)
+                n += 1
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(dfd)
+    return n
+
+
+def copy_into(src, dir_path, name: str) -> None:
+    """Copy `src` to dir_path/name as a private file, never through a symlink: the directory
+    is opened O_NOFOLLOW and the file created relative to it with O_NOFOLLOW."""
+    dfd = open_dir(dir_path)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        os.fchmod(fd, 0o600)
+        with open(src, "rb") as f:
+            while True:
+                b = f.read(1 << 20)
+                if not b:
+                    break
+                os.write(fd, b)
+    finally:
+        os.close(fd)

@@ -13,8 +13,11 @@ Execution order (each step leaves a repository that verifies):
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import stat
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -25,7 +28,7 @@ from .format import (
     BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError,
 )
 from .repository import Repository
-from .store import PendingBlob, BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
+from .store import DEFAULT_PACK_TARGET, PendingBlob, BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
 
 import blake3
 
@@ -85,6 +88,35 @@ def plan_prune(snapshots_info, keep_last: int, name: str | None = None) -> Prune
     return plan
 
 
+SMALL_PACK = DEFAULT_PACK_TARGET // 4
+
+
+def plan_packs(sizes: Mapping[bytes, tuple[int, int]], max_unused: float = 0.10,
+               small: int = SMALL_PACK) -> tuple[list, list, list]:
+    """Pure: (keep, rewrite, delete) pack lists from {pack: (bytes stored, bytes still used)}.
+
+    A pack nobody uses goes; one whose unused share is above `max_unused` is rewritten with
+    only what is used (restic's --max-unused, per pack); and small packs (under `small`
+    bytes, e.g. one per incremental dump) are merged: when two or more would stay, all of
+    them are rewritten together into as few packs as the target size allows. Execution
+    writes the new packs and index durably before deleting any old one."""
+    keep, rewrite, delete = [], [], []
+    for ph in sorted(sizes):
+        total, used = sizes[ph]
+        if used == 0:
+            delete.append(ph)
+        elif total - used > max_unused * total:
+            rewrite.append(ph)
+        else:
+            keep.append(ph)
+    smalls = [ph for ph in keep if sizes[ph][0] < small]
+    small_rewrites = [ph for ph in rewrite if sizes[ph][1] < small]
+    if len(smalls) + len(small_rewrites) >= 2 and smalls:
+        keep = [ph for ph in keep if ph not in set(smalls)]
+        rewrite = sorted(rewrite + smalls)
+    return keep, rewrite, delete
+
+
 class _UsedSlots:
     """The blob slots (blob_no << 8 | slot) the surviving snapshots need, as one sorted numpy
     array: page ids are looked up in the index's page table in bulk, never one by one."""
@@ -140,11 +172,17 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
     res = PruneResult({"dry_run": dry_run, "snapshots_deleted": [], "snapshots_kept": [], "packs_deleted": 0,
            "packs_rewritten": 0, "packs_written": 0, "bytes_freed": 0, "leftovers_removed": 0})
     with repo.writer_lock():
-        broken = repo.broken_snapshots()
-        if broken:
-            raise RepositoryError(
-                f"prune refuses to delete data while snapshots are unreadable: {', '.join(p.name for p in broken)}",
-                "run gpusnap verify; remove the damaged snapshot directories by hand if they are beyond repair")
+        # An unreadable entry never blocks the retention of the others: it is reported and
+        # left alone (never deleted: it may be repairable). A damaged snapshot directory may
+        # still need data nobody can list, so then no data is deleted; entries that are not
+        # snapshot directories at all (a symlink, a file) need none.
+        foreign = repo.unusable_entries()
+        broken = {p: why for p, why in repo.broken_snapshots().items() if p not in foreign}
+        res["unreadable"] = [why for why in foreign.values()] + [why for why in broken.values()]
+        keep_data = bool(broken)
+        if keep_data:
+            res["data_kept"] = ("no data deleted while a snapshot is unreadable: "
+                                + ", ".join(p.name for p in broken))
         snaps = repo.snapshots()
         doomed_ids = set(plan.delete)
         doomed = [s for s in snaps if s.id in doomed_ids]
@@ -162,6 +200,11 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                 fault("snapshot-renamed")
                 shutil.rmtree(tomb)
             fault("snapshots-deleted")
+
+        if keep_data:
+            res["leftovers_removed"] = _clear_leftovers(root)
+            repo._index = None
+            return res
 
         # what is still needed
         idx = RepoIndex.load(root)
@@ -185,7 +228,7 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
         by_pack: dict[bytes, list[int]] = {}
         for bno, b in enumerate(idx.blobs):
             by_pack.setdefault(b.pack, []).append(bno)
-        keep_packs, rewrite_packs, delete_packs = [], [], []
+        sizes: dict[bytes, tuple[int, int]] = {}
         for ph, bnos in by_pack.items():
             total = used = 0
             for bno in bnos:
@@ -196,12 +239,8 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                     used += sz if bno in used_data else 0
                 else:
                     used += sz * used_slots.count(bno) // b.n_pages
-            if used == 0:
-                delete_packs.append(ph)
-            elif total - used > repack_threshold * total:
-                rewrite_packs.append(ph)
-            else:
-                keep_packs.append(ph)
+            sizes[ph] = (total, used)
+        keep_packs, rewrite_packs, delete_packs = plan_packs(sizes, repack_threshold)
         present = _present_packs(root)
         orphans = present - set(by_pack)
 
@@ -288,17 +327,75 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
             fsutil.unlink_quiet(pack_path(root, ph))
             fault("pack-deleted")
         # 6. leftovers
-        for n in os.listdir(root / "tmp"):
-            fsutil.unlink_quiet(root / "tmp" / n)
-            res["leftovers_removed"] += 1
-        sd = root / "snapshots"
-        for n in os.listdir(sd):
-            if n.startswith((".tmp-", ".del-")):
-                shutil.rmtree(sd / n, ignore_errors=True)
-                res["leftovers_removed"] += 1
+        res["leftovers_removed"] = _clear_leftovers(root)
         res["bytes_freed"] = max(freed, 0)
         repo._index = None
         return res
+
+
+def _clear_leftovers(root) -> int:
+    """tmp/*, snapshots/.tmp-*, snapshots/.del-*, and logs of snapshots that are gone.
+    Never through a symlink: tmp/ and snapshots/ are opened O_NOFOLLOW and entries removed
+    relative to them (shutil.rmtree is fd-based and refuses a symlink)."""
+    n = fsutil.clear_dir(root / "tmp")
+    dfd = fsutil.open_dir(root / "snapshots")
+    sd = root / "snapshots"
+    try:
+        for name in os.listdir(dfd):
+            if name.startswith((".tmp-", ".del-")):
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        shutil.rmtree(name, dir_fd=dfd)
+                    else:
+                        os.unlink(name, dir_fd=dfd)
+                    n += 1
+                except OSError:
+                    pass
+    finally:
+        os.close(dfd)
+    n += prune_logs(root)
+    return n
+
+
+FAILED_LOGS_KEPT = 20
+_LOG_OF_SNAPSHOT = re.compile(r"(?P<dir>.+)-(dump|restore)(-[0-9]+)?\.log")
+
+
+def prune_logs(root) -> int:
+    """REPO/logs/ goes with the snapshots: a snapshot's logs (<dir>-dump.log, <dir>-restore*.log)
+    are removed once its directory is gone, and of the logs of failed runs (failed-*) only the
+    newest FAILED_LOGS_KEPT stay. Returns how many files went."""
+    logs = root / "logs"
+    try:
+        dfd = fsutil.open_dir(logs)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    try:
+        present = {n for n in os.listdir(root / "snapshots")}
+        failed = []
+        doomed = []
+        for name in os.listdir(dfd):
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+                continue
+            if name.startswith("failed-"):
+                failed.append((st.st_mtime, name))
+                continue
+            m = _LOG_OF_SNAPSHOT.fullmatch(name)
+            if m and m.group("dir") not in present:
+                doomed.append(name)
+        failed.sort(reverse=True)
+        doomed += [n for _, n in failed[FAILED_LOGS_KEPT:]]
+        for name in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+        return len(doomed)
+    finally:
+        os.close(dfd)
 
 
 _Rec = PendingBlob  # a blob header read back from a pack: the same fields

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import queue
 import secrets
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -26,6 +28,63 @@ from .format import (
 from .store import BlobReader, RepoIndex, pack_path
 
 SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
+MADE_ON_OPEN = ("tmp", "locks")     # recreated when missing; the others missing = damaged
+OPTIONAL = ("logs",)                # checked when present
+
+
+def _untrusted(p, why: str) -> RepositoryError:
+    return fsutil.untrusted(p, why)
+
+
+def _check_above(path: Path) -> None:
+    """Every directory above the repository must be trusted too, or writable only with the
+    sticky bit (as /tmp): else its owner could swap the repository for one of their own."""
+    for anc in reversed(path.parents):
+        try:
+            st = os.lstat(anc)
+        except FileNotFoundError:
+            return                    # (created by a dump, as the caller)
+        if st.st_uid not in fsutil.trusted_uids():
+            raise _untrusted(anc, f"(above the repository) is owned by uid {st.st_uid}, neither you nor root")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise _untrusted(anc, f"(above the repository) is writable by others (mode {st.st_mode & 0o7777:04o})")
+
+
+def _check_tree(path: Path) -> None:
+    """The repository directory, its subdirectories and packs/xx/: real directories (not
+    symlinks), owned by the caller or root, writable by nobody else. Missing tmp/ and locks/
+    are recreated (never through a symlink: relative to the checked directory's fd)."""
+    rfd = fsutil.open_dir(path)
+    try:
+        bad = fsutil.untrusted_reason(os.fstat(rfd), want_dir=True)
+        if bad:
+            raise _untrusted(path, bad)
+        for d in SUBDIRS + OPTIONAL:
+            try:
+                st = os.stat(d, dir_fd=rfd, follow_symlinks=False)
+            except FileNotFoundError:
+                if d in MADE_ON_OPEN:
+                    os.mkdir(d, 0o700, dir_fd=rfd)
+                    continue
+                if d in OPTIONAL:
+                    continue
+                if not os.path.lexists(path / "config"):
+                    raise
+                raise RepositoryError(f"{path} is damaged: directory {d}/ is missing") from None
+            bad = fsutil.untrusted_reason(st, want_dir=True)
+            if bad:
+                raise _untrusted(path / d, bad)
+        pfd = fsutil.open_dir("packs", dir_fd=rfd)
+        try:
+            for sub in os.listdir(pfd):
+                st = os.stat(sub, dir_fd=pfd, follow_symlinks=False)
+                bad = fsutil.untrusted_reason(st, want_dir=True)
+                if bad:
+                    raise _untrusted(path / "packs" / sub, bad)
+        finally:
+            os.close(pfd)
+    finally:
+        os.close(rfd)
 from .format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK  # noqa: E402
 
 
@@ -43,38 +102,66 @@ class Repository:
     # -- open / create -------------------------------------------------------------------
     @classmethod
     def open(cls, path, create: bool = False) -> "Repository":
-        path = Path(path).absolute()
-        cfgp = path / "config"
-        if create and not cfgp.exists():
-            if path.exists() and any(path.iterdir()):
-                raise RepositoryError(f"{path} exists, is not empty and is not a gpusnap repository",
-                                      "choose an empty or new directory for the repository")
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(path, 0o700)
-            for d in SUBDIRS:
-                fsutil.mkdir_private(path / d)
-            cfg = make_config(secrets.token_hex(16), time.time())
-            fsutil.write_file_atomic(path / "tmp", cfgp, encode_config(cfg))
-            fsutil.fsync_dir(path)
+        path = Path(os.path.realpath(Path(path).absolute()))
         try:
-            with open(cfgp, "rb") as f:
-                data = f.read((1 << 20) + 1)
+            _check_above(path)
+            if create:
+                cls._create(path)
+            _check_tree(path)
+            fd = fsutil.open_nofollow(path / "config", os.O_RDONLY)
+            try:
+                st = os.fstat(fd)
+                bad = fsutil.untrusted_reason(st, want_dir=False)
+                if bad:
+                    raise _untrusted(path / "config", bad)
+                with os.fdopen(fd, "rb", closefd=False) as f:
+                    data = f.read((1 << 20) + 1)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
+            if path.exists() and not path.is_dir():
+                raise RepositoryError(f"{path} is a file, not a gpusnap repository",
+                                      "point --repo at a repository directory") from None
             raise RepositoryError(f"{path} is not a gpusnap repository (no config file)",
                                   "create one with a dump, or point --repo at an existing repository") from None
+        except NotADirectoryError:
+            raise RepositoryError(f"{path} is a file, not a gpusnap repository",
+                                  "point --repo at a repository directory") from None
+        except PermissionError as e:
+            raise RepositoryError(f"cannot read repository {path}: {e.strerror or e}",
+                                  "run gpusnap as root (sudo) or as the repository's owner") from None
         except OSError as e:
-            raise RepositoryError(f"cannot read {cfgp}: {e}") from None
+            if e.errno == errno.ELOOP:
+                raise _untrusted(path / "config", "is a symbolic link") from None
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                from ..errors import NoSpace
+                raise NoSpace(f"no space to create repository {path}: {e.strerror}",
+                              "free some space, then dump again") from None
+            raise RepositoryError(f"cannot read repository {path}: {e}") from None
         try:
             cfg = parse_config(data)
         except FormatError as e:
-            raise RepositoryError(f"{cfgp}: {e}") from None
-        for d in SUBDIRS:
-            if not (path / d).is_dir():
-                if d in ("tmp", "locks"):
-                    fsutil.mkdir_private(path / d)
-                else:
-                    raise RepositoryError(f"{path} is damaged: directory {d}/ is missing")
+            raise RepositoryError(f"{path / 'config'}: {e}") from None
         return cls(path, cfg)
+
+    @staticmethod
+    def _create(path: Path) -> None:
+        if (path / "config").exists() or os.path.lexists(path / "config"):
+            return
+        if os.path.lexists(path):           # never write into a directory another user controls
+            bad = fsutil.untrusted_reason(os.lstat(path), want_dir=True)
+            if bad and bad != "is not a directory":
+                raise _untrusted(path, bad)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise RepositoryError(f"{path} exists, is not empty and is not a gpusnap repository",
+                                  "choose an empty or new directory for the repository")
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fsutil.mkdir_private(path)
+        for d in SUBDIRS:
+            fsutil.mkdir_private(path / d)
+        cfg = make_config(secrets.token_hex(16), time.time())
+        fsutil.write_file_atomic(path / "tmp", path / "config", encode_config(cfg))
+        fsutil.fsync_dir(path)
 
     # -- locking ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -83,8 +170,7 @@ class Repository:
         holder dies). Re-entrant within this Repository object."""
         with self._lock_mutex:
             if self._lock_depth == 0:
-                lp = self.path / "locks" / "writer"
-                fd = os.open(lp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                fd = self._lock_file("writer")
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -122,20 +208,29 @@ class Repository:
         """Restores read shared (they wait for a prune to finish); prune takes it exclusive
         and refuses while a restore is reading, so it never deletes data under a reader.
         Dumps only add data and do not take it."""
-        lp = self.path / "locks" / "readers"
-        fd = os.open(lp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = self._lock_file("readers")
         try:
             if exclusive:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    raise RepositoryLocked(f"a restore is reading repository {self.path}",
+                    raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
                                            "prune again when it has finished") from None
             else:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             yield self
         finally:
             os.close(fd)
+
+    def _lock_file(self, name: str) -> int:
+        """locks/<name>, never through a symlink or hard link (the writer lock is truncated)."""
+        try:
+            return fsutil.open_lock_file(self.path / "locks", name)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise RepositoryError(f"cannot lock repository {self.path}: {e.strerror}",
+                                      "run gpusnap as root (sudo) or as the repository's owner") from None
+            raise
 
     def holds_lock(self) -> bool:
         return self._lock_depth > 0
@@ -163,9 +258,32 @@ class Repository:
             raise RepositoryError("new_snapshot() needs the repository's writer lock (use repo.writer_lock())")
         return SnapshotWriter(self, name, c, meta, **kw)
 
-    def _snapshot_dirs(self) -> list[Path]:
+    def _snapshot_entries(self) -> list[tuple[Path, str | None]]:
+        """(path, None) for each snapshot directory, (path, why) for an entry that is not one
+        (a symlink, a file, another user's directory): such entries are reported, never
+        followed, read or deleted."""
         d = self.path / "snapshots"
-        return sorted(p for p in d.iterdir() if not p.name.startswith(".") and p.is_dir())
+        dfd = fsutil.open_dir(d)
+        out = []
+        try:
+            for n in sorted(os.listdir(dfd)):
+                if n.startswith("."):
+                    continue
+                try:
+                    st = os.stat(n, dir_fd=dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                out.append((d / n, fsutil.untrusted_reason(st, want_dir=True)))
+        finally:
+            os.close(dfd)
+        return out
+
+    def _snapshot_dirs(self) -> list[Path]:
+        return [p for p, bad in self._snapshot_entries() if bad is None]
+
+    def unusable_entries(self) -> dict[Path, str]:
+        """Entries of snapshots/ that are not snapshot directories gpusnap can trust."""
+        return {p: f"{p.name} {bad}; not a snapshot, left alone" for p, bad in self._snapshot_entries() if bad}
 
     def snapshots(self) -> list["Snapshot"]:
         """Committed snapshots whose manifest verifies, oldest first."""
@@ -179,7 +297,8 @@ class Repository:
         return out
 
     def broken_snapshots(self) -> dict[Path, str]:
-        out = {}
+        """Snapshot directories whose manifest does not verify, and untrusted entries."""
+        out = self.unusable_entries()
         for p in self._snapshot_dirs():
             try:
                 Snapshot(self, p)
@@ -196,10 +315,11 @@ class Repository:
                 rp = p.resolve()
             except OSError:
                 rp = p
-            if rp.parent == snaps_dir and rp.is_dir() and not rp.name.startswith("."):
+            if rp.parent == snaps_dir and not rp.name.startswith(".") \
+                    and self.path / "snapshots" / rp.name in self._snapshot_dirs():
                 return Snapshot(self, self.path / "snapshots" / rp.name)
             raise SnapshotNotFound(f"{ref} is not a snapshot of repository {self.path}")
-        if ref and not ref.startswith(".") and (self.path / "snapshots" / ref).is_dir():
+        if ref and not ref.startswith(".") and (self.path / "snapshots" / ref) in self._snapshot_dirs():
             return Snapshot(self, self.path / "snapshots" / ref)
         snaps = self.snapshots()
         # A name wins over an id prefix: "a" must not pick whichever id happens to start with a.
@@ -215,8 +335,8 @@ class Repository:
         raise SnapshotNotFound(f"no snapshot {ref!r} in repository {self.path}", "list them with: gpusnap ls")
 
     def remove_snapshot(self, snap) -> None:
-        """Delete one committed snapshot: its directory and its kept logs (REPO/logs/<dir>/).
-        The data it referenced stays until prune finds nothing needs it. Readers never see a
+        """Delete one committed snapshot directory (its logs go with prune.prune_logs). The
+        data it referenced stays until prune finds nothing needs it. Readers never see a
         half-deleted snapshot: the directory is renamed to snapshots/.del-* (ignored by every
         reader, removed by prune if a crash leaves it) before it is deleted. `snap` is a
         Snapshot, or anything with the `path` of a snapshot directory (one whose manifest is
@@ -226,14 +346,13 @@ class Repository:
         if not self.holds_lock():
             raise RepositoryError("remove_snapshot() needs the repository's writer lock (use repo.writer_lock())")
         sd = self.path / "snapshots"
-        if Path(snap.path).parent != sd:
-            raise SnapshotNotFound(f"{snap.path} is not a snapshot of repository {self.path}")
+        if Path(snap.path).parent != sd or sd / Path(snap.path).name not in self._snapshot_dirs():
+            raise SnapshotNotFound(f"{snap.path} is not a snapshot directory of repository {self.path}")
         tomb = sd / f".del-{snap.path.name}"
         shutil.rmtree(tomb, ignore_errors=True)   # left by a crash while an earlier namesake went
         os.rename(snap.path, tomb)
         fsutil.fsync_dir(sd)
         shutil.rmtree(tomb)
-        shutil.rmtree(self.path / "logs" / snap.path.name, ignore_errors=True)
 
     def usage(self) -> dict:
         from .inspect import repo_usage
@@ -291,7 +410,8 @@ class Snapshot:
         self.repo = repo
         self.path = Path(path)
         try:
-            with open(self.path / "manifest", "rb") as f:
+            fd = fsutil.open_nofollow(self.path / "manifest", os.O_RDONLY)
+            with os.fdopen(fd, "rb") as f:
                 data = f.read((256 << 20) + 1)
         except FileNotFoundError:
             raise CorruptSnapshot(f"snapshot {self.path}: manifest missing",
@@ -363,7 +483,7 @@ class Snapshot:
         h = blake3.blake3()
         n = 0
         try:
-            with open(p, "rb") as f:
+            with os.fdopen(fsutil.open_nofollow(p, os.O_RDONLY), "rb") as f:
                 while True:
                     b = f.read(READ_CHUNK)
                     if not b:
@@ -380,7 +500,7 @@ class Snapshot:
         """("zero", n) / ("pages", ids bytes) / ("tail", len, blob id) after checking the page list."""
         im = self.image(filename)
         p = self._check_pagelist(im)
-        with open(p, "rb", buffering=READ_CHUNK) as f:
+        with os.fdopen(fsutil.open_nofollow(p, os.O_RDONLY), "rb", buffering=READ_CHUNK) as f:
             try:
                 yield from iter_pagelist(f.read, im["size"])
             except FormatError as e:

@@ -50,6 +50,9 @@ class VerifyReport:
         if self.ok:
             return (f"verified {len(self.snapshots_checked)} snapshot(s), {self.packs_checked} pack(s)"
                     f"{', ' + str(self.bytes_read) + ' bytes read back' if self.read_data else ' (structure only)'}: all good")
+        if not self.affected_snapshots and all(p.scope == "index" for p in self.problems):
+            return (f"{len(self.problems)} problem(s): the repository index is damaged; no snapshot is "
+                    "affected (each still restores); `gpusnap repair` rebuilds the index")
         aff = ", ".join(self.affected_snapshots) or "none (damage is in data no snapshot needs)"
         return f"{len(self.problems)} problem(s); affected snapshots: {aff}"
 
@@ -166,6 +169,16 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
                 missing += 1
             else:
                 blob_users.setdefault(bno, set()).add(s.path.name)
+        if missing and s.locations() is not None:
+            # the snapshot's own locations file (checked: packs present, long enough) still
+            # finds every page, and restore reads through it: the index is what is damaged
+            msg = (f"{missing} pages/blobs of snapshot {s.path.name} are not in the index; the snapshot "
+                   "restores through its locations file; `gpusnap repair` rebuilds the index from the packs")
+            if idx.bad_files:                   # (each damaged file is a problem of its own above)
+                rep.notes.append(msg)
+            else:
+                rep.add("index", "index", msg + " (an index file is missing)")
+            continue
         if missing:
             rep.add("snapshot", s.path.name, f"{missing} pages/blobs it needs are not in the index"
                     + (" (damaged index files: " + ", ".join(sorted(idx.bad_files)) + ")" if idx.bad_files else ""))

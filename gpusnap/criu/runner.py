@@ -164,6 +164,7 @@ def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
     snapshot are named <snapshot dir>-dump / -restore and go when it goes (prune.prune_logs);
     callers make the labels of failed runs unique (time and pid). On a full repository disk
     the log goes to a private temporary directory instead; a log is never worth failing over."""
+    import stat
     import tempfile
 
     from gpusnap.errors import GpusnapError
@@ -177,9 +178,11 @@ def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
             name, k = f"{label}.log", 1
             while True:
                 try:
-                    os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
                 except FileNotFoundError:
                     return name
+                if stat.S_ISLNK(st.st_mode):     # planted: nothing more is written in logs/
+                    raise OSError(f"{folder / name} is a symbolic link")
                 k += 1
                 name = f"{label}-{k}.log"
         finally:

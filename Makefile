@@ -19,6 +19,7 @@ test-fast: setup
 	@$(PY) -m pytest -q -m "not slow"
 
 bench: setup
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.6'
 	@$(PY) scripts/bench.py
 
 completions: setup

@@ -88,21 +88,32 @@ def _progress(label: str, enabled: bool):
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
                                TransferSpeedColumn)
 
-    bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                    TimeElapsedColumn(), console=err, transient=True)
     task = bar.add_task(label, total=None)
+    shown = [None]
 
-    def update(done: int, total: int) -> None:
+    def update(done: int, total: int, phase: str | None = None) -> None:
+        if phase != shown[0]:      # dump: "frozen" (staging), then "storing" (the job runs again)
+            shown[0] = phase
+            desc = {"frozen": f"{label}: job frozen, staging",
+                    "storing": f"{label}: job running, storing"}.get(phase or "", label)
+            bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)
 
     return bar, update
 
 
 def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path],
-                 user: Optional[str] = None) -> int:
+                 user: Optional[str] = None, name: Optional[str] = None, repo: Optional[Path] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
+    if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
+        from gpusnap import jobrun, locate
+
+        return jobrun.find(name, locate.repo_path(repo)).pid
     if sum(given) != 1:
-        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE")
+        raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE "
+                         "(or --name N of a job started with `gpusnap run`)")
     if pidfile is not None:
         try:
             return int(pidfile.read_text().split()[0])
@@ -137,6 +148,10 @@ def dump(
                                          help="Dump established TCP connections (restore needs the same IPs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
+    staging_budget: Optional[str] = typer.Option(
+        None, "--staging-budget", metavar="SIZE",
+        help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
+             "file in the repository. Default: a quarter of the available memory, at most 2G."),
 ) -> None:
     """Snapshot a running process tree. The job keeps running unless --exit.
 
@@ -150,10 +165,18 @@ def dump(
 
     if user is not None and match is None:
         raise UsageError("--user only narrows --match")
-    target = _resolve_pid(pid, match, pidfile, user)
+    target = _resolve_pid(pid, match, pidfile, user, name, repo)
+    budget = None
+    if staging_budget is not None:
+        from gpusnap.repo.staging import parse_size
+
+        try:
+            budget = parse_size(staging_budget)
+        except ValueError as e:
+            raise UsageError(f"--staging-budget: {e}") from None
     req = DumpRequest(pid=target, repo=locate.repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
-                      keep_last=keep_last)
+                      keep_last=keep_last, staging_budget=budget)
     bar, update = _progress(f"dumping {target}", not (json_ or quiet))
     if bar:
         with bar:
@@ -182,7 +205,9 @@ def dump(
         err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
                   f"({result.pages_zero} zero, {result.pages_dedup} already stored), "
                   f"{_human(result.bytes_raw)} from CRIU, {_human(result.bytes_stored)} stored "
-                  f"({ratio:.1%}), {result.seconds:.2f} s; job "
+                  f"({ratio:.1%}), {result.seconds:.2f} s"
+                  + (f" (job frozen {result.frozen_seconds:.2f} s)" if result.frozen_seconds is not None else "")
+                  + "; job "
                   f"{'still running' if result.job_running else 'stopped'}")
 
 
@@ -194,6 +219,9 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    tcp_close: bool = typer.Option(False, "--tcp-close",
+                                   help="Restore established TCP connections closed (the job sees a reset "
+                                        "and reconnects); the default when their peer is gone."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -207,13 +235,15 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close)
     if json_:
         _emit_json(result.to_dict())
     else:
         out.print(result.pid)
+        if result.tcp_closed and not quiet:
+            err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
 
 
 @app.command("ls")
@@ -494,7 +524,9 @@ def ps(json_: bool = JsonOpt) -> None:
 
 @schedule_app.command("add")
 def schedule_add(
-    match: str = typer.Option(..., "--match", metavar="PATTERN", help="Regular expression on the job's command line."),
+    match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
+                                        help="Regular expression on the job's command line (default: the "
+                                             "job started with `gpusnap run --name NAME`)."),
     name: str = typer.Option(..., "--name", help="Schedule name, also the snapshot name ([A-Za-z0-9_-])."),
     every: Optional[str] = typer.Option(None, "--every", metavar="30m|2h|1d", help="How often."),
     cron: Optional[str] = typer.Option(None, "--cron", metavar="'M H DOM MON DOW'", help="Or a cron expression."),
@@ -584,6 +616,65 @@ def schedule_run(
         _emit_json(rec)
     else:
         out.print(rec.get("snapshot", ""))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default: the command's name); "
+                                                             "`dump --name N` and `restore N` find it."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Start a job the way that snapshots best (the recommended way to start one).
+
+    The job gets its own session and PID namespace (so a snapshot restores beside the running
+    original, without PID clashes); stdout and stderr go to files in REPO/jobs/NAME/.
+    Prints the job's PID.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import jobrun, locate
+
+    job = jobrun.start(command, locate.repo_path(repo), name=name)
+    if json_:
+        _emit_json(job.to_dict())
+        return
+    out.print(job.pid)
+    err.print(f"job {job.name} started (PID {job.pid}); output in {job.dir}; "
+              f"snapshot it with `gpusnap dump --name {job.name}`")
+
+
+@app.command("slurm-run", context_settings={"allow_interspersed_args": False})
+def slurm_run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: str = typer.Option(..., "--name", help="Job and snapshot name (one per job in the repository)."),
+    repo: Optional[Path] = RepoOpt,
+    every: Optional[str] = typer.Option(None, "--every", metavar="INTERVAL",
+                                        help="Also snapshot periodically (e.g. 10m), so a node failure loses "
+                                             "at most one interval."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
+                                            help="Keep only the newest N snapshots of this name."),
+    resume: str = typer.Option("auto", "--resume", metavar="auto|always|never",
+                               help="Restore the newest snapshot of the name: after a Slurm requeue (auto), "
+                                    "always, or never."),
+    requeue: bool = typer.Option(True, "--requeue/--no-requeue",
+                                 help="After the final snapshot, ask Slurm to requeue the job."),
+) -> None:
+    """Run a batch job that survives preemption, time limits and node failures (inside sbatch).
+
+    Starts the job (or, after a requeue, restores its newest snapshot); on USR1/TERM (use
+    `#SBATCH --signal=B:USR1@120`) takes a final snapshot and requeues. Exits with the job's status.
+    """
+    from gpusnap import locate, slurm
+
+    if resume not in ("auto", "always", "never"):
+        raise UsageError(f"--resume {resume!r}: use auto, always or never")
+    opts = slurm.Options(name=name, repo=locate.repo_path(repo), command=command,
+                         every_s=slurm.parse_interval(every) if every else None, keep_last=keep_last,
+                         resume=resume, requeue=requeue)
+    code = slurm.Supervisor(opts).run()
+    raise typer.Exit(code)
 
 
 @app.callback(invoke_without_command=True)

@@ -11,7 +11,6 @@ a clean "no NVIDIA driver".
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import shutil
@@ -20,21 +19,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from gpusnap import paths
+from gpusnap import paths, preflight
+from gpusnap.criu import runner
 from gpusnap import proc as gsproc
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 
 STATUSES = ("ok", "info", "warn", "fail")
-CRIU_MIN = (4, 0)
 CAP_SYS_ADMIN = 21
 CAP_SYS_RESOURCE = 24
 CAP_CHECKPOINT_RESTORE = 40
 PROC = Path("/proc")
 
-TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
-              "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
-              "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
+TCP_STATES = preflight.TCP_STATES
 
 
 @dataclass
@@ -53,6 +50,7 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     pid: int | None = None
     driver: dict[str, Any] | None = None   # DriverProbe.to_dict()
+    plan: dict[str, Any] | None = None     # PID given: the CRIU options a dump would use
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None) -> Check:
         assert status in STATUSES, status
@@ -74,7 +72,7 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "worst": self.worst, "pid": self.pid,
-                "checks": [c.to_dict() for c in self.checks], "driver": self.driver}
+                "checks": [c.to_dict() for c in self.checks], "driver": self.driver, "plan": self.plan}
 
     def render(self) -> Any:
         """A rich Table (imported lazily)."""
@@ -159,19 +157,8 @@ def proc_stat(pid: int) -> dict[str, Any] | None:
 
 
 def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (what `criu dump -t pid` takes)."""
-    children: dict[int, list[int]] = {}
-    for n in os.listdir(PROC):
-        if n.isdigit():
-            st = proc_stat(int(n))
-            if st:
-                children.setdefault(st["ppid"], []).append(int(n))
-    out, stack = [], [pid]
-    while stack:
-        p = stack.pop()
-        out.append(p)
-        stack.extend(sorted(children.get(p, []), reverse=True))
-    return out
+    """pid and all its descendants, walked as CRIU and `gpusnap dump` walk it (task/*/children)."""
+    return gsproc.tree(pid)
 
 
 def _status_field(pid: int, key: str) -> str | None:
@@ -191,114 +178,28 @@ def _environ(pid: int) -> dict[str, str]:
     return out
 
 
-def socket_inodes(pid: int) -> set[int]:
-    out = set()
-    for t in gprocs.fd_targets(pid):
-        m = re.match(r"socket:\[(\d+)\]$", t)
-        if m:
-            out.add(int(m.group(1)))
-    return out
-
-
-def decode_addr(hexaddr: str) -> str:
-    """'0100007F:1F90' → '127.0.0.1:8080' (/proc/net/tcp{,6} notation)."""
-    ip_hex, port_hex = hexaddr.split(":")
-    raw = bytes.fromhex(ip_hex)
-    # the kernel prints each 32-bit word in host (little-endian) order
-    b = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(b)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    port = int(port_hex, 16)
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
-
-
-def parse_proc_net_tcp(text: str) -> list[dict[str, Any]]:
-    """Rows of /proc/PID/net/tcp or tcp6: [{local, remote, state, inode}]."""
-    out = []
-    for line in text.splitlines()[1:]:
-        f = line.split()
-        if len(f) < 10:
-            continue
-        try:
-            out.append({"local": decode_addr(f[1]), "remote": decode_addr(f[2]),
-                        "state": TCP_STATES.get(f[3].upper(), f[3]), "inode": int(f[9])})
-        except ValueError:
-            continue
-    return out
-
-
-def tcp_sockets(pid: int, inodes: set[int]) -> list[dict[str, Any]]:
-    """TCP sockets among `inodes`, looked up in PID's network namespace."""
-    out = []
-    for name in ("tcp", "tcp6"):
-        for row in parse_proc_net_tcp(_read(PROC / str(pid) / "net" / name) or ""):
-            if row["inode"] in inodes:
-                out.append(row)
-    return out
-
-
-def parse_ss_unix(text: str) -> list[dict[str, Any]]:
-    """`ss -xaH` lines → [{type, state, path, inode, peer}] (peer inode, 0 = none)."""
-    out = []
-    for line in text.splitlines():
-        f = line.split()
-        if len(f) < 8:
-            continue
-        try:
-            inode, peer = int(f[-3]), int(f[-1])
-        except ValueError:
-            continue
-        path = " ".join(f[4:-3])
-        out.append({"type": f[0], "state": f[1], "path": "" if path == "*" else path,
-                    "inode": inode, "peer": peer})
-    return out
-
-
-def _who_holds(inodes: set[int]) -> dict[int, tuple[int, str]]:
-    """socket inode → (pid, comm) of some process holding it."""
-    found: dict[int, tuple[int, str]] = {}
-    want = set(inodes)
-    for n in os.listdir(PROC):
-        if not want:
-            break
-        if not n.isdigit():
-            continue
-        for ino in socket_inodes(int(n)) & want:
-            comm = (_read(PROC / n / "comm") or "?").strip()
-            found[ino] = (int(n), comm)
-            want.discard(ino)
-    return found
+# Socket readers and parsers live in the preflight (shared with dump); kept here by name.
+socket_inodes = preflight.socket_inodes
+decode_addr = preflight.decode_addr
+parse_proc_net_tcp = preflight.parse_proc_net_tcp
+tcp_sockets = preflight.tcp_sockets
+parse_ss_unix = preflight.parse_ss_unix
+_who_holds = preflight.who_holds
 
 
 # ---------------------------------------------------------------- system checks
 
 def _check_criu(r: DoctorReport) -> bool:
-    criu = shutil.which("criu")
-    if not criu:
-        r.add("criu", "fail", "CRIU is not installed",
-              "run scripts/setup.sh (Debian 13: apt-get install criu; Debian 12: from trixie)")
-        return False
-    rc, out = _run([criu, "--version"], timeout=20)
-    ver = parse_criu_version(out)
-    if ver is None:
-        r.add("criu", "fail", f"{criu} --version said: {out.strip()[:200]}",
-              "reinstall CRIU >= 4.0")
-        return False
-    vs = ".".join(map(str, ver))
-    if ver[:2] < CRIU_MIN:
-        r.add("criu", "fail", f"CRIU {vs} at {criu}: gpusnap needs >= 4.0 (device plugin hooks; "
-              "3.x fails on recent kernels)", "install CRIU 4.x (scripts/setup.sh does it)")
-        return False
-    r.add("criu", "ok", f"CRIU {vs} ({criu})")
-    return True
+    f = preflight.criu()  # the same finding `gpusnap dump` acts on
+    r.add(f.name, f.status, f.detail, f.fix)
+    return f.status != "fail"
 
 
 def _check_criu_check(r: DoctorReport, root_like: bool) -> None:
     if not root_like:
         r.add("criu check", "warn", "skipped: needs root", "run gpusnap doctor as root")
         return
-    rc, out = _run(["criu", "check"], timeout=90)
+    rc, out = _run([runner.criu_info().path, "check"], timeout=90)
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
     # CRIU always logs this when root lacks CAP_SYS_RESOURCE; the capability check covers it
     noise = re.compile(r"RLIMIT_NOFILE", re.I)
@@ -317,17 +218,9 @@ def _check_criu_check(r: DoctorReport, root_like: bool) -> None:
 
 def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
     caps = cap_eff()
-    root = os.geteuid() == 0
-    cr = has_cap(CAP_CHECKPOINT_RESTORE, caps)
-    if root:
-        r.add("privileges", "ok", "running as root")
-    elif cr:
-        r.add("privileges", "warn", "not root, but CAP_CHECKPOINT_RESTORE is effective "
-              "(CRIU's non-root mode: own processes only, fewer features)",
-              "run as root for anything beyond your own simple jobs")
-    else:
-        r.add("privileges", "fail", f"not root (uid {os.geteuid()}) and no CAP_CHECKPOINT_RESTORE",
-              "run gpusnap as root (sudo)")
+    f = preflight.privileges()  # the same finding `gpusnap dump` acts on
+    r.add(f.name, f.status, f.detail, f.fix)
+    root_like = f.status != "fail"
     sysres = has_cap(CAP_SYS_RESOURCE, caps)
     if sysres:
         r.add("CAP_SYS_RESOURCE", "ok", "present: processes of any user can be dumped")
@@ -338,7 +231,7 @@ def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
               "harmless \"Can't setup RLIMIT_NOFILE for self\"",
               "run from a full root shell (containers often drop this capability), or dump "
               "only processes running as this user")
-    return root or cr, sysres
+    return root_like, sysres
 
 
 def _check_dirty_tracking(r: DoctorReport, criu_ok: bool, root_like: bool) -> None:
@@ -346,7 +239,7 @@ def _check_dirty_tracking(r: DoctorReport, criu_ok: bool, root_like: bool) -> No
     if not (criu_ok and root_like):
         r.add("soft-dirty tracking", "info", f"not checked; {why}")
         return
-    rc, out = _run(["criu", "check", "--feature", "mem_dirty_track"], timeout=30)
+    rc, out = _run([runner.criu_info().path, "check", "--feature", "mem_dirty_track"], timeout=30)
     if rc == 0:
         r.add("soft-dirty tracking", "ok", f"available ({why})")
     else:
@@ -428,105 +321,15 @@ def _pids_named(names: Iterable[str]) -> list[int]:
 
 # ---------------------------------------------------------------- per-job checks
 
-def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bool) -> None:
-    st = proc_stat(pid)
-    if st is None:
-        r.add("process", "fail", f"no process {pid}", "check the PID (gpusnap ps, pgrep -f ...)")
-        return
-    tree = process_tree(pid)
-    desc = f"{pid} ({st['comm']})" + (f" and {len(tree) - 1} descendant(s)" if len(tree) > 1 else "")
-    r.add("process", "ok", f"tree: {desc}")
-    if os.getpid() in tree:
-        r.add("self", "fail", "the tree contains gpusnap itself (PID is gpusnap or one of its "
-              "ancestors, e.g. the shell it runs in)", "dump the job's own PID")
-
-    # uid
-    me = os.geteuid()
-    others = []
-    for p in tree:
-        uid = _status_field(p, "Uid")
-        if uid and int(uid.split()[1]) != me:
-            others.append((p, int(uid.split()[1])))
-    if others and not sysres:
-        r.add("uid", "fail", "runs under another uid (" + ", ".join(f"{p}: uid {u}" for p, u in others[:5])
-              + ") and CAP_SYS_RESOURCE is missing: CRIU fails with \"Can't get rlimit\"",
-              "run gpusnap with CAP_SYS_RESOURCE (a full root shell) or run the job as this user")
-    elif others:
-        r.add("uid", "ok", f"runs under uid {others[0][1]} (fine: CAP_SYS_RESOURCE present)")
-
-    # tracer
-    traced = [(p, t) for p in tree if (t := _status_field(p, "TracerPid")) and t != "0"]
-    if traced:
-        r.add("ptrace", "fail", "traced by another process (" +
-              ", ".join(f"{p} by {t}" for p, t in traced) + "): CRIU cannot seize it",
-              "detach the debugger/strace first")
-
-    # session
-    outside = [p for p in tree if gsproc.session_outside_namespace(p)]
-    if outside:
-        r.add("session", "fail", f"the session leader of {outside[0]} is outside its PID namespace: "
-              "CRIU cannot dump it", "start the job in a session of its own (`setsid CMD`)")
-
-    # terminal
-    tty = [p for p in tree if (s := proc_stat(p)) and s["tty_nr"] != 0]
-    tty_fds = sorted({t for p in tree for t in gprocs.fd_targets(p)
-                      if t.startswith("/dev/pts/") or re.match(r"/dev/tty\w*$", t)})
-    if tty or tty_fds:
-        r.add("terminal", "info", "has a controlling terminal" + (f" ({', '.join(tty_fds[:4])} open)" if tty_fds else "")
-              + ": gpusnap dumps it with --shell-job; on restore it gets the terminal of `gpusnap restore`",
-              "to detach it from terminals, start jobs with setsid/nohup and redirect stdio to files")
-
-    # sockets
-    inodes_by_pid = {p: socket_inodes(p) for p in tree}
-    all_inodes = set().union(*inodes_by_pid.values()) if inodes_by_pid else set()
-    tcp = tcp_sockets(pid, all_inodes)
-    est = [s for s in tcp if s["state"] != "LISTEN"]
-    listen = [s for s in tcp if s["state"] == "LISTEN"]
-    if est:
-        r.add("TCP", "fail", f"{len(est)} open TCP connection(s): " +
-              ", ".join(f"{s['local']}→{s['remote']} {s['state']}" for s in est[:5]) +
-              "; a plain CRIU dump refuses them",
-              "close them before the dump, or `gpusnap dump --tcp-established` (the restore then "
-              "needs the same IP address and a peer that kept the connection)")
-    if listen:
-        r.add("TCP listen", "ok", "listening on " + ", ".join(s["local"] for s in listen[:5])
-              + " (restored; the port must be free at restore time)")
-    _check_unix(r, pid, all_inodes)
-
-    # NVIDIA
-    _check_gpu_job(r, tree, probe)
-
-
-def _check_unix(r: DoctorReport, pid: int, inodes: set[int]) -> None:
-    if not inodes:
-        return
-    my_net = _netns(os.getpid())
-    if _netns(pid) != my_net:
-        r.add("unix sockets", "info", "the job runs in another network namespace; unix socket "
-              "peers not checked")
-        return
-    ss = shutil.which("ss")
-    if not ss:
-        r.add("unix sockets", "info", "`ss` (iproute2) is not installed; unix socket peers not checked")
-        return
-    rc, out = _run([ss, "-xaH"], timeout=30)
-    if rc != 0:
-        r.add("unix sockets", "info", f"ss failed: {out.strip()[:200]}")
-        return
-    rows = [s for s in parse_ss_unix(out) if s["inode"] in inodes]
-    ext = [s for s in rows if s["peer"] and s["peer"] not in inodes]
-    if not ext:
-        return
-    holders = _who_holds({s["peer"] for s in ext})
-    items = []
-    for s in ext[:5]:
-        h = holders.get(s["peer"])
-        who = f"{h[1]} (pid {h[0]})" if h else "a process outside the tree"
-        items.append(f"{s['type']} {s['path'] or '(unnamed)'} → {who}")
-    r.add("unix sockets", "fail", f"{len(ext)} unix socket(s) connected outside the tree: "
-          + "; ".join(items) + "; CRIU refuses external unix sockets",
-          "close them before the dump (e.g. don't log to journald/syslog via a socket; redirect stdout "
-          "to a file), or CRIU's --ext-unix-sk for datagram sockets")
+def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bool) -> None:  # noqa: ARG001
+    """The preflight `gpusnap dump` runs, finding by finding, then the GPU checks."""
+    plan = preflight.check(pid, system=False)
+    for f in plan.findings:
+        r.add(f.name, f.status, f.detail, f.fix)
+    r.plan = {"pids": plan.pids, "dump_options": plan.dump_options, "restore_flags": plan.restore_flags,
+              "tcp": plan.tcp, "listening": plan.listening, "locks": plan.locks}
+    if plan.pids:
+        _check_gpu_job(r, plan.pids, probe)
 
 
 def _netns(pid: int) -> str | None:

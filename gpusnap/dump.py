@@ -20,18 +20,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import paths, proc
+from gpusnap import paths, preflight, proc
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
-from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, NotDumpable, UsageError
+from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
+from gpusnap.repo import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
 COMPRESSORS = ("auto", "lz4", "zstd", "none")
 NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
-Progress = Callable[[int, int], None]  # (bytes streamed so far, estimated total)
+# (bytes so far, expected total, phase): phase "frozen" while the job stands frozen and CRIU's
+# bytes are staged, then "storing" (the job runs again) while the page pipeline stores them
+Progress = Callable[[int, int, str], None]
+# Stage images entirely before the page pipeline starts (the ingest waits for the gate), unless
+# there are cores enough for CRIU, the drain and the pipeline at once; on 2 cores running
+# the pipeline during the freeze lengthened it (docs/benchmark.md). GPUSNAP_INGEST_OVERLAP=0/1.
+OVERLAP_MIN_CPUS = 4
 
 
 @dataclass
@@ -44,6 +51,7 @@ class DumpRequest:
     lock_timeout_ms: int | None = None
     tcp_established: bool = False
     keep_last: int | None = None  # retention for this name, applied right after the commit
+    staging_budget: int | None = None  # bytes of memory staging may use (None: staging.default_budget())
 
 
 @dataclass
@@ -59,15 +67,22 @@ class DumpResult:
     bytes_stored: int
     seconds: float
     job_running: bool
+    # how long the job stood frozen: CRIU's own figure (its stats-dump: from the end of the
+    # freeze to the resume), or, when CRIU wrote none, from CRIU's start to the gate opening
+    frozen_seconds: float | None = None
     cuda_pids: list[int] = field(default_factory=list)
     log: str | None = None
     pruned: list[str] = field(default_factory=list)
     prune_error: str | None = None
     prune_warnings: list[str] = field(default_factory=list)
-    # wall seconds per phase: preflight, criu (CRIU running, pages streaming in), drain (the
-    # page pipeline and pack writes finishing after CRIU exits), commit (index, manifest,
-    # fsyncs, rename), retention
+    # wall seconds per phase: preflight, staging (the staging memory faulted in), criu (CRIU
+    # running: the freeze, pages streaming into staging), storing (the page pipeline and pack
+    # writes finishing after CRIU exits), commit (index, manifest, fsyncs, rename), retention
     phases: dict[str, float] = field(default_factory=dict)
+    criu_options: list[str] = field(default_factory=list)  # what the preflight chose (--file-locks, ...)
+    # budget, arena_bytes, staged_bytes, memory_peak, spilled_bytes, spill_peak, overlap
+    staging: dict = field(default_factory=dict)
+    peak_rss_bytes: int | None = None   # this process's VmHWM at the end
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,19 +101,6 @@ def check_name(name: str) -> str:
     return name
 
 
-PF_KTHREAD = 0x00200000
-
-
-def _refuse_kernel_thread(pid: int) -> None:
-    """A kernel thread (kthreadd, PID 2, and its children) has no memory of its own to dump."""
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text()
-        flags = int(st[st.rindex(")") + 2:].split()[6])
-    except (OSError, ValueError, IndexError):
-        return
-    if flags & PF_KTHREAD:
-        raise NotDumpable(f"PID {pid} is a kernel thread; there is no process to snapshot",
-                          hint="give the PID of a user-space process (see `ps -ef`; kernel threads are in [brackets])")
 
 
 def _free_bytes(path: Path) -> int:
@@ -135,6 +137,95 @@ def _read_cuda_report(path: Path) -> list[int]:
     return sorted(set(pids))
 
 
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        c = b[i]
+        i += 1
+        n |= (c & 0x7F) << shift
+        shift += 7
+        if c < 0x80:
+            return n, i
+
+
+def criu_frozen_seconds(workdir: Path) -> float | None:
+    """frozen_time from CRIU's stats-dump (written locally even with --stream): microseconds
+    from the moment the tree was frozen to the moment it was resumed. The image is 8 bytes of
+    magic, a u32 length, then StatsEntry{dump = 1: DumpStatsEntry{frozen_time = 2}}."""
+    try:
+        b = (workdir / "stats-dump").read_bytes()
+        size = int.from_bytes(b[8:12], "little")
+        msg = b[12:12 + size]
+        i = 0
+        while i < len(msg):
+            key, i = _varint(msg, i)
+            if key == (1 << 3 | 2):
+                ln, i = _varint(msg, i)
+                sub, j = msg[i:i + ln], 0
+                while j < len(sub):
+                    k, j = _varint(sub, j)
+                    if k & 7 == 0:
+                        v, j = _varint(sub, j)
+                        if k >> 3 == 2:
+                            return v / 1e6
+                    elif k & 7 == 2:
+                        ln2, j = _varint(sub, j)
+                        j += ln2
+                    else:
+                        return None
+                return None
+            if key & 7 == 0:
+                _, i = _varint(msg, i)
+            elif key & 7 == 2:
+                ln, i = _varint(msg, i)
+                i += ln
+            else:
+                return None
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def _anon_bytes(pids: list[int]) -> int:
+    """RssAnon + RssShmem of the tree: about what CRIU will stream (file-backed pages that were
+    never written are not dumped; a job that maps gigabytes of model files must not size the
+    staging arena by them)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssShmem:")):
+                    total += int(line.split()[1]) << 10
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _vm_hwm() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _test_hold(point: str, info: dict) -> None:
+    """Test hook (GPUSNAP_TEST_HOLD=point:FILE): at `point`, write `info` as JSON to FILE and
+    wait there until killed, so a test can kill -9 the dump at a precise moment."""
+    spec = os.environ.get("GPUSNAP_TEST_HOLD", "")
+    if not spec.startswith(point + ":"):
+        return
+    import json
+
+    path = Path(spec.split(":", 1)[1])
+    path.with_suffix(".tmp").write_text(json.dumps(info))
+    os.rename(path.with_suffix(".tmp"), path)
+    while True:
+        time.sleep(1)
+
+
 def _plugin_failure(log: Path) -> list[str]:
     try:
         return [ln.strip() for ln in log.read_text(errors="replace").splitlines()
@@ -144,16 +235,13 @@ def _plugin_failure(log: Path) -> list[str]:
 
 
 
-def _criu_args(req: DumpRequest, workdir: Path, log: Path, shell_job: bool) -> list[str]:
+def _criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str]) -> list[str]:
     args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
             "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4"]
     # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
     # failure while storing can still hand the job back.
     args.append("--leave-running" if req.leave_running else "--leave-stopped")
-    if shell_job:
-        args.append("--shell-job")
-    if req.tcp_established:
-        args.append("--tcp-established")
+    args += options  # decided by the preflight: --shell-job, --tcp-established, --file-locks, ...
     return args
 
 
@@ -181,7 +269,7 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
         return stream_err
     lines = runner.log_errors(log)
     return CriuFailed(f"criu dump failed (exit status {rc}); the job was left running",
-                      log_path=kept, last_lines=lines, hint=runner.explain(lines))
+                      log_path=kept, last_lines=lines, hint=runner.explain_dump(lines))
 
 
 def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
@@ -252,29 +340,16 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         raise UsageError(f"--compress must be one of {', '.join(COMPRESSORS)}, not {req.compress!r}")
     if req.name:
         check_name(req.name)
-    runner.require_privileges("dump")
-    runner.criu_info()
-    proc.require_process(req.pid)
-    _refuse_kernel_thread(req.pid)
+    plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
     name = req.name or default_name(req.pid)
-    pids = proc.tree(req.pid)
+    pids = plan.pids
     estimate = proc.rss_bytes(pids)
-    outside = [p for p in pids if proc.session_outside_namespace(p)]
-    if outside:
-        raise NotDumpable(
-            f"the session leader of PID {outside[0]} is outside its PID namespace, "
-            "so CRIU could not recreate its session on restore",
-            hint="start the job in a session of its own (`setsid CMD`, or start_new_session=True "
-                 "in Python); the job was not touched")
-    shell_job = proc.needs_shell_job(pids)
     if _free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
 
     repo = Repository.open(req.repo, create=True)
-    restore_flags = ["--shell-job"] if shell_job else []
-    if req.tcp_established:
-        restore_flags.append("--tcp-established")
+    restore_flags = list(plan.restore_flags)
     meta = {
         "pid": req.pid,
         "pids": pids,
@@ -287,6 +362,11 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         "restore_flags": restore_flags,
         "leave_running": req.leave_running,
         "compress": req.compress,
+        # what restore needs to judge the connections (peer still there?) and name the locks
+        "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
+        "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
+        # restored into a new PID namespace: its PIDs never clash with running processes
+        "own_pid_namespace": plan.own_pid_namespace,
     }
     gpu = _gpu_facts(pids)
     if gpu:
@@ -301,6 +381,10 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         phases[name] = round(now - mark[0], 3)
         mark[0] = now
 
+    budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
+    env_overlap = os.environ.get("GPUSNAP_INGEST_OVERLAP", "")
+    overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
+
     with repo.writer_lock():
         writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
         workdir = Path(tempfile.mkdtemp(prefix="gpusnap-dump-"))
@@ -308,31 +392,56 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         server: CaptureServer | None = None
         gate: PostDumpGate | None = None
         criu: subprocess.Popen | None = None
+        staging: staging_mod.Staging | None = None
         stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
         old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
         snap = None
         try:
-            server = CaptureServer(workdir, writer.image_sink).start()
-            gate = PostDumpGate(workdir, server)
             phase("preflight")
+            spill_dir = repo.path / "tmp"
+            staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
+            # the arena covers what CRIU is expected to stream (the tree's anonymous memory)
+            staging = staging_mod.Staging(spill_dir, budget, prealloc=_anon_bytes(pids) + (16 << 20))
+            if overlap:
+                staging.go.set()
+            server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
+            gate = PostDumpGate(workdir, server)
+            phase("staging")
+
+            def criu_progress(done: int, total: int) -> None:
+                if progress is None:
+                    return
+                if gate.opened.is_set():
+                    progress(server.ingested, server.bytes, "storing")
+                else:
+                    progress(done, total, "frozen")
+
+            t_criu = time.monotonic()
             criu = subprocess.Popen(
-                [runner.criu_info().path, *_criu_args(req, workdir, log, shell_job),
+                [runner.criu_info().path, *_criu_args(req, workdir, log, plan.dump_options),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env=_criu_env(req, workdir), start_new_session=True)
-            runner.supervise(criu, server, progress, estimate)
+                env={**_criu_env(req, workdir), **gate.env}, start_new_session=True)
+            runner.supervise(criu, server, criu_progress, estimate)
             phase("criu")
             if criu.returncode != 0 or server.failed:
                 server.abort()
                 raise _failure(server.error(), criu.returncode, log,
                                runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
             stopped = not req.leave_running
-            server.finish(timeout=30)
+            frozen = criu_frozen_seconds(workdir)
+            if frozen is None and gate.opened_at is not None:
+                frozen = gate.opened_at - t_criu
+            frozen = round(frozen, 3) if frozen is not None else None
+            _test_hold("after-gate", {"pid": os.getpid(), "staging": staging.stats()})
             if progress:
-                progress(server.bytes, max(estimate, server.bytes))
-            phase("drain")
+                _finish_with_progress(server, progress)
+            else:
+                server.finish(timeout=30)
+            phase("storing")
             cuda_pids = _read_cuda_report(workdir / "cuda-report")
-            snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0})
+            snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
+                                             "frozen_seconds": frozen})
             kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
             phase("commit")
             if stopped:
@@ -366,6 +475,8 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 gate.close()
             if server is not None:
                 server.abort()
+            if staging is not None:
+                staging.close()
             shutil.rmtree(workdir, ignore_errors=True)
 
     stats = writer.stats
@@ -375,4 +486,28 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
         cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
-        prune_warnings=prune_warnings, phases=phases)
+        prune_warnings=prune_warnings, phases=phases, frozen_seconds=frozen, staging={**staging.stats(), "overlap": overlap}, peak_rss_bytes=_vm_hwm(),
+        criu_options=list(plan.dump_options))
+
+
+def _finish_with_progress(server: CaptureServer, progress: Progress) -> None:
+    """server.finish() in a helper thread while the storing phase's progress is shown."""
+    import threading
+
+    done = threading.Event()
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.finish(timeout=30)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            err.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gpusnap-finish", daemon=True).start()
+    while not done.wait(0.1):
+        progress(server.ingested, server.bytes, "storing")
+    progress(server.bytes, server.bytes, "storing")
+    if err:
+        raise err[0]

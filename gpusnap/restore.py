@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import locate, paths, proc
+from gpusnap import locate, netlock, paths, proc
 from gpusnap.criu import runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError, PidsInUse
@@ -35,6 +35,8 @@ class RestoreResult:
     # wall seconds: preflight (snapshot checks, PIDs, GPUs), criu (CRIU restoring while the
     # images stream out of the repository)
     phases: dict[str, float] = field(default_factory=dict)
+    # established TCP connections in the snapshot came back closed (--tcp-close), and why
+    tcp_closed: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,26 +100,32 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
 
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
-            progress: Callable[[int, int], None] | None = None) -> RestoreResult:
+            progress: Callable[[int, int], None] | None = None, tcp_close: bool = False) -> RestoreResult:
     t0 = time.monotonic()
     runner.require_privileges("restore")
     info = runner.criu_info()
     repository, snap = locate.open_snapshot(ref, repo)
     with repository.readers_lock():
-        return _restore(repository, snap, info, gpu_map, progress, t0)
+        return _restore(repository, snap, info, gpu_map, progress, t0, tcp_close)
 
 
-def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
+def _restore(repository, snap, info, gpu_map, progress, t0, tcp_close=False) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
     pids = snapshot_pids(snap)
-    _check_pids_free(pids, snap.path)
+    own_pidns = snap.manifest.get("meta", {}).get("own_pid_namespace") is True
+    if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
+        _check_pids_free(pids, snap.path)
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
+    conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]
+    closed, why = netlock.restore_tcp_close(conns, tcp_close)
+    if closed:
+        flags.append("--tcp-close")
 
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
     log = workdir / "criu.log"
@@ -153,12 +161,20 @@ def _restore(repository, snap, info, gpu_map, progress, t0) -> RestoreResult:
             progress(total, total)
         try:
             pid = int(pidfile.read_text().split()[0])
+            if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
+                pids = proc.tree(pid)
         except (OSError, ValueError, IndexError):
             pid = pids[0]
+            if own_pidns:  # never hand back the original's PIDs as the restored ones
+                raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown",
+                                 log_path=str(log)) from None
         runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+        if closed:
+            netlock.unlock_closed(conns)
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases={"preflight": round(t_criu - t0, 3), "criu": round(t_end - t_criu, 3)})
+                         phases={"preflight": round(t_criu - t0, 3), "criu": round(t_end - t_criu, 3)},
+                         tcp_closed=why if closed else None)
 

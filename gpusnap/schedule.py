@@ -85,7 +85,7 @@ def require_scheduler() -> str:
 @dataclass
 class Schedule:
     name: str
-    match: str
+    match: str | None                 # None: the job `gpusnap run --name NAME` started
     uid: int
     repo: str
     keep_last: int
@@ -194,7 +194,8 @@ def load(name: str, d: Path | None = None) -> Schedule:
             raise UsageError(f"schedule {p} is damaged: {e}") from None
     # checked again at every run: a spec edited by hand gets the same checks as `add`
     validate.check_schedule_name(s.name)
-    validate.check_match(s.match)
+    if s.match is not None:  # None: the job `gpusnap run --name NAME` started
+        validate.check_match(s.match)
     if s.name != name or not isinstance(s.uid, int) or not isinstance(s.keep_last, int) or s.keep_last < 1:
         raise UsageError(f"schedule {p} is damaged")
     return s
@@ -233,7 +234,7 @@ def _systemctl(*args: str) -> None:
         raise SchedulerUnavailable(f"systemctl {' '.join(args)} failed: {p.stderr.strip()}")
 
 
-def add(name: str, match: str, *, every: str | None = None, cron: str | None = None,
+def add(name: str, match: str | None, *, every: str | None = None, cron: str | None = None,
         keep_last: int = 4, repo: Path | None = None, exit_after: bool = False,
         user: str | int | None = None, replace: bool = False) -> Schedule:
     """Check everything as `dump` would, then record and install the schedule."""
@@ -242,7 +243,8 @@ def add(name: str, match: str, *, every: str | None = None, cron: str | None = N
 
     validate.check_schedule_name(name)
     check_name(name)                        # it is also the snapshot name
-    validate.check_match(match)
+    if match is not None:
+        validate.check_match(match)
     if type(keep_last) is not int or keep_last < 1:
         raise UsageError("--keep-last must be at least 1")
     if bool(every) == bool(cron):
@@ -259,7 +261,7 @@ def add(name: str, match: str, *, every: str | None = None, cron: str | None = N
     else:
         cronexpr.parse_every(every)
         when = f"every {every}"
-    uid = _job_owner(match, user)
+    uid = _job_owner(match, user) if match is not None else _run_job_owner(name, repo_path, user)
     if repo_path.exists():                  # a repository every run would refuse: say so now
         from gpusnap.repo.repository import Repository
         Repository.open(repo_path)
@@ -304,6 +306,19 @@ def add(name: str, match: str, *, every: str | None = None, cron: str | None = N
         _systemctl("enable", "--now", f"{PREFIX}{name}.timer")
     s.replaced_repo = old.repo if old is not None and old.repo != s.repo else None  # type: ignore[attr-defined]
     return s
+
+
+def _run_job_owner(name: str, repo: Path, user) -> int:
+    """No --match: the job `gpusnap run --name NAME` started, which must run now; its owner."""
+    from gpusnap import jobrun
+
+    job = jobrun.find(name, repo)
+    uid = validate.process_uid(job.pid)
+    if uid is None:
+        raise UsageError(f"job {name!r} (PID {job.pid}) went away while the schedule was added")
+    if user is not None and validate.resolve_user(user) != uid:
+        raise UsageError(f"job {name!r} runs as {validate.user_name(uid)}, not {user}")
+    return uid
 
 
 def _job_owner(match: str, user) -> int:
@@ -422,7 +437,14 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     rec: dict = {"time": _now_iso(t0), "schedule": s.name, "pid": None}
     error: GpusnapError | None = None
     try:
-        pid = validate.find_job(s.match, s.uid)
+        if s.match is None:
+            from gpusnap import jobrun
+
+            pid = jobrun.find(s.name, Path(s.repo)).pid
+            if validate.process_uid(pid) != s.uid:
+                raise ProcessNotFound(f"job {s.name!r} (PID {pid}) no longer runs as {s.user}")
+        else:
+            pid = validate.find_job(s.match, s.uid)
         rec["pid"] = pid
         res = dump(DumpRequest(pid=pid, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
                                keep_last=s.keep_last))

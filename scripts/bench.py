@@ -4,12 +4,14 @@
     python scripts/bench.py [--mb 512] [--reps 3] [--kinds fp32,inference,random,relocate]
                             [--dir /var/tmp/gpusnap-bench] [--json FILE] [--no-verify]
 
-For every workload of tests/jobs/workloads.py and every repetition, on a fresh job:
+For every workload of tests/jobs/workloads.py and every repetition, on a fresh job that
+ticks every 2 ms in a thread of its own (--tick-ms):
   1. raw  `criu dump -t PID -D RAW --leave-running`  and  `gpusnap dump PID --repo R --json`
      (the order alternates between repetitions; `sync` before each timed step, so neither
-     pays for the other's writeback; RAW and R are on the same filesystem, under --dir);
-     raw CRIU does not fsync its images, gpusnap fsyncs its packs: the time raw CRIU's
-     own `sync` then takes is reported too (raw+sync).
+     pays for the other's writeback; RAW and R are on the same filesystem, under --dir).
+     Each is followed by `sync`: "until committed" is the command's wall time plus that
+     sync (raw CRIU does not fsync its images; gpusnap fsyncs its packs). The freeze is the
+     longest gap between two ticks that the job itself saw during the command.
   1b. CRIU's --stream mode alone (scripts/stream_floor.py): the same dump into a capture
      server that drops every byte; the floor under gpusnap's 'criu' phase.
   2. relocate only: the job moves its weights to a new allocation, and a second gpusnap
@@ -21,11 +23,11 @@ For every workload of tests/jobs/workloads.py and every repetition, on a fresh j
      that job killed: the floor under gpusnap's restore.
 Wall times are the whole command as a user runs it (process start-up included). gpusnap's
 own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
-runs; CRIU, its child, is not counted). Page cache: warm for both (nothing is dropped;
-the images restore from what was just written).
+runs; CRIU, its child, is not counted), next to its staging budget (--staging-budget).
 
 Medians over the repetitions are printed as a table of ratios against the targets, and
-written with every sample to --json.
+written with every sample to --json; with matplotlib installed (`make bench` installs
+it) the ratios are drawn into --chart (docs/benchmark.png).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ KINDS = ("fp32", "inference", "random", "relocate")
 SIZE_TARGET = {"fp32": 0.88, "inference": 0.2, "random": 1.01, "relocate": None}
 DUMP_TARGET = RESTORE_TARGET = 1.0
 INCR_TARGET = 0.05
+FREEZE_TARGET = 1.0       # issue 10: the job stands frozen no longer than under raw CRIU
+COMMITTED_TARGET = 1.3    # dump until committed (both followed by sync), on 2 cores
+TICK_MS = 2
 
 
 def criu_path() -> str:
@@ -140,12 +145,20 @@ class Job:
         self.out, self.kind, self.mb = out, kind, mb
         out.mkdir(parents=True)
         self.stdio = open(out / "stdio.txt", "ab")
-        self.popen = subprocess.Popen([PY, str(WORKLOAD), str(out), "--kind", kind, "--mb", str(mb)],
+        self.popen = subprocess.Popen([PY, str(WORKLOAD), str(out), "--kind", kind, "--mb", str(mb),
+                                       "--tick-ms", str(TICK_MS)],
                                       stdin=subprocess.DEVNULL, stdout=self.stdio, stderr=self.stdio,
                                       start_new_session=True)
         self.pid = self.popen.pid
         self.gen = 0
+        self.gaps = 0
         wait_file(out / "ready", pid=self.pid)
+
+    def gap(self) -> float:
+        """The longest gap between the job's ticks since the previous call (seconds)."""
+        self.gaps += 1
+        (self.out / f"gap.{self.gaps}").touch()
+        return json.loads(wait_file(self.out / f"gapped.{self.gaps}", pid=self.pid))["max_gap"]
 
     def relocate(self) -> dict:
         self.gen += 1
@@ -157,22 +170,37 @@ class Job:
         return wait_file(self.out / "result", pid=self.pid).strip()
 
 
-def gpusnap_dump(pid: int, repo: Path) -> dict:
-    os.sync()
-    r = check(timed([PY, "-m", "gpusnap", "dump", str(pid), "--repo", str(repo), "--name", "bench", "--json"],
-                    poll_hwm=True, cwd=ROOT), "gpusnap dump")
-    r["info"] = json.loads(r["stdout"].strip().splitlines()[-1])
-    return r
-
-
-def raw_dump(pid: int, raw: Path) -> dict:
-    os.sync()
-    raw.mkdir(parents=True)
-    r = check(timed([criu_path(), "dump", "-t", str(pid), "-D", str(raw), "--leave-running",
-                     "-o", "dump.log", "-v2"]), "criu dump")
+def _synced(r: dict) -> dict:
     t0 = time.monotonic()
     os.sync()
     r["sync"] = time.monotonic() - t0
+    r["committed"] = r["wall"] + r["sync"]
+    return r
+
+
+def gpusnap_dump(pid: int, repo: Path, job: "Job | None" = None, budget: str | None = None) -> dict:
+    os.sync()
+    if job is not None:
+        job.gap()
+    extra = ["--staging-budget", budget] if budget else []
+    r = check(timed([PY, "-m", "gpusnap", "dump", str(pid), "--repo", str(repo), "--name", "bench", "--json", *extra],
+                    poll_hwm=True, cwd=ROOT), "gpusnap dump")
+    if job is not None:
+        r["freeze"] = job.gap()
+    r["info"] = json.loads(r["stdout"].strip().splitlines()[-1])
+    return _synced(r)
+
+
+def raw_dump(pid: int, raw: Path, job: "Job | None" = None) -> dict:
+    os.sync()
+    raw.mkdir(parents=True)
+    if job is not None:
+        job.gap()
+    r = check(timed([criu_path(), "dump", "-t", str(pid), "-D", str(raw), "--leave-running",
+                     "-o", "dump.log", "-v2"]), "criu dump")
+    if job is not None:
+        r["freeze"] = job.gap()
+    _synced(r)
     r["bytes"], r["pages_bytes"] = dir_bytes(raw)
     return r
 
@@ -184,24 +212,24 @@ def stream_floor(*args: str) -> float:
     return json.loads(r["stdout"].strip().splitlines()[-1])["criu_s"]
 
 
-def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: dict) -> dict:
+def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: dict, budget: str | None = None) -> dict:
     d = base / f"{kind}-{rep}"
     job = Job(d / "job", kind, mb)
     raw, repo = d / "raw", d / "repo"
     s: dict = {"kind": kind, "rep": rep, "pid": job.pid}
     try:
         if rep % 2 == 0:
-            s["raw_dump"] = raw_dump(job.pid, raw)
-            s["gs_dump"] = gpusnap_dump(job.pid, repo)
+            s["raw_dump"] = raw_dump(job.pid, raw, job)
+            s["gs_dump"] = gpusnap_dump(job.pid, repo, job, budget)
         else:
-            s["gs_dump"] = gpusnap_dump(job.pid, repo)
-            s["raw_dump"] = raw_dump(job.pid, raw)
+            s["gs_dump"] = gpusnap_dump(job.pid, repo, job, budget)
+            s["raw_dump"] = raw_dump(job.pid, raw, job)
         snapshot = s["gs_dump"]["info"]["snapshot"]
         s["floor_dump"] = stream_floor("dump", str(job.pid))
         if kind == "relocate":
             moved = job.relocate()
             assert moved["old"] != moved["new"], moved
-            s["gs_dump2"] = gpusnap_dump(job.pid, repo)
+            s["gs_dump2"] = gpusnap_dump(job.pid, repo, job, budget)
             snapshot = s["gs_dump2"]["info"]["snapshot"]
         kill(job.pid, job.popen)
 
@@ -276,12 +304,101 @@ def summarize(kind: str, samples: list[dict]) -> dict:
         "digest_ok": all(s.get("digest_ok", True) for s in samples),
         "verified": all("digest_ok" in s for s in samples),
     }
+    m.update(summarize_dump(samples))
     if kind == "relocate":
         m["incremental_ratio"] = med([s["gs_dump2"]["info"]["bytes_stored"] / s["gs_dump"]["info"]["bytes_stored"]
                                       for s in samples])
         m["gpusnap_dump2_s"] = med([s["gs_dump2"]["wall"] for s in samples])
         m["dump2_ratio"] = med([s["gs_dump2"]["wall"] / r for s, r in zip(samples, raw_d)])
     return m
+
+
+def summarize_dump(samples: list[dict]) -> dict:
+    """The dump side of issue 10: freeze and until-committed ratios, staging."""
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    raw, gs = [s["raw_dump"] for s in samples], [s["gs_dump"] for s in samples]
+    st = [g["info"].get("staging", {}) for g in gs]
+    return {
+        "raw_freeze_s": med([r["freeze"] for r in raw]), "gpusnap_freeze_s": med([g["freeze"] for g in gs]),
+        "freeze_ratio": med([g["freeze"] / r["freeze"] for g, r in zip(gs, raw)]),
+        "raw_freeze_samples": [r["freeze"] for r in raw], "gpusnap_freeze_samples": [g["freeze"] for g in gs],
+        "gpusnap_frozen_seconds": med([g["info"].get("frozen_seconds") or 0 for g in gs]),
+        "raw_committed_s": med([r["committed"] for r in raw]), "gpusnap_committed_s": med([g["committed"] for g in gs]),
+        "committed_ratio": med([g["committed"] / r["committed"] for g, r in zip(gs, raw)]),
+        "gpusnap_storing_s": med([g["info"].get("phases", {}).get("storing", 0) for g in gs]),
+        "staging_budget_mib": med([x.get("budget", 0) / 2**20 for x in st]),
+        "staging_memory_peak_mib": med([x.get("memory_peak", 0) / 2**20 for x in st]),
+        "staging_spilled_mib": med([x.get("spilled_bytes", 0) / 2**20 for x in st]),
+        "staging_overlap": any(x.get("overlap") for x in st),
+    }
+
+
+def dump_rows(m: dict) -> list[tuple]:
+    ok = lambda v, t: "" if v is None else ("ok" if v <= t else "MISSED")  # noqa: E731
+    return [
+        ("", "freeze (longest tick gap) s", f"{m['raw_freeze_s']:.3f}", f"{m['gpusnap_freeze_s']:.3f}",
+         f"{m['freeze_ratio']:.2f}", f"<= {FREEZE_TARGET}", ok(m["freeze_ratio"], FREEZE_TARGET)),
+        ("", "  gpusnap's frozen_seconds (CRIU's figure)", "", f"{m['gpusnap_frozen_seconds']:.3f}", "", "", ""),
+        ("", "dump until committed (+ sync) s", f"{m['raw_committed_s']:.2f}", f"{m['gpusnap_committed_s']:.2f}",
+         f"{m['committed_ratio']:.2f}", f"<= {COMMITTED_TARGET}", ok(m["committed_ratio"], COMMITTED_TARGET)),
+        ("", "  storing after the job resumed s", "", f"{m['gpusnap_storing_s']:.2f}", "", "", ""),
+        ("", "staging budget / memory peak / spilled MiB", "",
+         f"{m['staging_budget_mib']:.0f} / {m['staging_memory_peak_mib']:.0f} / {m['staging_spilled_mib']:.0f}",
+         "", "", ""),
+    ]
+
+
+def draw_chart(summaries: list[dict], mb: int, path: Path) -> bool:
+    """Ratios against raw CRIU per workload as grouped bars, targets as ticks; peak memory
+    beside. False when matplotlib is missing (it is a bench-only dependency)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    measures = [("freeze", "freeze_ratio", FREEZE_TARGET),
+                ("dump until committed", "committed_ratio", COMMITTED_TARGET),
+                ("restore, cold cache", "restore_cold_ratio", 1.0),
+                ("restore, warm cache", "restore_warm_ratio", 1.2),
+                ("size", "size_ratio", None)]
+    kinds = [m["kind"] for m in summaries]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / len(measures)
+    for i, (label, key, target) in enumerate(measures):
+        vals = []
+        for m in summaries:
+            v = m.get(key)
+            if v is None and key == "restore_warm_ratio":
+                v = m.get("restore_ratio")
+            if v is None and key == "size_ratio" and "incremental_ratio" in m:
+                v = m["incremental_ratio"]
+            vals.append(v if v is not None else 0)
+        xs = [k + (i - (len(measures) - 1) / 2) * width for k in range(len(kinds))]
+        bars = ax.bar(xs, vals, width, label=label + (f" (target <= {target})" if target else ""))
+        for x, v in zip(xs, vals):
+            if v:
+                ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+            if target:
+                ax.hlines(target, x - width / 2, x + width / 2, colors=bars.patches[0].get_facecolor(),
+                          linestyles="dashed", linewidth=1)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_ylabel("gpusnap / raw CRIU (lower is better)")
+    ax.set_title(f"gpusnap against raw CRIU, {mb} MiB jobs, medians")
+    ax.legend(fontsize=7, loc="upper left")
+    rss = [m.get("dump_peak_rss_mib") or 0 for m in summaries]
+    budget = [m.get("staging_budget_mib") or 0 for m in summaries]
+    ax2.bar(range(len(kinds)), rss, 0.6, label="gpusnap peak RSS (dump)")
+    ax2.plot(range(len(kinds)), budget, "k_", markersize=20, label="staging budget")
+    ax2.set_xticks(range(len(kinds)), kinds, rotation=30)
+    ax2.set_ylabel("MiB")
+    ax2.set_title("memory")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def table(summaries: list[dict], mb: int) -> str:
@@ -295,6 +412,7 @@ def table(summaries: list[dict], mb: int) -> str:
                      f"{m['dump_ratio']:.2f}", f"<= {DUMP_TARGET}", fmt_ok(m["dump_ratio"], DUMP_TARGET)))
         rows.append(("", "  (raw + sync) s", f"{m['raw_dump_sync_s']:.2f}", "",
                      f"{m['dump_ratio_vs_raw_sync']:.2f}", "", ""))
+        rows.extend(dump_rows(m))
         rows.append(("", "  (gpusnap's own 'seconds')", "", f"{m['gpusnap_dump_internal_s']:.2f}",
                      f"{m['gpusnap_dump_internal_s'] / m['raw_dump_s']:.2f}", "", ""))
         rows.append(("", "  CRIU --stream alone / gpusnap's 'criu' phase", f"{m['stream_dump_floor_s']:.2f}",
@@ -334,6 +452,9 @@ def main() -> int:
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/gpusnap-bench"))
     ap.add_argument("--json", type=Path, help="write medians and every sample here")
     ap.add_argument("--no-verify", action="store_true", help="skip checking the restored job's digest")
+    ap.add_argument("--staging-budget", help="gpusnap dump --staging-budget (default: gpusnap's own)")
+    ap.add_argument("--chart", type=Path, default=ROOT / "docs" / "benchmark.png",
+                    help="draw the ratios here (needs matplotlib); '' for none")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench needs root: it dumps and restores real processes with CRIU", file=sys.stderr)
@@ -350,9 +471,10 @@ def main() -> int:
         for rep in range(args.reps):
             for k in kinds:
                 t0 = time.monotonic()
-                s = one_rep(k, args.mb, base, rep, not args.no_verify, expected)
+                s = one_rep(k, args.mb, base, rep, not args.no_verify, expected, args.staging_budget)
                 samples[k].append(s)
-                print(f"[{k} rep {rep + 1}/{args.reps}] dump raw {s['raw_dump']['wall']:.2f}s "
+                print(f"[{k} rep {rep + 1}/{args.reps}] freeze raw {s['raw_dump']['freeze']:.3f}s "
+                      f"gpusnap {s['gs_dump']['freeze']:.3f}s; dump raw {s['raw_dump']['wall']:.2f}s "
                       f"gpusnap {s['gs_dump']['wall']:.2f}s; restore raw {s['raw_restore']['wall']:.2f}s "
                       f"gpusnap {s['gs_restore']['wall']:.2f}s ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
     finally:
@@ -364,10 +486,16 @@ def main() -> int:
     summaries = [summarize(k, samples[k]) for k in kinds]
     sys.stderr.flush()
     print(table(summaries, args.mb), flush=True)
+    if str(args.chart) not in ("", "."):
+        if draw_chart(summaries, args.mb, args.chart):
+            print(f"chart: {args.chart}", file=sys.stderr)
+        else:
+            print("chart: skipped (no matplotlib; `make bench` installs it)", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps({
             "mb": args.mb, "reps": args.reps, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
-            "targets": {"dump_ratio": DUMP_TARGET, "restore_ratio": RESTORE_TARGET, "size": SIZE_TARGET,
+            "targets": {"freeze_ratio": FREEZE_TARGET, "committed_ratio": COMMITTED_TARGET,
+                        "dump_ratio": DUMP_TARGET, "restore_ratio": RESTORE_TARGET, "size": SIZE_TARGET,
                         "incremental_ratio": INCR_TARGET},
             "page_cache": "warm (nothing dropped; restores read what was just written)",
             "summary": summaries, "samples": samples}, indent=1) + "\n")

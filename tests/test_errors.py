@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -107,17 +106,16 @@ def test_pids_held_by_a_dying_process_are_waited_for(sample_job, repo, reference
 
 
 def test_criu_failure_shows_its_errors_and_keeps_the_log(sample_job, repo, tmp_path):
-    """A job connected to a unix socket outside its tree cannot be dumped: CRIU fails, the
-    user sees CRIU's own error lines and where the full log is, and the job runs on."""
-    path = tmp_path / "outside.sock"
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(str(path))
-    server.listen(1)
+    """A job holding open a deleted file bigger than CRIU keeps cannot be dumped: CRIU fails,
+    the user sees CRIU's own error lines and where the full log is, and the job runs on.
+    (An external unix socket used to be the example; the preflight now refuses it first.)"""
+    big = tmp_path / "scratch"
     holder = subprocess.Popen(
-        ["python3", "-c", f"import socket,time; s=socket.socket(socket.AF_UNIX); s.connect({str(path)!r}); "
-                          "time.sleep(120)"], start_new_session=True)
+        ["python3", "-c", f"import os,time; f=open({str(big)!r},'wb'); f.write(os.urandom(4<<20)); "
+                          f"f.flush(); os.unlink({str(big)!r}); print('ready',flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        conn, _ = server.accept()
+        assert holder.stdout.readline().strip() == "ready"
         proc = run_gpusnap("dump", holder.pid, "--repo", repo)
         assert proc.returncode == CriuFailed.exit_code, proc.stderr
         assert "criu dump failed" in proc.stderr
@@ -130,7 +128,6 @@ def test_criu_failure_shows_its_errors_and_keeps_the_log(sample_job, repo, tmp_p
     finally:
         holder.kill()
         holder.wait()
-        server.close()
 
 
 def test_full_disk_loses_nothing(sample_job, tmp_path):

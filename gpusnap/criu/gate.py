@@ -7,6 +7,15 @@ script after the last image is closed and before the plugins' exit hook and the 
 gpusnap installs a tiny action script that blocks until the streamer has drained every
 pipe. If gpusnap dies, the script's connection fails, it exits non-zero, and CRIU resumes
 the job anyway: the gate can delay the job, never keep it frozen.
+
+The script runs inside the freeze, so its start-up counts: it is the small native gate
+itself (native/gate/gs_gate.c, build/bin/gpusnap-gate; CRIU's `sh -c` execs it, and it
+finds the socket in CRIU's environment, `env`) when that was built, and a Python script
+(20-150 ms of interpreter start-up, measured) otherwise.
+
+"Drained" means copied out into staging (gpusnap/repo/staging.py), not stored: the gate
+opens as soon as every byte is staged, and then lets the ingest start if it was held back
+(`staging.go`), so the page pipeline never competes with the freeze for the CPU.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from gpusnap.criu.streamer import CaptureServer
@@ -34,6 +44,19 @@ except OSError:
 """
 
 
+def native_gate() -> Path | None:
+    """$GPUSNAP_GATE, else <source tree>/build/bin/gpusnap-gate, else the installed one."""
+    from gpusnap import paths
+
+    env = os.environ.get("GPUSNAP_GATE")
+    cands = [Path(env)] if env else [paths.source_root() / "build" / "bin" / "gpusnap-gate",
+                                     Path("/usr/local/lib/gpusnap/bin/gpusnap-gate")]
+    for c in cands:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
 class PostDumpGate:
     def __init__(self, workdir: Path, server: CaptureServer, timeout: float = 600.0):
         self.server = server
@@ -47,8 +70,16 @@ class PostDumpGate:
         self._listener.settimeout(0.2)
         self._stop = threading.Event()
         self.opened = threading.Event()  # CRIU reached post-dump: the job is fully dumped
-        self.script.write_text(HOOK.format(python=sys.executable, timeout=timeout, sock=str(self.sock_path)))
-        os.chmod(self.script, 0o700)
+        self.opened_at: float | None = None   # time.monotonic() when the gate let CRIU go on
+        # what CRIU's environment must add for the script (the native gate reads it there)
+        self.env = {"GPUSNAP_GATE_SOCK": str(self.sock_path), "GPUSNAP_GATE_TIMEOUT": str(int(timeout))}
+        gate = native_gate()
+        self.native = gate is not None and " " not in str(gate)    # CRIU runs `sh -c <path>`
+        if self.native:
+            self.script = gate
+        else:
+            self.script.write_text(HOOK.format(python=sys.executable, timeout=timeout, sock=str(self.sock_path)))
+            os.chmod(self.script, 0o700)
         self._thread = threading.Thread(target=self._serve, name="post-dump-gate", daemon=True)
         self._thread.start()
 
@@ -67,7 +98,13 @@ class PostDumpGate:
                 except OSError:
                     pass
                 if ok:
+                    self.opened_at = time.monotonic()
                     self.opened.set()
+                staging = getattr(self.server, "staging", None)
+                if staging is not None:
+                    if ok:
+                        staging.seal()
+                    staging.go.set()    # the job resumes now: the pipeline may use the CPU
 
     def close(self) -> None:
         self._stop.set()

@@ -130,6 +130,59 @@ def explain(lines: list[str]) -> str | None:
     return None
 
 
+# Dump failures users meet, as CRIU 4.2 words them, and what to do. First match wins; a dump
+# failure nothing here matches still gets DUMP_FALLBACK, so every failed dump has a hint.
+DUMP_ADVICE: list[tuple[str, str]] = [
+    (r"Connected TCP socket", "the job has an established TCP connection CRIU was not told to dump (opened "
+     "after gpusnap's preflight looked?); dump again: gpusnap adds --tcp-established when it sees one"),
+    (r"Iptables configuration failed|iptables|nftables|network.?lock|Can't lock network",
+     "CRIU could not lock the job's TCP connections: it needs `iptables` (apt-get install iptables) or a "
+     "CRIU built with nftables; `gpusnap doctor PID` says which is there"),
+    (r"External socket is used|half of stream unix connection|name-less external socket|unreachable peer|"
+     r"Unix socket \d+ without peer", "the job has a unix socket connected to a process outside its tree, "
+     "which CRIU cannot restore; `gpusnap doctor PID` names the peer: close that connection (journald, "
+     "syslog, a desktop bus, a database socket) or dump the tree that holds both ends"),
+    (r"file locks are hold|--file-locks", "the job took a file lock while it was being dumped; dump again "
+     "(gpusnap adds --file-locks when the job holds locks or leases)"),
+    (r"Can't dump ghost file .* increase limit", "the job holds open a deleted file larger than CRIU keeps "
+     "(1 MiB): close it, or keep the file on disk while the job uses it"),
+    (r"Cannot allocate memory|Can't allocate memory|ENOMEM|[Oo]ut of memory|\(-12\)",
+     "the machine ran out of memory while CRIU dumped the job; free memory (or add swap) and dump again"),
+    (r"No space left on device|ENOSPC", "a disk filled up during the dump; free space (`gpusnap prune`) "
+     "and dump again"),
+    (r"Can't get rlimit", "this root lacks CAP_SYS_RESOURCE, so CRIU cannot dump a process of another "
+     "user; run the job as root or give root that capability (see `gpusnap doctor`)"),
+    (r"SEIZE|[Cc]an't seize|Unable to seize|PTRACE_", "CRIU could not stop a process of the job: it is traced by a debugger or "
+     "strace, or stuck in uninterruptible sleep (state D); detach the tracer, or wait and dump again"),
+    (r"Unable to freeze cgroup|freez", "the job's processes could not all be frozen in time (it forks fast, "
+     "or some are in state D); dump again"),
+    (r"pid namespace without the process init", "the job is in a PID namespace whose init is not in the "
+     "dumped tree: dump the namespace's PID 1 (jobs started with `gpusnap run` are dumped that way)"),
+    (r"uprobes vma", "a process of the job is probed with uprobes (a tracer or profiler); stop it first"),
+    (r"hugetlb|HUGETLB|huge page", "the job maps huge pages (hugetlbfs / MAP_HUGETLB); see `gpusnap doctor "
+     "PID` for whether this CRIU can snapshot them here"),
+    (r"Unsupported mapping|Can't dump file .* of that type|Unsupported type", "the job uses a kind of "
+     "memory mapping, file or socket CRIU cannot snapshot (a device, an unusual socket family); the CRIU "
+     "errors above name it"),
+    (r"[Tt]ty|terminal", "the job uses a terminal CRIU could not dump; start it with `gpusnap run` (no "
+     "terminal), or with setsid and stdio redirected to files"),
+    (r"overmounted", "the job has a file open on a mount point that another mount hides; CRIU cannot "
+     "dump that"),
+]
+DUMP_FALLBACK = ("the CRIU errors above say what it could not dump; `gpusnap doctor PID` checks the usual "
+                 "causes, and the full CRIU log is kept")
+
+
+def explain_dump(lines: list[str]) -> str:
+    """Advice for a failed `criu dump` (never None: every dump failure gets a hint)."""
+    # match the message, not CRIU's "(00.1) Error (criu/seize.c:12):" prefix
+    text = "\n".join(re.sub(r"^.*?Error \([^)]*\):\s*", "", ln) for ln in lines)
+    for rx, advice in DUMP_ADVICE:
+        if re.search(rx, text):
+            return advice
+    return DUMP_FALLBACK
+
+
 CAP_SYS_PTRACE = 19
 CAP_CHECKPOINT_RESTORE = 40
 

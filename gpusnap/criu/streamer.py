@@ -2,7 +2,8 @@
 
 Capture (dump): CRIU connects to <dir>/streamer-capture.sock, names each image it is
 about to write and hands us the read end of a pipe; one thread per open image drains
-that pipe into a sink (the repository's page pipeline). Serve (restore): CRIU connects
+that pipe into staging (gpusnap/repo/staging.py), and another feeds the image's sink (the
+repository's page pipeline) from there, so the post-dump gate need not wait for the sink. Serve (restore): CRIU connects
 to <dir>/streamer-serve.sock and asks for images by name; we answer whether the image
 exists and feed its bytes into the pipe CRIU hands us, again one thread per image.
 
@@ -50,12 +51,16 @@ SinkFactory = Callable[[str], ImageSink]
 ImageSource = Callable[[str], "Iterable[bytes] | None"]
 
 
-def _grow_pipe(fd: int) -> None:
+CAPTURE_PIPE_SIZE = int(os.environ.get("GPUSNAP_CAPTURE_PIPE", PIPE_SIZE))
+
+
+def _grow_pipe(fd: int, size: int = PIPE_SIZE) -> None:
     # Fewer, larger reads: the default 64 KiB pipe costs a syscall pair every 16 pages.
     try:
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
     except OSError:
-        pass
+        if size > PIPE_SIZE:
+            _grow_pipe(fd)
 
 
 def _as_gpusnap_error(exc: BaseException, image: str) -> GpusnapError:
@@ -92,6 +97,7 @@ class _Server:
         self.images: dict[str, int] = {}
         self._busy = False  # a request is being read or handled (guarded by _lock)
         self._open = 0      # images whose pipe is still being drained or fed (guarded by _lock)
+        self._changed = threading.Condition(self._lock)   # _open went down
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "_Server":
@@ -213,7 +219,8 @@ class _Server:
                 return False
             if self.drained():
                 return True
-            time.sleep(0.002)
+            with self._lock:        # woken when a pipe ends (the gate's wait is inside the freeze)
+                self._changed.wait(0.002)
         return False
 
     def _spawn(self, target, *args) -> None:
@@ -229,19 +236,30 @@ class _Server:
         finally:
             with self._lock:
                 self._open -= 1
+                self._changed.notify_all()
 
     def _handle(self, name: str) -> None:
         raise NotImplementedError
 
 
 class CaptureServer(_Server):
-    """Receives CRIU's images during `criu dump --stream`."""
+    """Receives CRIU's images during `criu dump --stream`.
+
+    With a Staging (gpusnap/repo/staging.py), each image has two threads: the drain moves
+    the pipe's bytes into staging and ends at the pipe's EOF (drained() counts only these,
+    so the post-dump gate opens once everything is staged), and the ingest feeds the sink
+    from staging once `staging.go` is set, releasing staging as it goes. Without one, the
+    drain writes into the sink directly."""
 
     socket_name = CAPTURE_SOCKET
 
-    def __init__(self, images_dir, sink_factory: SinkFactory):
+    def __init__(self, images_dir, sink_factory: SinkFactory, staging=None):
         super().__init__(images_dir)
         self._sink_factory = sink_factory
+        self.staging = staging
+        self._ingest: list[threading.Thread] = []
+        self._images: list = []
+        self.ingested = 0          # bytes handed to the sinks so far (progress)
 
     def _handle(self, name: str) -> None:
         fd = protocol.recv_fd(self._conn)
@@ -250,7 +268,86 @@ class CaptureServer(_Server):
         except BaseException as e:
             os.close(fd)
             raise _as_gpusnap_error(e, name)
-        self._spawn(self._drain, name, fd, sink)
+        if self.staging is None:
+            self._spawn(self._drain, name, fd, sink)
+            return
+        from gpusnap.repo.staging import StagedImage
+
+        image = StagedImage(self.staging, name)
+        self._images.append(image)
+        self._spawn(self._stage, name, fd, image)
+        t = threading.Thread(target=self._ingest_image, args=(name, image, sink), daemon=True,
+                             name=f"gpusnap-ingest-{name}")
+        self._ingest.append(t)
+        t.start()
+
+    def _stage(self, name: str, fd: int, image) -> None:
+        from gpusnap.repo.staging import StagingCancelled
+        from gpusnap.repo.writer import is_pages_image
+
+        _grow_pipe(fd, CAPTURE_PIPE_SIZE if is_pages_image(name) else PIPE_SIZE)
+        try:
+            self.staging.stage_pipe(fd, image, is_pages_image(name), lambda n: self._count(name, n))
+        except StagingCancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the dump
+            self._record(_as_gpusnap_error(e, name))
+        finally:
+            os.close(fd)
+
+    def _ingest_image(self, name: str, image, sink: ImageSink) -> None:
+        from gpusnap.repo.staging import StagingCancelled
+
+        st = self.staging
+        try:
+            st.go.wait()
+            while True:
+                if self.failed:
+                    return
+                seg = image.take()
+                if seg is None:
+                    break
+                data = st.read(seg)
+                try:
+                    sink.write(data)
+                finally:
+                    if isinstance(data, memoryview):
+                        data.release()
+                    st.release(seg)
+                self.ingested += seg.length
+            sink.close()
+        except StagingCancelled:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            self._record(_as_gpusnap_error(e, name))
+        finally:
+            image.discard()
+
+    def _record(self, err: GpusnapError) -> None:
+        super()._record(err)
+        if self.staging is not None:
+            self.staging.cancel()       # wake and stop every drain and ingest
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait for the stream to end and the ingest to finish; raise the first error seen.
+        `timeout` bounds the wait for the connection and the drains only: the ingest takes
+        as long as the page pipeline needs."""
+        if self.staging is not None:
+            self.staging.go.set()      # CRIU is done: nothing more to protect
+            self._stop.set()
+            self._main.join(timeout)
+            for t in list(self._workers):
+                t.join(timeout)
+            for t in list(self._ingest):
+                t.join()
+        super().finish(timeout)
+
+    def abort(self) -> None:
+        if self.staging is not None:
+            self.staging.cancel()
+        super().abort()
+        for t in list(self._ingest):
+            t.join(5)
 
     def _drain(self, name: str, fd: int, sink: ImageSink) -> None:
         _grow_pipe(fd)

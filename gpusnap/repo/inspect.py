@@ -104,6 +104,11 @@ def render(report: dict, console, images: bool = True) -> None:
     ratio = r["bytes_stored"] / r["bytes_raw"] if r["bytes_raw"] else 0
     console.print(f"bytes: {human(r['bytes_raw'])} from CRIU, {human(r['bytes_stored'])} stored by this dump "
                   f"({ratio:.1%}); now {human(r['bytes_unique'])} unique, {human(r['bytes_shared'])} shared")
+    meta = r.get("meta") or {}
+    if meta.get("dump_seconds") is not None:
+        frozen = meta.get("frozen_seconds")
+        console.print(f"dump: {meta['dump_seconds']:.2f} s until stored"
+                      + (f", of which the job stood frozen {frozen:.2f} s" if frozen is not None else ""))
     for im in r["images"] if images else []:
         if im["type"] == "pages":
             console.print(f"  {im['name']}: {human(im['size'])}, {im['pages']} pages ({im['pages_zero']} zero, "

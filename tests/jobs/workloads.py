@@ -11,6 +11,9 @@ buffer addresses), and idles, polling OUT for control files every `--poll-ms`:
                    the small trainable part for generation N, as a CUDA checkpoint puts GPU
                    memory at new host addresses every time. Acknowledged by OUT/relocated.N
                    (JSON: old and new address of the weights).
+  OUT/gap.N        (with --tick-ms) write OUT/gapped.N: JSON with the longest gap in seconds
+                   between two ticks of the job's ticker thread since the previous request,
+                   and the number of ticks; the freeze a dump imposes, as the job saw it
   OUT/finish       write the sha256 of all the job's buffers (and its generation) to
                    OUT/result, then exit 0.
 
@@ -170,6 +173,36 @@ def _write_atomic(path: str, text: str) -> None:
     os.rename(tmp, path)
 
 
+class _Ticker:
+    """A thread that wakes every `period` seconds and keeps the longest gap between two
+    wake-ups (its state lives outside the digested buffers)."""
+
+    def __init__(self, period: float):
+        import threading
+
+        self.period = period
+        self.lock = threading.Lock()
+        self.max_gap = 0.0
+        self.ticks = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            time.sleep(self.period)
+            now = time.monotonic()
+            with self.lock:
+                self.max_gap = max(self.max_gap, now - last)
+                self.ticks += 1
+            last = now
+
+    def report(self) -> dict:
+        with self.lock:
+            r = {"max_gap": round(self.max_gap, 4), "ticks": self.ticks}
+            self.max_gap, self.ticks = 0.0, 0
+        return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
@@ -177,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--poll-ms", type=int, default=10)
+    ap.add_argument("--tick-ms", type=float, default=0, help="tick every MS in a thread and record the longest gap")
     args = ap.parse_args(argv)
     out = args.out
     os.makedirs(out, exist_ok=True)
@@ -188,9 +222,15 @@ def main(argv: list[str] | None = None) -> int:
         "pid": os.getpid(), "bytes": sum(len(b) for b in bufs.values()),
         "addresses": {k: _addr(b) for k, b in bufs.items()}}) + "\n")
 
+    ticker = _Ticker(args.tick_ms / 1000) if args.tick_ms > 0 else None
+    gaps = 0
     while True:
         if os.path.exists(os.path.join(out, "finish")):
             break
+        if ticker is not None and os.path.exists(os.path.join(out, f"gap.{gaps + 1}")):
+            gaps += 1
+            _write_atomic(os.path.join(out, f"gapped.{gaps}"), json.dumps(ticker.report()) + "\n")
+            continue
         if args.kind == "relocate" and os.path.exists(os.path.join(out, f"relocate.{gen + 1}")):
             gen += 1
             old, new = relocate(bufs, args.seed, gen)

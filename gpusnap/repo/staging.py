@@ -1,0 +1,399 @@
+"""Staging: CRIU's image bytes parked between the stream pipes and the page pipeline.
+
+While CRIU streams, the job stands frozen until every byte has left the pipes (the
+post-dump gate, gpusnap/criu/gate.py). The page pipeline (hashing, dedup, compression,
+packing) is several times slower than raw CRIU writing image files, so the pipes are
+drained into staging first, and the pipeline (the "ingest") reads from there:
+
+* memory: one anonymous arena, faulted in before CRIU starts (fresh memory costs a page
+  fault and a zeroed page per 4 KiB; inside the freeze that was as slow as the pipeline
+  itself), cut into SEG-sized slots that pages images fill with plain reads; small images
+  are kept as bytes. Both count against the budget.
+* beyond the budget: a spill file on the repository's filesystem (REPO/tmp), filled by
+  splice(2) from the pipe (the kernel copies into the page cache, as raw CRIU does). The
+  file has no name while in use (O_TMPFILE, or created exclusively 0600 and unlinked at
+  once), so no exit path, SIGKILL included, can leave it behind; `sweep()` removes a named
+  one that a crash between its creation and its unlink left (run by the next dump).
+
+The drain never waits for the ingest; the ingest releases slots, memory and file space
+(punched holes) as it goes. Copying matters: CRIU splices references to the job's own
+pages into the pipe, so bytes are safe only once copied out (memory) or written into the
+spill file's page cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import mmap
+import os
+import secrets
+import threading
+from pathlib import Path
+
+SEG = 4 << 20            # a pages image is staged in slots of this size
+SMALL_READ = 1 << 18     # reads for small (non-pages) images
+PREFIX = "staging-"
+_MADV_POPULATE_WRITE = 23
+_MADV_DONTNEED = 4
+_FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    _libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    _libc.memset.restype = ctypes.c_void_p
+except (OSError, AttributeError):  # not glibc: populate by writing, never punch
+    _libc = None
+
+
+def default_budget() -> int:
+    """A quarter of the memory available now, at most 2 GiB (GPUSNAP_STAGING_BUDGET=bytes,
+    with an optional K/M/G suffix, overrides)."""
+    env = os.environ.get("GPUSNAP_STAGING_BUDGET", "").strip()
+    if env:
+        return parse_size(env)
+    avail = 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) << 10
+                break
+    except (OSError, ValueError):
+        pass
+    return min(2 << 30, avail // 4) if avail else 256 << 20
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" else t
+    try:
+        n = int(float(num) * mult)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (bytes, or a number with K, M or G)") from None
+    if n < 0:
+        raise ValueError(f"not a size: {text!r}")
+    return n
+
+
+def sweep(spill_dir: Path) -> list[str]:
+    """Remove spill files left by dumps that died (their PID is gone). The caller holds the
+    repository's writer lock, so no live dump of this repository can own one."""
+    removed = []
+    try:
+        names = os.listdir(spill_dir)
+    except OSError:
+        return removed
+    for n in names:
+        if not n.startswith(PREFIX):
+            continue
+        try:
+            pid = int(n[len(PREFIX):].split("-")[0])
+        except ValueError:
+            pid = 0
+        if pid > 0 and pid != os.getpid() and os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            os.unlink(spill_dir / n)
+            removed.append(n)
+        except OSError:
+            pass
+    return removed
+
+
+class StagingCancelled(Exception):
+    """The dump is being unwound: the ingest stops."""
+
+
+class Segment:
+    """A run of one image's bytes: a slot of the arena, a bytes object, or a spill extent."""
+    __slots__ = ("slot", "data", "offset", "length")
+
+    def __init__(self, length: int, slot: int = -1, data: bytes | None = None, offset: int = -1):
+        self.slot, self.data, self.offset, self.length = slot, data, offset, length
+
+
+class StagedImage:
+    """One image's segments in stream order: the drain appends, the ingest takes."""
+
+    def __init__(self, staging: "Staging", name: str):
+        self.staging = staging
+        self.name = name
+        self._segs: collections.deque[Segment] = collections.deque()
+        self._cond = threading.Condition()
+        self._eof = False
+        self.bytes = 0
+
+    def put(self, seg: Segment) -> None:
+        with self._cond:
+            self._segs.append(seg)
+            self.bytes += seg.length
+            self._cond.notify()
+
+    def end(self) -> None:
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def take(self) -> Segment | None:
+        """The next segment (waiting for the drain if needed); None at the image's end."""
+        st = self.staging
+        with self._cond:
+            while True:
+                if st.cancelled:
+                    raise StagingCancelled()
+                if self._segs:
+                    return self._segs.popleft()
+                if self._eof:
+                    return None
+                self._cond.wait(0.2)
+
+    def discard(self) -> None:
+        with self._cond:
+            segs, self._segs = list(self._segs), collections.deque()
+        for s in segs:
+            self.staging.release(s)
+
+
+class Staging:
+    """Staging for one dump. budget: bytes of memory staging may hold; prealloc: how much of
+    it to fault in now (the job's expected image size; more is taken as plain memory)."""
+
+    def __init__(self, spill_dir: Path, budget: int, prealloc: int = 0):
+        self.spill_dir = Path(spill_dir)
+        self.budget = max(0, int(budget))
+        self.cancelled = False
+        self.go = threading.Event()        # the ingest may run (set at the gate, or at once)
+        self.sealed = False                # everything is staged: slots released are not reused
+        self._lock = threading.Lock()
+        self._mem = 0                      # bytes of memory holding staged data now
+        self.peak_memory = 0
+        self.staged = 0
+        self.spilled = 0
+        self.spill_peak = 0
+        self._spill_live = 0
+        self._spill_fd: int | None = None
+        self._spill_end = 0
+        self.spill_named: str | None = None   # set only between a named file's creation and unlink
+        nslots = min(self.budget, max(0, int(prealloc))) // SEG
+        self._arena: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._free: list[int] = []
+        self.arena_bytes = 0
+        if nslots:
+            self._arena = mmap.mmap(-1, nslots * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._populate()
+            self._view = memoryview(self._arena)
+            self._free = list(range(nslots - 1, -1, -1))
+            self.arena_bytes = nslots * SEG
+
+    def _populate(self) -> None:
+        a = self._arena
+        if _libc is None:
+            a.write(bytes(len(a)))
+            a.seek(0)
+            return
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(a))   # (the temporary export ends here)
+        if _libc.madvise(addr, len(a), _MADV_POPULATE_WRITE) != 0:
+            _libc.memset(addr, 0, len(a))     # kernels before 5.14: touch every page
+
+    # -- accounting --------------------------------------------------------------------
+    def _charge(self, n: int) -> bool:
+        with self._lock:
+            if self._mem + n > self.budget:
+                return False
+            self._mem += n
+            self.peak_memory = max(self.peak_memory, self._mem)
+            return True
+
+    def memory_in_use(self) -> int:
+        return self._mem
+
+    # -- drain side (one thread per image) ------------------------------------------------
+    def stage_pipe(self, fd: int, image: StagedImage, pages: bool, counter=None) -> int:
+        """Move everything from the pipe `fd` into staging until EOF; -> bytes staged."""
+        total = 0
+        while True:
+            if self.cancelled:
+                raise StagingCancelled()
+            n = self._stage_pages(fd, image) if pages else self._stage_small(fd, image)
+            if n < 0:
+                n = self._stage_spill(fd, image)
+            if n == 0:
+                break
+            total += n
+            with self._lock:
+                self.staged += n
+            if counter is not None:
+                counter(n)
+        image.end()
+        return total
+
+    def _stage_pages(self, fd: int, image: StagedImage) -> int:
+        """Fill one arena slot (or fresh memory, within the budget); -1: no memory left."""
+        slot = -1
+        with self._lock:
+            if self._free and self._mem + SEG <= self.budget:
+                slot = self._free.pop()
+                self._mem += SEG
+                self.peak_memory = max(self.peak_memory, self._mem)
+        if slot < 0:
+            return -1
+        view = self._view[slot * SEG:(slot + 1) * SEG]
+        got = 0
+        try:
+            while got < SEG:
+                n = os.readv(fd, [view[got:]])
+                if not n:
+                    break
+                got += n
+        except BaseException:
+            self._free_slot(slot)
+            raise
+        finally:
+            view.release()
+        if not got:
+            self._free_slot(slot)
+            return 0
+        image.put(Segment(got, slot=slot))
+        return got
+
+    def _stage_small(self, fd: int, image: StagedImage) -> int:
+        if not self._charge(SMALL_READ):
+            return -1
+        try:
+            data = os.read(fd, SMALL_READ)
+        finally:
+            with self._lock:
+                self._mem -= SMALL_READ
+        if not data:
+            return 0
+        with self._lock:        # charge what was read (may pass the budget by one read)
+            self._mem += len(data)
+            self.peak_memory = max(self.peak_memory, self._mem)
+        image.put(Segment(len(data), data=data))
+        return len(data)
+
+    def _stage_spill(self, fd: int, image: StagedImage) -> int:
+        """splice one extent of the pipe into the spill file; 0 at EOF."""
+        sfd = self._spill()
+        with self._lock:
+            off = self._spill_end
+            self._spill_end += SEG
+        got = 0
+        while got < SEG:
+            n = os.splice(fd, sfd, SEG - got, offset_dst=off + got)
+            if not n:
+                break
+            got += n
+        if got:
+            with self._lock:
+                self.spilled += got
+                self._spill_live += got
+                self.spill_peak = max(self.spill_peak, self._spill_live)
+            image.put(Segment(got, offset=off))
+        return got
+
+    def _spill(self) -> int:
+        with self._lock:
+            if self._spill_fd is not None:
+                return self._spill_fd
+            self._spill_fd = self._open_spill()
+            return self._spill_fd
+
+    def _open_spill(self) -> int:
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if os.environ.get("GPUSNAP_STAGING_NAMED") != "1":   # (tests: the named fallback)
+            try:
+                return os.open(self.spill_dir, flags | os.O_TMPFILE | os.O_EXCL, 0o600)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                    raise
+        path = self.spill_dir / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        self.spill_named = str(path)
+        try:
+            os.fchmod(fd, 0o600)
+        finally:
+            os.unlink(path)
+            self.spill_named = None
+        return fd
+
+    # -- ingest side ---------------------------------------------------------------------
+    def read(self, seg: Segment):
+        """The segment's bytes: a view of its slot (valid until release()), or bytes."""
+        if seg.slot >= 0:
+            return self._view[seg.slot * SEG:seg.slot * SEG + seg.length]
+        if seg.data is not None:
+            return seg.data
+        parts = []
+        got = 0
+        while got < seg.length:
+            b = os.pread(self._spill_fd, seg.length - got, seg.offset + got)
+            if not b:
+                raise OSError(errno.EIO, "staging file is shorter than what was staged")
+            parts.append(b)
+            got += len(b)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def release(self, seg: Segment) -> None:
+        if seg.slot >= 0:
+            self._free_slot(seg.slot)
+            seg.slot = -1
+        elif seg.data is not None:
+            with self._lock:
+                self._mem -= seg.length
+            seg.data = None
+        elif seg.offset >= 0:
+            with self._lock:
+                self._spill_live -= seg.length
+                fd = self._spill_fd
+            if fd is not None and _libc is not None:
+                # give the disk space and page cache back now, so dirty staging is never written back
+                _libc.fallocate(fd, _FALLOC_PUNCH, seg.offset, SEG)
+            seg.offset = -1
+
+    def _free_slot(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+            self._mem -= SEG
+            sealed = self.sealed and self._arena is not None
+        if sealed and _libc is not None:
+            # nothing more will be staged: give the slot's memory back while the job runs on
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena, slot * SEG))
+            _libc.madvise(addr, SEG, _MADV_DONTNEED)
+
+    def seal(self) -> None:
+        """Every pipe is drained: from now on released slots go back to the system."""
+        self.sealed = True
+
+    # -- end -------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.go.set()
+
+    def stats(self) -> dict:
+        return {"budget": self.budget, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
+                "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak}
+
+    def close(self) -> None:
+        """Free everything (idempotent). Views handed out must be released first."""
+        with self._lock:
+            fd, self._spill_fd = self._spill_fd, None
+        if fd is not None:
+            os.close(fd)
+        if self._view is not None:
+            try:
+                self._view.release()
+                self._arena.close()
+            except BufferError:      # an ingest thread still holds a view: the GC frees it
+                pass
+            self._view = None
+            self._arena = None

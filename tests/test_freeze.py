@@ -1,0 +1,179 @@
+"""The freeze decoupled from the ingest (issue 10), through the real CRIU as root: CRIU's
+bytes are staged (memory up to the budget, a spill file beyond it), the job resumes, and
+the page pipeline stores them afterwards. Whatever the staging, the restored job finishes
+with exactly the result of an uninterrupted run; a dump killed between the gate and the
+commit leaves the job running, no snapshot and no staging behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
+from gpusnap.repo import staging as st
+
+pytestmark = pytest.mark.criu
+
+KW = dict(steps=300, mb=96, threads=3)
+
+
+def _restore_and_finish(job, snapshot, repo, expected):
+    restored = run_json("restore", snapshot, "--repo", repo)
+    assert restored["pid"] == job.pid
+    try:
+        assert job.result() == expected
+    finally:
+        kill_pids(job.pids)
+
+
+def _dump_and_check(job, repo, budget: str) -> dict:
+    info = run_json("dump", job.pid, "--repo", repo, "--staging-budget", budget)
+    stg = info["staging"]
+    assert stg["budget"] == st.parse_size(budget)
+    assert stg["staged_bytes"] == info["bytes_raw"]          # every byte CRIU sent went through staging
+    assert stg["memory_peak"] <= stg["budget"]
+    ph = info["phases"]
+    assert list(ph) == ["preflight", "staging", "criu", "storing", "commit"]
+    assert 0 < info["frozen_seconds"] <= ph["criu"]           # CRIU's own figure, inside its run
+    assert not list((repo / "tmp").glob(f"{st.PREFIX}*"))
+    return info
+
+
+def test_tiny_budget_spills_to_a_file_and_the_restored_job_finishes_identically(sample_job, repo, reference):
+    expected = reference(**KW)
+    job = sample_job(**KW, step_ms=20)
+    job.wait_steps(10)
+    info = _dump_and_check(job, repo, "1M")
+    assert info["staging"]["spilled_bytes"] > (KW["mb"] << 20) * 0.9   # (nearly) all of it spilled
+    at = job.steps_done()
+    job.wait_steps(at + 5)                      # it runs on after the dump
+    job.kill()
+    _restore_and_finish(job, info["snapshot"], repo, expected)
+
+
+def test_large_budget_stages_in_memory_only_and_inspect_shows_the_freeze(sample_job, repo, reference):
+    expected = reference(**KW)
+    job = sample_job(**KW, step_ms=20)
+    job.wait_steps(10)
+    info = _dump_and_check(job, repo, "1G")
+    assert info["staging"]["spilled_bytes"] == 0
+    assert info["staging"]["memory_peak"] >= KW["mb"] << 20
+    shown = run_json("inspect", info["snapshot"], "--repo", repo)
+    assert shown["meta"]["frozen_seconds"] == info["frozen_seconds"]
+    assert shown["meta"]["dump_seconds"] >= info["frozen_seconds"]
+    text = run_gpusnap("inspect", info["snapshot"], "--repo", repo, check=True).stdout
+    assert f"job stood frozen {info['frozen_seconds']:.2f} s" in text
+    job.kill()
+    _restore_and_finish(job, info["snapshot"], repo, expected)
+
+
+def test_peak_memory_is_bounded_by_the_staging_budget(sample_job, repo):
+    """gpusnap's own VmHWM stays within the budget plus a fixed overhead (the interpreter,
+    the index, the pipeline's bounded queues), however large the job is."""
+    job = sample_job(steps=300, mb=256, threads=2, step_ms=20)
+    job.wait_steps(5)
+    budget = 16 << 20
+    info = run_json("dump", job.pid, "--repo", repo, "--staging-budget", str(budget))
+    assert info["bytes_raw"] > 256 << 20
+    assert info["staging"]["memory_peak"] <= budget
+    assert info["peak_rss_bytes"] < budget + (112 << 20), info["peak_rss_bytes"] >> 20
+    assert info["peak_rss_bytes"] < info["bytes_raw"] // 2
+
+
+def test_kill_9_after_the_gate_leaves_the_job_running_and_nothing_behind(sample_job, repo, reference, tmp_path):
+    kw = dict(steps=250, mb=64, threads=2)
+    expected = reference(**kw)
+    job = sample_job(**kw, step_ms=20)
+    job.wait_steps(5)
+    hold = tmp_path / "held.json"
+    env = dict(os.environ, GPUSNAP_TEST_HOLD=f"after-gate:{hold}")
+    dumper = subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--staging-budget", "1M",
+                               "--json"], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not hold.exists():
+            assert dumper.poll() is None, dumper.communicate()
+            assert time.monotonic() < deadline, "the dump never reached the gate"
+            time.sleep(0.05)
+        held = json.loads(hold.read_text())
+        assert held["pid"] == dumper.pid and held["staging"]["spilled_bytes"] > 0
+        # the spill file lives on the repository's filesystem, open but without a name
+        links = [os.readlink(f"/proc/{dumper.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{dumper.pid}/fd")]
+        spill = [ln for ln in links if ln.startswith(str(repo / "tmp")) and ln.endswith("(deleted)")]
+        assert spill, links
+        at = job.steps_done()
+        job.wait_steps(at + 3)                 # the gate opened: the job runs while gpusnap stores
+    finally:
+        dumper.send_signal(signal.SIGKILL)
+        dumper.communicate(timeout=30)
+    assert dumper.returncode == -signal.SIGKILL
+
+    at = job.steps_done()
+    job.wait_steps(at + 5)                     # still running, not frozen
+    listing = run_json("ls", "--repo", repo)
+    assert listing["snapshots"] == []          # no partial snapshot visible
+    assert not list((repo / "tmp").glob(f"{st.PREFIX}*"))
+
+    # the next run cleans a named spill file a crash left (the named fallback's window)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    leftover = repo / "tmp" / f"{st.PREFIX}{dead.pid}-deadbeef"
+    leftover.write_bytes(b"\0" * 4096)
+    info = run_json("dump", job.pid, "--repo", repo, "--staging-budget", "1M")
+    assert not leftover.exists()
+    assert [s["id"] for s in run_json("ls", "--repo", repo)["snapshots"]] == [info["id"]]
+    assert run_gpusnap("verify", "--repo", repo).returncode == 0
+    # the job was never harmed: it finishes with the uninterrupted result
+    assert job.result() == expected
+
+
+def test_the_native_gate_exits_at_once_and_fails_safe(tmp_path):
+    """The action script CRIU runs inside the freeze: other actions pass at once; at
+    post-dump, no gpusnap to answer means a non-zero exit (so CRIU resumes the job)."""
+    import socket
+    import threading
+
+    from gpusnap.criu.gate import native_gate
+
+    gate = native_gate()
+    if gate is None:
+        pytest.skip("native gate not built (cmake --build build)")
+    sock = tmp_path / "g.sock"
+    env = dict(os.environ, CRTOOLS_SCRIPT_ACTION="pre-dump")
+    assert subprocess.run([gate, sock, "5"], env=env).returncode == 0
+    env["CRTOOLS_SCRIPT_ACTION"] = "post-dump"
+    assert subprocess.run([gate, sock, "5"], env=env).returncode == 1      # nobody listening
+    for answer, rc in ((b"1", 0), (b"0", 1), (b"", 1)):
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.unlink(missing_ok=True)
+        srv.bind(str(sock))
+        srv.listen(1)
+
+        def reply():
+            conn, _ = srv.accept()
+            if answer:
+                conn.sendall(answer)
+            conn.close()
+
+        t = threading.Thread(target=reply)
+        t.start()
+        assert subprocess.run([gate, sock, "5"], env=env).returncode == rc, answer
+        t.join()
+        srv.close()
+
+
+def test_python_gate_fallback_still_protects_the_pages(sample_job, repo, reference):
+    kw = dict(steps=200, mb=32, threads=2)
+    expected = reference(**kw)
+    job = sample_job(**kw, step_ms=20)
+    job.wait_steps(5)
+    info = run_json("dump", job.pid, "--repo", repo, env={"GPUSNAP_GATE": "/nonexistent"})
+    job.kill()
+    _restore_and_finish(job, info["snapshot"], repo, expected)

@@ -4,7 +4,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench completions clean
+.PHONY: setup demo test test-fast bench completions fresh-machine clean
 
 setup:
 	@bash scripts/setup.sh
@@ -24,6 +24,10 @@ bench: setup
 
 completions: setup
 	@$(PY) scripts/gen_completions.py
+
+# the README's first command on bare Debian 12 and 13 chroots (what .ci/run checks first)
+fresh-machine:
+	@bash scripts/fresh-machine.sh
 
 clean:
 	rm -rf build .pytest_cache .hypothesis

@@ -219,6 +219,10 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    via: str = typer.Option("auto", "--via", metavar="auto|stream|files",
+                            help="How CRIU reads the images: through a stream, or from image files written "
+                                 "to tmpfs or the repository's disk (auto: the stream, unless files "
+                                 "are needed: huge pages)."),
     tcp_close: bool = typer.Option(False, "--tcp-close",
                                    help="Restore established TCP connections closed (the job sees a reset "
                                         "and reconnects); the default when their peer is gone."),
@@ -235,12 +239,15 @@ def restore(
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
         with bar:
-            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close)
+            result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, progress=update, tcp_close=tcp_close,
+                                via=via)
     else:
-        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close)
+        result = do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close, via=via)
     if json_:
         _emit_json(result.to_dict())
     else:
+        for note in result.notes:
+            err.print(f"[yellow]note:[/] {note}")
         out.print(result.pid)
         if result.tcp_closed and not quiet:
             err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
@@ -352,6 +359,40 @@ def verify(
 
 KeepLastHelp = ("Keep the newest N snapshots of each name (only of --name NAME when given); "
                 "0 deletes them all and needs --name and --all.")
+
+
+@app.command()
+def repair(
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would change; change nothing."),
+    read_data: bool = typer.Option(False, "--read-data",
+                                   help="Decompress and check every blob, not only the packs' names."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Rebuild the index from the packs; set aside index files that name missing data.
+
+    The packs are the truth: what they hold is indexed again, index files that are damaged
+    or name data in no pack go to REPO/quarantine/. No pack is deleted. Exit 19 when some
+    snapshot still needs data that no pack holds.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import locate
+    from gpusnap.errors import DamageRemains
+    from gpusnap.repo import repair as repair_mod
+    from gpusnap.repo.repository import Repository
+
+    report = repair_mod.repair(Repository.open(locate.repo_path(repo)), dry_run=dry_run, read_data=read_data)
+    if json_:
+        _emit_json(report.to_dict())      # one object: the report says what is damaged
+        if not report.ok:
+            raise typer.Exit(DamageRemains.exit_code)
+        return
+    for line in report.lines():
+        (out if report.ok else err).print(line)
+    if not report.ok:
+        raise DamageRemains(f"snapshots still damaged: {', '.join(sorted(report.snapshots_damaged))}",
+                            hint="their data is in no pack; restore another snapshot, or prune them")
 
 
 @app.command()

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from gpusnap import paths, preflight
-from gpusnap.criu import runner
 from gpusnap import proc as gsproc
+from gpusnap.criu import runner
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 
@@ -189,17 +188,27 @@ _who_holds = preflight.who_holds
 
 # ---------------------------------------------------------------- system checks
 
-def _check_criu(r: DoctorReport) -> bool:
-    f = preflight.criu()  # the same finding `gpusnap dump` acts on
+def _check_criu(r: DoctorReport) -> tuple[str, tuple[int, ...]] | None:
+    """The CRIU gpusnap will run, through the same finding `gpusnap dump` acts on, and whether
+    it works with this kernel. (path, version) when usable."""
+    f = preflight.criu()
     r.add(f.name, f.status, f.detail, f.fix)
-    return f.status != "fail"
+    if f.status == "fail":
+        return None
+    info = runner.criu_info()
+    if runner.sockets_broken(info.version):
+        r.add("criu sockets", "warn", f"CRIU {info.version_str} cannot dump a job that holds a network socket "
+              f"(AF_INET/AF_INET6/AF_PACKET: a listening port, a UDP socket) on Linux "
+              f"{os.uname().release}: kernels >= 6.16 need CRIU >= 4.2; gpusnap refuses such jobs",
+              runner.install_hint(info.path))
+    return info.path, info.version
 
 
-def _check_criu_check(r: DoctorReport, root_like: bool) -> None:
+def _check_criu_check(r: DoctorReport, criu: str, root_like: bool) -> None:
     if not root_like:
         r.add("criu check", "warn", "skipped: needs root", "run gpusnap doctor as root")
         return
-    rc, out = _run([runner.criu_info().path, "check"], timeout=90)
+    rc, out = _run([criu, "check"], timeout=90)
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
     # CRIU always logs this when root lacks CAP_SYS_RESOURCE; the capability check covers it
     noise = re.compile(r"RLIMIT_NOFILE", re.I)
@@ -234,12 +243,12 @@ def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
     return root_like, sysres
 
 
-def _check_dirty_tracking(r: DoctorReport, criu_ok: bool, root_like: bool) -> None:
+def _check_dirty_tracking(r: DoctorReport, criu: str | None, root_like: bool) -> None:
     why = "gpusnap does not need it: incremental dumps dedup pages by content"
-    if not (criu_ok and root_like):
+    if not (criu and root_like):
         r.add("soft-dirty tracking", "info", f"not checked; {why}")
         return
-    rc, out = _run([runner.criu_info().path, "check", "--feature", "mem_dirty_track"], timeout=30)
+    rc, out = _run([criu, "check", "--feature", "mem_dirty_track"], timeout=30)
     if rc == 0:
         r.add("soft-dirty tracking", "ok", f"available ({why})")
     else:
@@ -401,11 +410,11 @@ def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe)
 def run_doctor(pid: int | None = None) -> DoctorReport:
     """All system checks, plus what would stop a dump of `pid` when one is given."""
     r = DoctorReport(pid=pid)
-    criu_ok = _check_criu(r)
+    criu = _check_criu(r)
     root_like, sysres = _check_privileges(r)
-    if criu_ok:
-        _check_criu_check(r, root_like)
-    _check_dirty_tracking(r, criu_ok, root_like)
+    if criu:
+        _check_criu_check(r, criu[0], root_like)
+    _check_dirty_tracking(r, criu and criu[0], root_like)
     _check_plugin(r)
     probe = gdriver.probe_cached()
     r.driver = probe.to_dict()

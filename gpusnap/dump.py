@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap import paths, preflight, proc
+from gpusnap import restore_needs
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
@@ -362,6 +363,8 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         "restore_flags": restore_flags,
         "leave_running": req.leave_running,
         "compress": req.compress,
+        # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
+        "hugetlb_bytes": restore_needs.hugetlb_bytes(pids),
         # what restore needs to judge the connections (peer still there?) and name the locks
         "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
         "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],

@@ -33,7 +33,7 @@ class NotRoot(GpusnapError):
 
 
 class CriuUnavailable(GpusnapError):
-    """CRIU is missing or older than 4.0."""
+    """CRIU is missing, older than 4.0, or too old for this job on this kernel (network sockets)."""
 
     exit_code = 4
     title = "CRIU missing or too old"
@@ -131,6 +131,27 @@ class SchedulerUnavailable(GpusnapError):
 
     exit_code = 22
     title = "no scheduler"
+class DamageRemains(GpusnapError):
+    """`gpusnap repair` rebuilt what the packs hold, and some snapshots still need data that
+    is in no pack."""
+
+    exit_code = 19
+    title = "damage remains after repair"
+
+
+class FilesChanged(GpusnapError):
+    """A file the snapshot's job had open changed or vanished since the dump, in a way restore
+    cannot repair (an input file, or an output file that shrank); nothing was changed."""
+
+    exit_code = 25
+    title = "files changed"
+
+
+class HugePagesUnavailable(GpusnapError):
+    """The snapshot maps huge pages and this machine's huge-page pool cannot hold them."""
+
+    exit_code = 26
+    title = "not enough huge pages"
 
 
 class Interrupted(GpusnapError):

@@ -303,6 +303,27 @@ def criu() -> Finding:
     return Finding("criu", "ok", f"CRIU {info.version_str} ({info.path})")
 
 
+def _criu_sockets(plan: Plan, pids: list[int]) -> None:
+    """CRIU before 4.2 cannot dump AF_INET/AF_INET6/AF_PACKET sockets on Linux >= 6.16: refuse
+    such a job before CRIU touches it, rather than fail half-way through with CRIU's error."""
+    from gpusnap.criu import runner
+
+    try:
+        info = runner.criu_info()
+    except CriuUnavailable:
+        return
+    if not runner.sockets_broken(info.version):
+        return
+    found = runner.network_sockets(pids)
+    if found:
+        kinds = ", ".join(sorted(set(found.values())))
+        plan.add("criu sockets", "fail",
+                 f"CRIU {info.version_str} at {info.path} cannot dump this job on Linux {os.uname().release}: "
+                 f"it holds {len(found)} network socket(s) ({kinds}), and CRIU before 4.2 fails on those "
+                 "from Linux 6.16 on; the job was not touched",
+                 runner.install_hint(info.path), CriuUnavailable)
+
+
 def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Plan:
     """Everything that decides whether `criu dump -t pid` can work, and with which options.
     system: include the machine checks (privileges, CRIU); doctor shows those on its own."""
@@ -323,6 +344,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
     plan.pids = pids
     desc = f"{pid} ({st.comm})" + (f" and {len(pids) - 1} descendant(s)" if len(pids) > 1 else "")
     plan.add("process", "ok", f"tree: {desc}")
+    _criu_sockets(plan, pids)
     me = os.getpid()
     if me in pids or pid in proc.ancestors(me):
         plan.add("self", "fail", f"PID {pid} is gpusnap itself or one of its parents (e.g. the shell "

@@ -1,8 +1,13 @@
-"""Bringing a snapshot back: checks first, then CRIU fed by the image streamer, detached.
+"""Bringing a snapshot back: checks first, then CRIU, detached, by one of two paths.
 
-Before CRIU starts, the snapshot's structure is checked and its PIDs must be free; while
-CRIU reads, every page is checked against its checksum, and a bad one breaks the stream so
-CRIU fails before the restored tree ever runs.
+Before CRIU starts: the snapshot's structure, its PIDs (must be free), its GPUs, huge pages,
+and the files the job had open (gpusnap/restore_files.py: output files that grew are set
+aside and truncated back; anything else changed is refused). Then CRIU gets the images either
+through `--stream` from the serve streamer, or as image files written into a private directory
+for a plain `criu restore -D` (gpusnap/criu/materialize.py): faster when they fit on tmpfs, and
+the only way for private huge-page mappings (gpusnap/restore_needs.py). Either way every page
+is checked against its checksum before CRIU can use it, so a damaged snapshot fails before the
+restored tree ever runs.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import locate, netlock, paths, proc
-from gpusnap.criu import runner
+from gpusnap import locate, netlock, paths, proc, restore_files, restore_needs
+from gpusnap.criu import materialize, runner
 from gpusnap.criu.streamer import ServeServer
-from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError, PidsInUse
+from gpusnap.repo import materialize as repo_materialize
+from gpusnap.errors import (
+    CorruptSnapshot, CriuFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError,
+)
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.
@@ -32,9 +40,13 @@ class RestoreResult:
     snapshot: str
     seconds: float
     pids: list[int]
-    # wall seconds: preflight (snapshot checks, PIDs, GPUs), criu (CRIU restoring while the
-    # images stream out of the repository)
+    # wall seconds: preflight (snapshot checks, PIDs, GPUs, files), materialize (image files
+    # written, --via files only), criu (CRIU restoring; with --via stream while the images
+    # stream out of the repository)
     phases: dict[str, float] = field(default_factory=dict)
+    via: str = "stream"             # how CRIU got the images: stream, or files (plain -D)
+    images: str | None = None       # where image files were written: tmpfs or disk
+    notes: list[str] = field(default_factory=list)   # what restore changed (files set aside)
     # established TCP connections in the snapshot came back closed (--tcp-close), and why
     tcp_closed: str | None = None
 
@@ -64,6 +76,21 @@ def snapshot_pids(snap) -> list[int]:
     return pids
 
 
+def pidns_init(snap) -> bool:
+    """Whether the snapshot's root is the init of its own PID namespace (pstree.img's first
+    entry has PID 1). CRIU then restores the tree into a new PID namespace: its PIDs there
+    are its own, and on the host it gets whatever PIDs are free, so it can run side by side
+    with the job it was taken from."""
+    if not snap.has_image("pstree.img"):
+        return False
+    try:
+        for msg in restore_files._entries(b"".join(snap.read_image("pstree.img"))):
+            return dict(restore_files._fields(msg)).get(1) == 1
+    except ValueError as e:
+        raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable process tree: {e}") from None
+    return False
+
+
 def _check_pids_free(pids: list[int], snap_path) -> None:
     busy = [p for p in pids if proc.read_stat(p) is not None]
     if not busy:
@@ -73,8 +100,17 @@ def _check_pids_free(pids: list[int], snap_path) -> None:
         desc = ", ".join(f"{p} ({proc.cmdline(p)[:60] or proc.read_stat(p).comm})" for p in busy[:5]
                          if proc.read_stat(p))
         raise PidsInUse(f"PID(s) needed by the snapshot are in use: {desc}",
-                        hint="the original job is probably still running; stop it first (or restore "
-                             "on another machine or in a PID namespace)")
+                        hint=pids_hint(busy))
+
+
+def pids_hint(busy: list[int]) -> str:
+    """What to do when the snapshot's PIDs are taken: a snapshot comes back under its original
+    PIDs, so the process holding them (usually the original job) has to go first."""
+    kill = " ".join(str(p) for p in busy[:5])
+    return (f"the original job is probably still running: stop it (`kill {kill}`, and wait until it has "
+            "exited), then restore again; a snapshot restores under its original PIDs, so it cannot run side "
+            "by side with the job it was taken from; a job that is the init of its own PID namespace (started "
+            "with `gpusnap run`, or `unshare --pid --fork setsid CMD`) restores side by side")
 
 
 def _pids_taken_meanwhile(pids: list[int], snap_path, kept) -> None:
@@ -99,25 +135,64 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     return {"GPUSNAP_GPU_MAP": ",".join(f"{a}={b}" for a, b in pairs)} if pairs else {}
 
 
+VIAS = ("auto", "stream", "files")
+
+
+def choose_via(via: str, snap, hugetlb: int) -> str:
+    """stream or files. auto: files when the snapshot maps huge pages (only image files let
+    CRIU restore them), stream otherwise: on the 2-core machines measured (docs/benchmark.md)
+    both paths took the same time within the noise, and the stream needs no memory or disk
+    for a copy of the images."""
+    if via not in VIAS:
+        raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
+    if via == "stream" and hugetlb:
+        raise UsageError(f"snapshot {snap.path} maps {hugetlb >> 20} MiB of huge pages, which CRIU cannot "
+                         "restore from a stream (its restorer reads them at an offset in the pages image)",
+                         hint="restore with --via files (or auto, the default)")
+    if via != "auto":
+        return via
+    return "files" if hugetlb else "stream"
+
+
+def _check_hugepages(hugetlb: int) -> None:
+    if not hugetlb:
+        return
+    pool = restore_needs.hugepage_pool()
+    if pool is None:
+        return                       # no pool figures: CRIU will say, and explain_restore too
+    total, free, size = pool
+    if free * size < hugetlb:
+        want = total + -(-(hugetlb - free * size) // size)
+        raise HugePagesUnavailable(
+            f"the snapshot maps {hugetlb >> 20} MiB of huge pages, the huge-page pool here has "
+            f"{free * size >> 20} MiB free",
+            hint=f"reserve enough first: `sysctl vm.nr_hugepages={want}` (now {total}), then restore again")
+
+
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
-            progress: Callable[[int, int], None] | None = None, tcp_close: bool = False) -> RestoreResult:
+            progress: Callable[[int, int], None] | None = None, via: str = "auto",
+            tcp_close: bool = False) -> RestoreResult:
     t0 = time.monotonic()
+    if via not in VIAS:
+        raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
     runner.require_privileges("restore")
     info = runner.criu_info()
     repository, snap = locate.open_snapshot(ref, repo)
     with repository.readers_lock():
-        return _restore(repository, snap, info, gpu_map, progress, t0, tcp_close)
+        return _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close)
 
 
-def _restore(repository, snap, info, gpu_map, progress, t0, tcp_close=False) -> RestoreResult:
+def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
     pids = snapshot_pids(snap)
-    own_pidns = snap.manifest.get("meta", {}).get("own_pid_namespace") is True
+    own_pidns = snap.manifest.get("meta", {}).get("own_pid_namespace")
+    if own_pidns is None:               # older snapshots, jobs started with unshare: pstree.img says
+        own_pidns = pidns_init(snap)
+    own_pidns = own_pidns is True
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids, snap.path)
-    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
     allowed = {"--shell-job", "--tcp-established", "--file-locks"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
@@ -126,55 +201,137 @@ def _restore(repository, snap, info, gpu_map, progress, t0, tcp_close=False) -> 
     closed, why = netlock.restore_tcp_close(conns, tcp_close)
     if closed:
         flags.append("--tcp-close")
+    hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
+    mode = choose_via(via, snap, hugetlb)
+    _check_hugepages(hugetlb)
+    fixes = restore_files.prepare(snap)
+    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
+    phases = {"preflight": round(time.monotonic() - t0, 3)}
+    where = None
+    try:
+        if mode == "stream":
+            try:
+                pid = _via_stream(repository, snap, info, env, flags, progress, phases, check)
+            except CriuFailed as e:
+                # A hugetlb mapping made after the dump's preflight looked: the stream cannot
+                # carry it, image files can (restore_needs.py).
+                if via != "auto" or not any("Can't read pages data" in ln for ln in e.last_lines):
+                    raise
+                mode = "files"
+                if not own_pidns:
+                    _check_pids_free(pids, snap.path)
+                pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
+        else:
+            pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
+    except BaseException:
+        fixes.undo()
+        raise
+    if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
+        if pid is None:   # never hand back the original's PIDs as the restored ones
+            raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown")
+        pids = proc.tree(pid)
+    elif pid is None:
+        pid = pids[0]
+    if closed:
+        netlock.unlock_closed(conns)
+    return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
+                         phases=phases, via=mode, images=where, notes=fixes.notes(),
+                         tcp_closed=why if closed else None)
 
-    workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+
+def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,
+                  total: int, pids: list[int] | None) -> int | None:
+    """Run `criu restore` on an images directory (with a serve streamer when `server`); the
+    restored root PID, or CriuFailed / the streamer's error."""
     log = workdir / "criu.log"
     pidfile = workdir / "restored.pid"
+    stream = ["--stream"] if server is not None else []
+    criu = subprocess.Popen(
+        [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
+         "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        start_new_session=True)
+    if server is not None:
+        runner.supervise(criu, server, progress, total)
+    else:
+        try:
+            criu.wait()
+        except BaseException:
+            criu.wait()      # interrupted: let CRIU finish before its images directory goes
+            raise
+    if criu.returncode != 0 or (server is not None and server.failed):
+        if server is not None:
+            server.abort()
+        kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
+                                                f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+        err = server.error() if server is not None else None
+        if isinstance(err, GpusnapError):
+            err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
+            raise err
+        lines = runner.log_errors(log)
+        if pids:
+            _pids_taken_meanwhile(pids, snap.path, kept)
+        raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
+                         last_lines=lines, hint=runner.explain_restore(lines))
+    if server is not None:
+        server.finish(timeout=30)
+    runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+    try:
+        return int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def restore_threads(stream: bool) -> int:
+    """Decoding workers: $GPUSNAP_RESTORE_THREADS, else the cores (up to 8), one fewer for the
+    stream path, where CRIU reads at the same time."""
+    env = os.environ.get("GPUSNAP_RESTORE_THREADS", "")
+    if env.isdigit() and 0 < int(env) <= 64:
+        return int(env)
+    cores = os.cpu_count() or 2
+    return max(1, min(8, cores - 1 if stream else cores))
+
+
+def _via_stream(repository, snap, info, env, flags, progress, phases, pids) -> int | None:
+    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+    workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+
+    threads = restore_threads(stream=True)
 
     def source(name: str):
-        return snap.read_image(name) if snap.has_image(name) else None
+        if not snap.has_image(name):
+            return None
+        if threads > 1 and repo_materialize.parallel_ok(snap, name):
+            return repo_materialize.iter_image_parallel(snap, name, threads)
+        return snap.read_image(name)
 
     server = ServeServer(workdir, source).start()
-    t_criu = time.monotonic()
+    t = time.monotonic()
     try:
-        criu = subprocess.Popen(
-            [info.path, "restore", "-D", str(workdir), "--stream", "--restore-detached",
-             "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-            start_new_session=True)
-        runner.supervise(criu, server, progress, total)
-        if criu.returncode != 0 or server.failed:
-            server.abort()
-            kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
-                                                    f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
-            err = server.error()
-            if isinstance(err, GpusnapError):
-                err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
-                raise err
-            lines = runner.log_errors(log)
-            _pids_taken_meanwhile(pids, snap.path, kept)
-            raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
-                             last_lines=lines, hint=runner.explain(lines))
-        server.finish(timeout=30)
-        t_end = time.monotonic()
+        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids)
         if progress:
             progress(total, total)
-        try:
-            pid = int(pidfile.read_text().split()[0])
-            if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
-                pids = proc.tree(pid)
-        except (OSError, ValueError, IndexError):
-            pid = pids[0]
-            if own_pidns:  # never hand back the original's PIDs as the restored ones
-                raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown",
-                                 log_path=str(log)) from None
-        runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
-        if closed:
-            netlock.unlock_closed(conns)
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)
-    return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases={"preflight": round(t_criu - t0, 3), "criu": round(t_end - t_criu, 3)},
-                         tcp_closed=why if closed else None)
+    phases["criu"] = round(time.monotonic() - t, 3)
+    return pid
 
+
+def _via_files(repository, snap, info, env, flags, progress, phases, pids) -> tuple[int | None, str]:
+    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+    with materialize.images_dir(snap, repository.path) as (images, plan):
+        t = time.monotonic()
+        materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
+                                 progress=progress, total=total)
+        phases["materialize"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+        try:
+            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        phases["criu"] = round(time.monotonic() - t, 3)
+    if progress:
+        progress(total, total)
+    return pid, plan.where

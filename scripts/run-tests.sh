@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "make test needs root: the tests dump and restore real processes with CRIU" >&2; exit 1; }
+bash scripts/test-deps.sh
 (cd build && ctest --output-on-failure)
 set +e
 .venv/bin/python -m pytest -ra "$@"

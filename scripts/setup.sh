@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything gpusnap needs on a fresh Debian 12 or 13 machine, as root; quick when already done.
-#   - Python 3, python3-venv, build tools (cmake, gcc), BLAKE3's C sources (librust-blake3-dev)
+#   - Python 3, python3-venv, build tools (cmake, gcc), BLAKE3's C sources (librust-blake3-dev),
+#     CA certificates (pip fetches from PyPI over HTTPS), iproute2 (doctor's `ss`)
 #   - CRIU 4.2.1 built from Debian's source package into /opt/gpusnap/criu-4.2.1 (binary, plugin
 #     headers and pycriu of one build), linked as /usr/local/sbin/criu
 #   - .venv with gpusnap in editable mode, and that pycriu made importable in it
@@ -27,6 +28,12 @@ pkgs=()
 for t in cmake:cmake gcc:gcc make:make pkg-config:pkg-config; do
   command -v "${t%%:*}" >/dev/null 2>&1 || pkgs+=("${t#*:}")
 done
+# gcc only recommends the C library's headers; a minimal system does not have them
+[ -f /usr/include/stdio.h ] || pkgs+=(libc6-dev)
+# pip checks PyPI's certificate against the system's CAs, which a minimal system lacks
+[ -f /etc/ssl/certs/ca-certificates.crt ] || pkgs+=(ca-certificates)
+# gpusnap doctor finds the peers of a job's unix sockets with ss
+command -v ss >/dev/null 2>&1 || pkgs+=(iproute2)
 [ -x /usr/bin/python3 ] || pkgs+=(python3)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 compgen -G '/usr/share/cargo/registry/blake3-*/c/blake3.c' >/dev/null || pkgs+=(librust-blake3-dev)
@@ -57,11 +64,43 @@ criu_built() {
     [ "$("$criu_prefix/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p')" = "$CRIU_VERSION" ]
 }
 
-debian_mirror() {
-  local m
-  m=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | grep -v security | head -n1 || true)
-  [ -n "$m" ] || m=$(awk '$1 == "deb" && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
-  echo "${m:-http://deb.debian.org/debian}"
+. "$here/scripts/debian-mirror.sh"
+
+archive_keyring() {
+  local k
+  for k in /usr/share/keyrings/debian-archive-keyring.pgp /usr/share/keyrings/debian-archive-keyring.gpg; do
+    [ -f "$k" ] && { echo "$k"; return; }
+  done
+  die "Debian's archive keyring is missing (apt-get install debian-archive-keyring)"
+}
+
+# criu_<version>.orig.tar.xz of sid's source package into $1, with a private apt configuration
+# that has only sid's deb-src: the system's sources stay as they are. sid's Release can be past
+# its Valid-Until on a mirror; the check is off for this source only (its signature is still
+# checked, and apt checks the tarball against the signed index).
+fetch_criu_source() {
+  local dir=$1 mirror o version
+  local mirrors=("$(debian_mirror)")
+  [ "${mirrors[0]}" = http://deb.debian.org/debian ] || mirrors+=(http://deb.debian.org/debian)
+  for mirror in "${mirrors[@]}"; do
+    rm -rf "$dir/apt" && mkdir -p "$dir/apt/lists/partial"
+    printf 'deb-src [signed-by=%s check-valid-until=no] %s sid main\n' "$(archive_keyring)" "$mirror" \
+      >"$dir/apt/sources.list"
+    o=(-o "Dir::Etc::sourcelist=$dir/apt/sources.list" -o Dir::Etc::sourceparts=-
+       -o "Dir::State::Lists=$dir/apt/lists" -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
+    apt-get "${o[@]}" update >>"$log" 2>&1 || { say "cannot read sid's sources from $mirror"; continue; }
+    # apt wants an exact version: the Debian revision of sid's package of this upstream release
+    version=$(apt-cache "${o[@]}" showsrc criu 2>>"$log" | sed -n "s/^Version: \($CRIU_VERSION-.*\)/\1/p" | head -n1) || true
+    if [ -z "$version" ]; then
+      say "sid's sources at $mirror have no criu $CRIU_VERSION (they have:" \
+        "$(apt-cache "${o[@]}" showsrc criu 2>/dev/null | sed -n 's/^Version: //p' | tr '\n' ' '))"
+      continue
+    fi
+    (cd "$dir" && apt-get "${o[@]}" source --download-only --tar-only "criu=$version" >>"$log" 2>&1) || true
+    [ -f "$dir/criu_$CRIU_VERSION.orig.tar.xz" ] && return 0
+    say "could not download criu_$CRIU_VERSION.orig.tar.xz (criu $version) from $mirror"
+  done
+  die "could not fetch criu_$CRIU_VERSION.orig.tar.xz from Debian's sid sources (see $log)"
 }
 
 build_criu() {
@@ -70,22 +109,12 @@ build_criu() {
   apt_update
   quiet apt-get install -y -q --no-install-recommends "${criu_build_deps[@]}"
   tmp=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)
-  mkdir -p "$tmp/lists/partial" "$tmp/src"
-  # A private apt configuration with only sid's deb-src: the system's sources stay as they are.
-  # sid's Release can be past its Valid-Until on a mirror; the check is off for this source only
-  # (its signature is still checked, and apt checks the tarball against the signed index).
-  printf 'deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg check-valid-until=no] %s sid main\n' \
-    "$(debian_mirror)" >"$tmp/sources.list"
-  o=(-o "Dir::Etc::sourcelist=$tmp/sources.list" -o Dir::Etc::sourceparts=- -o "Dir::State::Lists=$tmp/lists"
-     -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
-  quiet apt-get "${o[@]}" update
-  (cd "$tmp/src" && apt-get "${o[@]}" source --download-only --tar-only "criu=$CRIU_VERSION-*" >>"$log" 2>&1) ||
-    (cd "$tmp/src" && apt-get "${o[@]}" source --download-only "criu" >>"$log" 2>&1) || true
-  [ -f "$tmp/src/criu_$CRIU_VERSION.orig.tar.xz" ] || die "could not fetch criu_$CRIU_VERSION.orig.tar.xz from Debian's sid sources (see $log)"
+  mkdir -p "$tmp/src"
+  fetch_criu_source "$tmp/src"
   tar -C "$tmp/src" -xf "$tmp/src/criu_$CRIU_VERSION.orig.tar.xz"
   local s="$tmp/src/criu-$CRIU_VERSION"
   quiet make -C "$s" -j"$(nproc)" criu
-  quiet make -C "$s" lib
+  quiet make -C "$s" -j"$(nproc)" lib
   rm -rf "$criu_prefix.new"
   install -D -m 0755 "$s/criu/criu" "$criu_prefix.new/sbin/criu"
   install -D -m 0644 "$s/criu/include/criu-plugin.h" "$criu_prefix.new/include/criu/criu-plugin.h"
@@ -132,4 +161,4 @@ quiet cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DGPUSNAP_CRIU_INCLUDE="$cr
 quiet cmake --build build -j"$(nproc)"
 
 rm -f "$log"
-say "ready: CRIU $(criu --version | sed -n 's/^Version: *//p'), $($venv/bin/python --version), native build in build/"
+say "ready in $SECONDS s: CRIU $("$criu_prefix/sbin/criu" --version | sed -n 's/^Version: *//p') (/usr/local/sbin/criu), $($venv/bin/python --version), native build in build/"

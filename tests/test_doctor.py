@@ -109,11 +109,19 @@ def test_report_is_json_and_renders(system_report):
 
 
 def test_criu_version_ok(system_report):
-    if not shutil.which("criu"):
+    from gpusnap.criu import runner
+
+    path = runner.criu_path()
+    if not path:
         assert statuses(system_report, "criu") == ["fail"]
+        assert "make setup" in system_report.by_name("criu")[0].fix
         return
     assert statuses(system_report, "criu") == ["ok"]
-    assert "CRIU 4." in system_report.by_name("criu")[0].detail
+    detail = system_report.by_name("criu")[0].detail
+    assert detail.startswith("CRIU 4.") and detail.endswith(f"({path})")   # version and path
+    # flagged only when this CRIU cannot dump network sockets on this kernel
+    version = runner.parse_version(subprocess.run([path, "--version"], capture_output=True, text=True).stdout)
+    assert statuses(system_report, "criu sockets") == (["warn"] if runner.sockets_broken(version) else [])
 
 
 @needs_root

@@ -34,10 +34,13 @@ def test_missing_pid(repo):
 
 
 def test_not_root(repo, sample_job):
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all"]
+    probe = subprocess.run([*nobody, *GPUSNAP, "--help"], capture_output=True, text=True, cwd="/", timeout=60)
+    if probe.returncode != 0:   # e.g. a checkout under /root (0700): no other user can run it
+        pytest.skip(f"user nobody cannot run gpusnap from {ROOT}: {probe.stderr.strip()[-200:]}")
     job = sample_job(steps=100, mb=4, threads=1, step_ms=20)
     job.wait_steps(2)
-    proc = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=-all",
-                           *GPUSNAP, "dump", str(job.pid), "--repo", str(repo)],
+    proc = subprocess.run([*nobody, *GPUSNAP, "dump", str(job.pid), "--repo", str(repo)],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == NotRoot.exit_code, proc.stderr
     assert "must run as root" in proc.stderr
@@ -49,7 +52,7 @@ def test_criu_missing(repo, sample_job):
     job.wait_steps(2)
     proc = run_gpusnap("dump", job.pid, "--repo", repo, env={"GPUSNAP_CRIU": "/nonexistent/criu"})
     assert proc.returncode == CriuUnavailable.exit_code
-    assert "apt-get install criu" in proc.stderr
+    assert "make setup" in proc.stderr
     assert job.alive()
 
 
@@ -58,7 +61,7 @@ def test_old_criu_is_refused_with_install_advice():
 
     with pytest.raises(CriuUnavailable, match="3.17.1 .* too old") as e:
         runner.check_version((3, 17, 1), "/usr/sbin/criu")
-    assert "trixie" in e.value.hint
+    assert "make setup" in e.value.hint
     assert runner.check_version((4, 1, 1), "/usr/sbin/criu") == (4, 1, 1)
     assert runner.parse_version("Version: 4.1.1\nGitID: v4.1.1") == (4, 1, 1)
 

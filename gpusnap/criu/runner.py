@@ -11,7 +11,12 @@ from pathlib import Path
 
 from gpusnap.errors import CriuFailed, CriuUnavailable
 
-MIN_VERSION = (4, 2)  # 4.1 cannot dump AF_INET sockets on kernels >= 6.16
+MIN_VERSION = (4, 0)  # the device plugin hooks and working vDSO handling on recent kernels
+# Linux 6.16 restricted SO_PASSCRED/SO_PASSSEC to unix and netlink sockets; CRIU before 4.2
+# still asks every socket for them, so it cannot dump a job holding an AF_INET, AF_INET6 or
+# AF_PACKET socket on such a kernel (CRIU issues #2705/#2718, fixed in 4.2).
+SOCKETS_FIXED_IN = (4, 2)
+SOCKETS_BROKEN_FROM_KERNEL = (6, 16)
 INSTALL_HINT = ("run `make setup` as root in the gpusnap checkout: it builds CRIU 4.2.1 from Debian's "
                 "source package into /opt/gpusnap and links it as /usr/local/sbin/criu")
 
@@ -48,7 +53,7 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 
 
 def criu_info() -> CriuInfo:
-    """Locate CRIU and check it is >= 4.0, or raise CriuUnavailable saying how to get it."""
+    """Locate CRIU and check it is >= MIN_VERSION, or raise CriuUnavailable saying how to get it."""
     path = criu_path()
     if path is not None and path in _info_cache:
         return _info_cache[path]
@@ -74,6 +79,63 @@ def check_version(version: tuple[int, ...], path: str) -> tuple[int, ...]:
             "(the device plugin hooks and working vDSO handling on recent kernels came with 4.0)",
             hint=INSTALL_HINT)
     return version
+
+
+def kernel_version(release: str | None = None) -> tuple[int, int]:
+    """(major, minor) of the running kernel (or of a `uname -r` string)."""
+    m = re.match(r"(\d+)\.(\d+)", release if release is not None else os.uname().release)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def sockets_broken(version: tuple[int, ...], kernel: tuple[int, int] | None = None) -> bool:
+    """True when this CRIU cannot dump AF_INET/AF_INET6/AF_PACKET sockets on this kernel."""
+    return version[:2] < SOCKETS_FIXED_IN and (kernel or kernel_version()) >= SOCKETS_BROKEN_FROM_KERNEL
+
+
+# /proc/PID/net tables of the socket kinds such a CRIU fails on, and their inode column
+_NET_TABLES = {"tcp": ("TCP", 9), "tcp6": ("TCP/IPv6", 9), "udp": ("UDP", 9), "udp6": ("UDP/IPv6", 9),
+               "udplite": ("UDP-Lite", 9), "udplite6": ("UDP-Lite/IPv6", 9), "raw": ("raw IP", 9),
+               "raw6": ("raw IPv6", 9), "packet": ("packet", 8)}
+
+
+def network_sockets(pids: list[int]) -> dict[int, str]:
+    """socket inode -> kind ("TCP", "UDP/IPv6", "packet", ...) for every AF_INET, AF_INET6 and
+    AF_PACKET socket the processes hold open (unix and netlink sockets are not in the tables)."""
+    held: dict[str, set[int]] = {}  # network namespace -> socket inodes held there
+    first_pid: dict[str, int] = {}
+    for pid in pids:
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        first_pid.setdefault(ns, pid)
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                held.setdefault(ns, set()).add(int(target[8:-1]))
+    found: dict[int, str] = {}
+    for ns, inodes in held.items():
+        for table, (kind, col) in _NET_TABLES.items():
+            try:
+                rows = Path(f"/proc/{first_pid[ns]}/net/{table}").read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                f = row.split()
+                if len(f) > col and f[col].isdigit() and int(f[col]) in inodes:
+                    found[int(f[col])] = kind
+    return found
+
+
+def install_hint(path: str | None = None) -> str:
+    """INSTALL_HINT, plus what to unset when $GPUSNAP_CRIU chose this CRIU."""
+    if os.environ.get("GPUSNAP_CRIU") and path == os.environ["GPUSNAP_CRIU"]:
+        return INSTALL_HINT + f"; $GPUSNAP_CRIU makes gpusnap use {path}: unset it afterwards"
+    return INSTALL_HINT
 
 
 
@@ -181,6 +243,52 @@ def explain_dump(lines: list[str]) -> str:
         if re.search(rx, text):
             return advice
     return DUMP_FALLBACK
+
+
+# Restore failures users meet, from CRIU's log lines to what to do (first match wins; the
+# specific before the generic). The PIDs case is worded like restore.pids_hint.
+RESTORE_RULES = [
+    ("Can't read pages data",
+     "CRIU cannot read this snapshot's pages from a stream (private huge-page mappings need to be read "
+     "at an offset): restore with --via files"),
+    ("do not match expected",
+     "a PID the snapshot needs was taken while CRIU restored: is the original job (or a restore of it) "
+     "running? stop it, wait until it has exited, then restore again"),
+    ("Can't fork for",
+     "CRIU could not recreate a process under its original PID: the PID is probably taken (is the original "
+     "job still running? stop it first), or this kernel refuses clone3 with set_tid"),
+    ("has bad size",
+     "a file the job had open changed size since the dump (gpusnap sets aside output files that grew; an "
+     "input file must be put back as it was)"),
+    ("has bad build-id",
+     "a program or library the job had mapped was replaced since the dump (e.g. a package upgrade): "
+     "restore on a machine with the same versions, or put the old file back"),
+    ("has bad mode",
+     "a file the job had open has other permissions than at the dump: chmod it back"),
+    ("Address already in use",
+     "a port or socket address the job used is taken: is the original job still running? stop it, or "
+     "free the address, then restore again"),
+    ("Can't connect inet socket back",
+     "the job had TCP connections whose peer is gone; the connections cannot be re-established"),
+    ("Cannot allocate memory",
+     "out of memory: the restored job needs as much memory as it had at the dump (huge pages: "
+     "vm.nr_hugepages); free some memory, or restore with --via stream, which holds no image files in memory"),
+    ("Out of memory",
+     "out of memory: free some memory (the restored job needs as much as it had at the dump), or restore "
+     "with --via stream, which holds no image files in memory"),
+]
+RESTORE_FALLBACK = ("see CRIU's errors above and its full log; `gpusnap doctor` checks the usual suspects, and "
+                    "`gpusnap verify` the snapshot")
+
+
+def explain_restore(lines: list[str]) -> str:
+    """Advice for a failed `criu restore`: restore's own rules, then the shared ones, then a
+    pointer to the log; never empty."""
+    text = "\n".join(lines)
+    for needle, advice in RESTORE_RULES:
+        if needle in text:
+            return advice
+    return explain(lines) or RESTORE_FALLBACK
 
 
 CAP_SYS_PTRACE = 19

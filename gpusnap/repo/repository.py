@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import queue
 import secrets
@@ -18,18 +19,20 @@ from typing import Iterator
 
 import blake3
 
-from ..errors import CorruptSnapshot, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
+from ..errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
 from . import fsutil, locations, native
 from .codec import codec_id
 from .format import (
-    BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
-    make_config, encode_config, parse_config, parse_manifest,
+    BLOB_HEADER, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
+    make_config, encode_config, parse_config, parse_index, parse_manifest,
 )
-from .store import BlobReader, RepoIndex, pack_path
+from .store import BlobReader, RepoIndex, index_pack_names, pack_path, pack_sizes, write_index_file
 
 SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
+QUARANTINE = "quarantine"      # index files set aside by recovery or repair (docs/format.md §10)
+log = logging.getLogger("gpusnap")
 MADE_ON_OPEN = ("tmp", "locks")     # recreated when missing; the others missing = damaged
-OPTIONAL = ("logs",)                # checked when present
+OPTIONAL = ("logs", "quarantine")  # checked when present
 
 
 def _untrusted(p, why: str) -> RepositoryError:
@@ -88,6 +91,22 @@ def _check_tree(path: Path) -> None:
 from .format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK  # noqa: E402
 
 
+def quarantine_file(root: Path, path: Path) -> Path:
+    """Move `path` (an index file) into REPO/quarantine/ (atomic rename, both directories
+    fsynced): kept for inspection, never read. -> its new path."""
+    q = root / QUARANTINE
+    fsutil.mkdir_private(q)
+    dest = q / f"{path.parent.name}-{path.name}"
+    k = 1
+    while os.path.lexists(dest):
+        k += 1
+        dest = q / f"{path.parent.name}-{path.name}.{k}"
+    os.rename(path, dest)
+    fsutil.fsync_dir(q)
+    fsutil.fsync_dir(path.parent)
+    return dest
+
+
 class Repository:
     def __init__(self, path: Path, config: dict):
         self.path = path
@@ -97,7 +116,9 @@ class Repository:
         self._lock_fd: int | None = None
         self._index: RepoIndex | None = None
         self._index_names: list[str] | None = None
+        self._index_checked = False
         self._index_mutex = threading.Lock()
+        self.recovery: list[str] = []     # what open-time recovery did (recover())
 
     # -- open / create -------------------------------------------------------------------
     @classmethod
@@ -165,9 +186,11 @@ class Repository:
 
     # -- locking ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writer_lock(self):
+    def writer_lock(self, recover: bool = True):
         """One writer per repository (flock on locks/writer: the kernel drops it when the
-        holder dies). Re-entrant within this Repository object."""
+        holder dies). Re-entrant within this Repository object. Taking it runs the
+        open-time recovery (recover(); recover=False for a dry run that must change
+        nothing)."""
         with self._lock_mutex:
             if self._lock_depth == 0:
                 fd = self._lock_file("writer")
@@ -186,13 +209,21 @@ class Repository:
                         f"repository {self.path} is locked by pid {pid}"
                         + (f" on {info.get('host')} ({info.get('what')}, since {info.get('since')})" if isinstance(info, dict) and info else ""),
                         "wait for that gpusnap to finish; a lock held by a dead process is released automatically")
-                os.fchmod(fd, 0o600)
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "writer",
-                                          "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
+                # who holds it is information only: a full disk must not stop the writer
+                # (a prune is what frees space)
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o600)
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "writer",
+                                              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
                 self._lock_fd = fd
+                first = True
+            else:
+                first = False
             self._lock_depth += 1
         try:
+            if first and recover:
+                self._recover_quietly()
             yield self
         finally:
             with self._lock_mutex:
@@ -236,13 +267,104 @@ class Repository:
         return self._lock_depth > 0
 
     # -- index -----------------------------------------------------------------------------
-    def _load_index(self, refresh: bool = False) -> RepoIndex:
+    def _load_index(self, refresh: bool = False, check_packs: bool = False) -> RepoIndex:
+        """The repository's index (cached while index/ does not change). check_packs: leave
+        out every record whose pack is missing or too short (the dump's view: it never
+        deduplicates against data that is not there; store.RepoIndex.load)."""
         with self._index_mutex:
             names = sorted(n for n in os.listdir(self.path / "index") if not n.startswith("."))
-            if self._index is None or (refresh and names != self._index_names) or names != self._index_names:
-                self._index = RepoIndex.load(self.path, names)
+            idx = self._index
+            if (idx is None or names != self._index_names
+                    or (check_packs and not (self._index_checked and idx.packs_present(self.path)))):
+                idx = RepoIndex.load(self.path, names, check_packs=check_packs)
+                self._index = idx
                 self._index_names = names
-            return self._index
+                self._index_checked = check_packs
+            return idx
+
+    # -- open-time recovery (writer lock held) -------------------------------------------------
+    def _recover_quietly(self) -> None:
+        try:
+            self.recover()
+        except (OSError, FormatError, GpusnapError) as e:
+            # the dump's own check (check_packs) still keeps it from using missing data
+            log.warning("gpusnap: repository %s: recovery failed: %s", self.path, e)
+
+    def recover(self) -> list[str]:
+        """Make the repository consistent after any crash or loss (docs/format.md §10);
+        called when the writer lock is taken. By the commit order an index file names only
+        packs that were durable before it, so an index naming a missing pack means data was
+        lost outside gpusnap (or by a gpusnap before format revision 1.3, whose aborted
+        commit could delete the packs of an index it had written). Such an index file is
+        replaced by one holding its records whose packs are there, then moved to
+        quarantine/; the snapshots that needed the lost data are reported. Cheap when all
+        is well: the pack lists at the head of each index file and one lstat per pack.
+        -> lines saying what was done (also in self.recovery, and logged)."""
+        root = self.path
+        idir = root / "index"
+        lists: dict[str, list[bytes]] = {}
+        for n in sorted(os.listdir(idir)):
+            if not HEX64.match(n):
+                continue
+            try:
+                lists[n] = index_pack_names(idir / n)
+            except (OSError, FormatError):
+                continue          # a damaged index file: load() reports it, repair rebuilds
+        sizes = pack_sizes(root, {ph for v in lists.values() for ph in v})
+        bad = [n for n, v in lists.items() if any(sizes[ph] is None for ph in v)]
+        done: list[str] = []
+        lost_packs: set[bytes] = set()
+        for n in bad:
+            try:
+                with open(idir / n, "rb") as f:
+                    parsed = parse_index(f.read())
+            except (OSError, FormatError):
+                continue
+            keep: dict[bytes, list] = {}
+            for b in parsed.blobs:
+                ph = parsed.packs[b.pack_no]
+                size = sizes.get(ph)
+                if size is not None and b.offset + BLOB_HEADER.size + b.stored_len + 16 <= size:
+                    keep.setdefault(ph, []).append(b)
+            missing = [ph for ph in parsed.packs if sizes.get(ph) is None]
+            lost_packs.update(missing)
+            # the records that still hold first, then the file aside: a crash in between
+            # leaves both (duplicates are legal), never fewer records than data
+            res = write_index_file(root, sorted(keep.items())) if keep else None
+            quarantine_file(root, idir / n)
+            done.append(f"index file {n} names {len(missing)} missing pack(s) "
+                        f"({', '.join(ph.hex()[:16] for ph in missing)}): moved to {QUARANTINE}/"
+                        + (f", its {sum(map(len, keep.values()))} record(s) in present packs kept in "
+                           f"index/{res[0].name}" if res else ""))
+        if done:
+            idx = self._load_index(check_packs=True)
+            for dirname, why in self.snapshots_missing_data(idx).items():
+                done.append(f"snapshot {dirname} is damaged: {why} (run gpusnap verify; restore another snapshot)")
+            for line in done:
+                log.warning("gpusnap: repository %s: %s", root, line)
+        self.recovery = done
+        return done
+
+    def snapshots_missing_data(self, idx: RepoIndex) -> dict[str, str]:
+        """Snapshot dir name -> why, for every snapshot that needs pages or blobs `idx` does
+        not hold (or whose manifest or page lists are unreadable)."""
+        import numpy as np
+        out: dict[str, str] = {}
+        for p, why in self.broken_snapshots().items():
+            out[p.name] = why
+        table = idx.page_table()
+        for s in self.snapshots():
+            try:
+                pages, data = s.referenced_page_bytes()
+            except CorruptSnapshot as e:
+                out[s.path.name] = str(e)
+                continue
+            ids = np.unique(np.frombuffer(pages, dtype="V16"))
+            locs = np.frombuffer(table.get_many(ids.tobytes()), dtype=np.int64) if len(ids) else np.zeros(0, np.int64)
+            missing = int((locs < 0).sum()) + sum(1 for bid in data if bid not in idx.data_loc)
+            if missing:
+                out[s.path.name] = f"{missing} page(s)/blob(s) it needs are lost"
+        return out
 
     # -- snapshots ---------------------------------------------------------------------------
     def new_snapshot(self, name: str, compress: str = "auto", meta: dict | None = None, **kw) -> "SnapshotWriter":

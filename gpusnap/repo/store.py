@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import queue
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import fsutil
 from .codec import decompress
+from .faults import fault
 from .format import (
     BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, IndexBlob,
     encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, pack_namer,
@@ -71,6 +73,7 @@ class PackWriter:
         self._err: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._tmps: list[Path] = []
+        self._created: set[bytes] = set()  # packs this writer put in place (no file of that name before)
         self._dirs: set[Path] = set()     # directories that received a pack, fsynced in finish()
         self._dirs_new = False            # a packs/ab/ directory was created: fsync packs/ too
         self._closed = False
@@ -142,9 +145,13 @@ class PackWriter:
         self._sync_dirs()
         return self.done
 
-    def abort(self) -> None:
-        """Remove the temporary pack and every pack this writer finished (no index names
-        them yet, and their pages were new to the repository, so nothing else needs them)."""
+    def abort(self, delete_finished: bool = True) -> None:
+        """Stop; remove the temporary pack files, and, with delete_finished, the packs this
+        writer created. The caller decides that only when no index file names them (an
+        index is written after finish(), so before it exists nothing names them: their pages
+        were new to the repository). A pack of the same name that existed before this writer
+        (same name, same layout and ids, docs/format.md §3) is never deleted: an index may
+        name it. With delete_finished=False (an index names them) every finished pack stays."""
         with self.lock:
             self._closed = True
             if self._thread is not None and self._thread.is_alive():
@@ -153,8 +160,11 @@ class PackWriter:
             self._thread.join()
         for t in self._tmps:
             fsutil.unlink_quiet(t)
-        for ph, _ in self.done:
-            fsutil.unlink_quiet(pack_path(self.root, ph))
+        self._tmps = []
+        if delete_finished:
+            for ph, _ in self.done:
+                if ph in self._created:
+                    fsutil.unlink_quiet(pack_path(self.root, ph))
         self.done = []
 
     # -- the background threads ----------------------------------------------------------
@@ -196,6 +206,7 @@ class PackWriter:
                     elif op == "open":
                         tmp, fd = fsutil.create_tmp(self.root / "tmp", "pack-")
                         self._tmps.append(tmp)
+                        fault("pack:opened")
                         hdr = encode_pack_header()
                         _write_all(fd, [hdr])
                         pos, flushed = len(hdr), 0
@@ -232,11 +243,17 @@ class PackWriter:
                 if not dest.parent.is_dir():
                     fsutil.mkdir_private(dest.parent)
                     self._dirs_new = True
+                # A pack of this name may already exist (the same pages again after their
+                # index was lost): ours replaces it (same layout and ids, so every index
+                # record naming it stays right), but it is not ours to delete on abort.
+                if not os.path.lexists(dest):
+                    self._created.add(ph)
                 os.rename(tmp, dest)
                 self._dirs.add(dest.parent)
                 self._tmps.remove(tmp)
                 self.bytes_written += size
                 self.done.append((ph, blobs))
+                fault("pack:renamed")
             except BaseException as e:
                 self._err = e
             finally:
@@ -286,21 +303,46 @@ def _write_all(fd: int, bufs: list) -> None:
             data = data[k:]
 
 
-def write_index_file(root: Path, packs: list[tuple[bytes, list]]) -> tuple[Path, int] | None:
-    """Write one index file covering `packs` ([(pack hash, [blob records])]); -> (path, size)."""
-    if not packs:
-        return None
+def encode_index_file(packs: list[tuple[bytes, list]]) -> bytes:
+    """The index file (docs/format.md §4) covering `packs` ([(pack hash, [blob records])])."""
     names = []
     blobs = []
     for pno, (ph, recs) in enumerate(packs):
         names.append(ph)
         for r in recs:
             blobs.append(IndexBlob(pno, r.offset, r.kind, r.codec, r.n_pages, r.raw_len, r.stored_len, r.ids))
-    data = encode_index(names, blobs)
-    name = data[-32:].hex()
-    dest = root / "index" / name
+    return encode_index(names, blobs)
+
+
+def write_index_file(root: Path, packs: list[tuple[bytes, list]], on_name=None) -> tuple[Path, int] | None:
+    """Write one index file covering `packs` ([(pack hash, [blob records])]); -> (path, size).
+    on_name(path) is called with the final path before anything is written (so that an
+    abort can tell whether the index got there, SnapshotWriter._abort)."""
+    if not packs:
+        return None
+    data = encode_index_file(packs)
+    dest = root / "index" / data[-32:].hex()
+    if on_name is not None:
+        on_name(dest)
     fsutil.write_file_atomic(root / "tmp", dest, data)
     return dest, len(data)
+
+
+def index_pack_names(path: Path) -> list[bytes]:
+    """The pack names an index file lists, from its header alone (no checksum check: a
+    cheap look for recovery; the full parse checks everything). Raises OSError, FormatError."""
+    from .format import INDEX_HEADER, INDEX_MAGIC
+    with open(path, "rb") as f:
+        head = f.read(INDEX_HEADER.size)
+        if len(head) < INDEX_HEADER.size:
+            raise FormatError("index file too short")
+        magic, _version, _flags, n_packs, _n_blobs = INDEX_HEADER.unpack(head)
+        if magic != INDEX_MAGIC:
+            raise FormatError("bad index magic")
+        raw = f.read(32 * n_packs)
+    if len(raw) != 32 * n_packs:
+        raise FormatError("index file too short for its pack list")
+    return [raw[i:i + 32] for i in range(0, len(raw), 32)]
 
 
 # =====================================================================================
@@ -331,6 +373,9 @@ class RepoIndex:
     files: list[str] = field(default_factory=list)
     bad_files: dict = field(default_factory=dict)     # name -> reason
     blob_file: list[int] = field(default_factory=list)  # blob_no -> index into files
+    # load(check_packs=True): pack -> names of the index files whose records were left out
+    missing_packs: dict = field(default_factory=dict)   # ... because the pack is missing
+    short_packs: dict = field(default_factory=dict)     # ... because it ends before the record
     _page_loc: dict | None = field(default=None, repr=False)
     _page_table: object = field(default=None, repr=False)
 
@@ -362,11 +407,25 @@ class RepoIndex:
         return self._page_table
 
     @classmethod
-    def load(cls, root: Path, names: list[str] | None = None) -> "RepoIndex":
+    def load(cls, root: Path, names: list[str] | None = None, check_packs: bool = False) -> "RepoIndex":
+        """The union of index files `names` (default: all of index/). With check_packs, a
+        record whose pack is missing, or shorter than the record's end, is left out (and
+        counted in missing_packs / short_packs): a dump must never deduplicate against data
+        that is not there."""
         idx = cls()
         d = root / "index"
         if names is None:
             names = sorted(os.listdir(d))
+        sizes = None
+        if check_packs:       # the pack lists first (file headers), so files are parsed one at a time
+            packs: set = set()
+            for name in names:
+                if HEX64.match(name):
+                    try:
+                        packs.update(index_pack_names(d / name))
+                    except (OSError, FormatError):
+                        pass          # reported by the parse below
+            sizes = pack_sizes(root, packs)
         for name in names:
             if name.startswith("."):
                 continue
@@ -384,22 +443,43 @@ class RepoIndex:
             except (OSError, FormatError) as e:
                 idx.bad_files[name] = str(e)
                 continue
-            idx.add_file(name, parsed)
+            if sizes is not None:
+                for ph in parsed.packs:
+                    if ph not in sizes:       # (the file changed between the two reads)
+                        sizes.update(pack_sizes(root, [ph]))
+            idx.add_file(name, parsed, sizes)
         return idx
 
-    def add_file(self, name, parsed) -> None:
+    def add_file(self, name, parsed, sizes: dict | None = None) -> None:
+        """Add one parsed index file; with `sizes` (pack -> size, None = missing), records
+        whose data is not in the pack are left out (load(check_packs=True))."""
         if self._page_loc is not None or self._page_table is not None:
             raise RuntimeError("add_file() after the page locations were built")
         fno = len(self.files)
         self.files.append(name)
         data_loc = self.data_loc
         for b in parsed.blobs:
+            ph = parsed.packs[b.pack_no]
+            if sizes is not None:
+                size = sizes.get(ph)
+                if size is None:
+                    self.missing_packs.setdefault(ph, set()).add(name)
+                    continue
+                if b.offset + BLOB_HEADER.size + b.stored_len + 16 > size:
+                    self.short_packs.setdefault(ph, set()).add(name)
+                    continue
             bno = len(self.blobs)
-            self.blobs.append(BlobLoc(parsed.packs[b.pack_no], b.offset, b.kind, b.codec, b.n_pages,
+            self.blobs.append(BlobLoc(ph, b.offset, b.kind, b.codec, b.n_pages,
                                       b.raw_len, b.stored_len, b.ids))
             self.blob_file.append(fno)
             if b.kind != KIND_PAGES:
                 data_loc.setdefault(b.ids, bno)
+
+    def packs_present(self, root: Path) -> bool:
+        """Is every pack this index uses still there and long enough? (one stat per pack)"""
+        need = self.packs()
+        sizes = pack_sizes(root, set(need))
+        return all(sizes.get(ph) is not None and sizes[ph] >= end for ph, end in need.items())
 
     def packs(self) -> dict[bytes, int]:
         """pack hash -> minimal plausible size (end of its last indexed blob + trailer)."""
@@ -409,6 +489,20 @@ class RepoIndex:
             if out.get(b.pack, 0) < end:
                 out[b.pack] = end
         return out
+
+
+def pack_sizes(root: Path, packs) -> dict[bytes, int | None]:
+    """pack name -> its size in bytes, or None when it is missing (never follows a symlink
+    as a pack: a symlink counts as missing)."""
+    out: dict[bytes, int | None] = {}
+    for ph in packs:
+        try:
+            st = os.lstat(pack_path(root, ph))
+        except (FileNotFoundError, NotADirectoryError):
+            out[ph] = None
+            continue
+        out[ph] = st.st_size if stat.S_ISREG(st.st_mode) else None
+    return out
 
 
 # =====================================================================================

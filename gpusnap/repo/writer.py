@@ -18,6 +18,7 @@ from .format import (
     BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
     encode_manifest, encode_pl_tail, FORMAT_VERSION,
 )
+from .faults import fault
 from .store import PackWriter, write_index_file
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
@@ -412,7 +413,8 @@ class SnapshotWriter:
         self.group_pages = group_pages
         self.created = time.time()
         locations.preload_numpy()         # needed at commit; loads while the dump streams
-        idx = repo._load_index(refresh=True)
+        # records whose pack is missing or short are left out: never dedup against them
+        idx = repo._load_index(refresh=True, check_packs=True)
         self.index = idx                  # for the locations file at commit (locations.py)
         self.known_pages = idx.page_table()
         self.known_data = idx.data_loc
@@ -428,6 +430,8 @@ class SnapshotWriter:
         self.image_counters: list[_Counters] = []
         self.stats: dict = {}
         self.state = "open"
+        self._index_dest: Path | None = None   # the dump's index file, once its name is known
+        fault("writer:open")
 
     def image_sink(self, filename: str) -> ImageSink:
         with self.lock:
@@ -453,21 +457,35 @@ class SnapshotWriter:
         return t
 
     def commit(self, extra_meta: dict | None = None):
+        """Make the snapshot durable and visible, in this order (docs/format.md §5.3):
+          1. packs: each fsynced and renamed into packs/ab/ as it fills; here the last one,
+             then the directories that received packs are fsynced;
+          2. the dump's index file: temp, fsync, rename into index/, fsync index/ -- from
+             here on the packs are named and stay, whatever happens next;
+          3. locations, manifest (page lists were fsynced as their images closed) in
+             snapshots/.tmp-*/, fsync of that directory;
+          4. rename .tmp-* to snapshots/<dir>, fsync snapshots/: the commit point.
+        Whatever stops it (an exception, a signal, a full disk) before step 4 leaves no
+        snapshot, and _abort() removes only what nothing names."""
         from .repository import Snapshot
         with self.lock:
             if self.state != "open":
                 raise RepositoryError(f"snapshot writer is {self.state}")
             self.state = "committing"
         try:
+            fault("commit:start")
             bad = [s.filename for s in self.sinks if not s.closed or s.failed]
             if bad:
                 raise RepositoryError(f"cannot commit: images not completed: {', '.join(sorted(bad))}")
             root = self.repo.path
             packs = self.packer.finish()
-            ires = write_index_file(root, packs)
+            fault("commit:packs-durable")
+            ires = write_index_file(root, packs, on_name=self._set_index_dest)
             index_bytes = ires[1] if ires else 0
+            fault("commit:index-renamed")
             # -- locations hook (gpusnap/repo/locations.py, docs/format.md §5.4) --
             loc_bytes = locations.write_at_commit(self, packs)
+            fault("commit:locations-written")
             t = self._totals()
             if extra_meta:
                 self.meta.update(extra_meta)
@@ -497,6 +515,7 @@ class SnapshotWriter:
                 data, sid = encode_manifest(body)
             fsutil.write_private(self.tmpdir / "manifest", data)
             fsutil.fsync_dir(self.tmpdir)
+            fault("commit:manifest-written")
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.created))
             snaps = root / "snapshots"
             dest = snaps / f"{self.name}-{stamp}"
@@ -504,19 +523,25 @@ class SnapshotWriter:
             while dest.exists():      # same name within the same second (we hold the writer lock)
                 k += 1
                 dest = snaps / f"{self.name}-{stamp}-{k}"
-            os.rename(self.tmpdir, dest)
-            fsutil.fsync_dir(snaps)
             self.stats = dict(stats)
-            self.state = "committed"
+            os.rename(self.tmpdir, dest)
+            self.state = "committed"      # (a signal just before this line: _abort() is harmless)
+            fault("commit:snapshot-renamed")
+            fsutil.fsync_dir(snaps)
+            fault("commit:done")
             return Snapshot(self.repo, dest)
         except BaseException as e:
-            self._abort()
+            if self.state != "committed":
+                self._abort()
             if isinstance(e, OSError) and e.errno == 28:
                 raise NoSpace(f"repository {self.repo.path} is full: {e}",
                               "free space or prune old snapshots (gpusnap prune --keep-last N)") from e
             if isinstance(e, OSError):
                 raise RepositoryError(f"writing snapshot failed: {e}") from e
             raise
+
+    def _set_index_dest(self, dest: Path) -> None:
+        self._index_dest = dest
 
     def abort(self) -> None:
         with self.lock:
@@ -526,9 +551,18 @@ class SnapshotWriter:
         self._abort()
 
     def _abort(self) -> None:
+        """Remove what nothing names, nothing else (docs/format.md §5.3, recovery rules):
+        the snapshot's .tmp- directory (unless the commit's rename already made it a
+        snapshot), temporary pack files, and the packs this dump created only while no
+        index file names them. Whether the index got into index/ is read from the
+        directory, not from a flag, so a signal between the rename and any bookkeeping
+        cannot make it wrong; we hold the writer lock, so nobody else writes it."""
+        fault("abort:start")
         for s in self.sinks:
             if isinstance(s, PagesSink):
                 s._abort()
-        self.packer.abort()
+        named = self._index_dest is not None and os.path.lexists(self._index_dest)
+        self.packer.abort(delete_finished=not named)
+        fault("abort:packs-done")
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.state = "aborted"

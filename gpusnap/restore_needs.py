@@ -1,0 +1,91 @@
+"""What a restore will need to know about a snapshot, recorded at dump time.
+
+Private huge-page mappings (MAP_PRIVATE|MAP_HUGETLB) are the one kind of memory CRIU never
+premaps on restore: its restorer reads their pages with preadv() at an offset into the pages
+image (criu/mem.c, restore_priv_vma_content -> pagemap_enqueue_iovec; criu/pie/restorer.c,
+vma_ios). Under `--stream` that image is a pipe, the preadv fails with ESPIPE ("Can't read
+pages data (-29)") and the snapshot cannot be restored; from image files it works. So the dump
+records how much hugetlb memory the tree maps (`meta.hugetlb_bytes`, docs/format.md), and
+restore chooses the files path for such snapshots. Snapshots without the field (older ones)
+are answered from their mm images.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MAP_HUGETLB = 0x40000
+
+
+def hugetlb_bytes(pids: list[int]) -> int:
+    """Bytes of hugetlb mappings in the tree now (/proc/PID/smaps: VmFlags 'ht'). A process
+    that vanished meanwhile counts as none; the dump fails later anyway."""
+    total = 0
+    for pid in pids:
+        try:
+            text = Path(f"/proc/{pid}/smaps").read_text(errors="replace")
+        except OSError:
+            continue
+        start = end = 0
+        for line in text.splitlines():
+            c = line[:1]
+            if c in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                a, b = line.split(" ", 1)[0].split("-")
+                start, end = int(a, 16), int(b, 16)
+            elif line.startswith("VmFlags:") and " ht" in f" {line[8:]}":
+                total += end - start
+    return total
+
+
+def snapshot_hugetlb_bytes(snap) -> int:
+    """Bytes of hugetlb mappings the snapshot restores: the dump's record, or else from its
+    mm images (pycriu)."""
+    v = snap.manifest.get("meta", {}).get("hugetlb_bytes")
+    if type(v) is int and v >= 0:
+        return v
+    import pycriu.images
+
+    total = 0
+    for name in snap.image_names():
+        if not (name.startswith("mm-") and name.endswith(".img")):
+            continue
+        try:
+            entries = pycriu.images.loads(b"".join(snap.read_image(name)))["entries"]
+        except Exception:  # noqa: BLE001 - unreadable: let CRIU report it
+            continue
+        for mm in entries:
+            for vma in mm.get("vmas", []):
+                flags = vma.get("flags", 0)
+                if isinstance(flags, str):   # pycriu may render flags symbolically
+                    big = "MAP_HUGETLB" in flags
+                else:
+                    big = bool(int(flags) & MAP_HUGETLB)
+                if big:
+                    total += _int(vma.get("end", 0)) - _int(vma.get("start", 0))
+    return total
+
+
+def _int(v) -> int:
+    return int(v, 16) if isinstance(v, str) else int(v)
+
+
+def hugepage_pool() -> tuple[int, int, int] | None:
+    """(total pages, free pages, page size in bytes) of the default huge-page pool
+    (/proc/meminfo), None when unknown."""
+    vals: dict[str, int] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            if k in ("HugePages_Total", "HugePages_Free", "Hugepagesize"):
+                vals[k] = int(v.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if len(vals) != 3 or not vals["Hugepagesize"]:
+        return None
+    return vals["HugePages_Total"], vals["HugePages_Free"], vals["Hugepagesize"] * 1024
+
+
+def hugepages_free_bytes() -> int | None:
+    """Free bytes in the default huge-page pool, None when unknown."""
+    pool = hugepage_pool()
+    return pool[1] * pool[2] if pool else None

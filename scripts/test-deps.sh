@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Programs only the test suite needs, installed from Debian by `make test` (quick once done):
+#   slurmd slurmctld slurm-client munge  a one-machine Slurm cluster (tests/test_slurm.py)
+#   redis-server                         a real server dumped while serving (sockets tests)
+#   zsh fish                             the shell completions are loaded in each shell
+# Their services are never started or enabled by this: the tests start their own instances on
+# 127.0.0.1 and stop them by PID.
+set -euo pipefail
+say() { printf '\033[1m[test-deps]\033[0m %s\n' "$*"; }
+
+want=()
+for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
+         /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish; do
+  [ -x "${t%%:*}" ] || want+=("${t#*:}")
+done
+[ ${#want[@]} -gt 0 ] || exit 0
+
+say "installing ${want[*]} (for the tests only; their services stay off)"
+export DEBIAN_FRONTEND=noninteractive
+log=$(mktemp /tmp/gpusnap-test-deps.XXXXXX.log)
+# invoke-rc.d asks policy-rc.d whether it may start a service: 101 means no.
+policy=/usr/sbin/policy-rc.d
+had_policy=0; [ -e "$policy" ] && had_policy=1
+if [ $had_policy = 0 ]; then
+  printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod 755 "$policy"
+fi
+trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
+{ apt-get update -q && apt-get install -y -q --no-install-recommends "${want[@]}"; } >>"$log" 2>&1 ||
+  { tail -n 20 "$log" >&2; echo "[test-deps] error: could not install ${want[*]} (full output in $log)" >&2; exit 1; }
+# On a systemd machine the packages enabled their units for the next boot: only those just installed.
+if [ -d /run/systemd/system ]; then
+  for p in "${want[@]}"; do
+    case $p in slurmd|slurmctld|munge|redis-server) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
+  done
+fi
+rm -f "$log"

@@ -1,0 +1,48 @@
+"""Every restore failure users meet says what to do: a `hint:` line, and `hint` in --json.
+
+The PIDs case runs for real (restore while the original job still runs); the CRIU log-line
+cases check the mapping from CRIU's own error lines (copied from real CRIU 4.2 logs) to advice.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_gpusnap, run_json
+from gpusnap.criu import runner
+
+
+@pytest.mark.criu
+def test_restore_while_the_original_runs_says_to_stop_it(sample_job, repo):
+    job = sample_job(steps=100000, mb=8, threads=1)
+    job.wait_steps(3)
+    snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
+    r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+    assert r.returncode == 7, r.stdout + r.stderr
+    err = json.loads(r.stdout)
+    assert f"kill {job.pid}" in err["hint"] and "namespace" in err["hint"]
+    assert "restore on another machine or in a PID namespace" not in err["hint"]
+    r = run_gpusnap("restore", snap, "--repo", repo)
+    assert r.returncode == 7 and "hint:" in r.stderr
+    assert job.alive()
+
+
+CASES = [
+    ("pie: 2: Error (criu/pie/restorer.c:1907): Can't read pages data (-29)", "--via files"),
+    ("Error (criu/cr-restore.c:1237): Can't fork for 4242: File exists", "original job"),
+    ("Error (criu/cr-restore.c:1546): Pid 4242 do not match expected 4243", "stop it"),
+    ("Error (criu/files-reg.c:2175): File /tmp/train.log has bad size 93 (expect 70)", "output files that grew"),
+    ("Error (criu/files-reg.c:2190): File /usr/lib/libc.so.6 has bad build-id", "replaced"),
+    ("Error (criu/sk-inet.c:1059): Can't bind inet socket (id 7): Address already in use", "port"),
+    ("Error (criu/mem.c:964): Unable to map ANON_VMA: Cannot allocate memory", "out of memory"),
+    ("Error (criu/files-reg.c:2050): Can't open file tmp/in.dat on restore: No such file or directory", "gone"),
+    ("Error (criu/cr-restore.c:2400): Something nobody has seen before", "full log"),
+]
+
+
+@pytest.mark.parametrize("line,needle", CASES)
+def test_criu_restore_errors_map_to_advice(line, needle):
+    hint = runner.explain_restore([line])
+    assert hint and needle in hint

@@ -38,7 +38,6 @@ command -v ss >/dev/null 2>&1 || pkgs+=(iproute2)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 compgen -G '/usr/share/cargo/registry/blake3-*/c/blake3.c' >/dev/null || pkgs+=(librust-blake3-dev)
 [ -f /usr/include/lz4.h ] || pkgs+=(liblz4-dev)
-for t in fish zsh; do command -v "$t" >/dev/null 2>&1 || pkgs+=("$t"); done  # shells the completion tests run
 if [ ${#pkgs[@]} -gt 0 ]; then
   say "installing ${pkgs[*]}"
   apt_update

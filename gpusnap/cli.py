@@ -25,7 +25,7 @@ app = typer.Typer(
          "Dump a running job (it keeps running), restore it after a crash, reboot or preemption, "
          "and keep a deduplicated history of snapshots in one repository.",
     no_args_is_help=True,
-    add_completion=True,
+    add_completion=False,  # completions: the shipped scripts in completions/ (gpusnap/completion.py)
     context_settings={"help_option_names": ["-h", "--help"]},
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,  # locals may hold job memory: never print them
@@ -36,22 +36,49 @@ app.add_typer(schedule_app, name="schedule")
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 _json_mode = False
+_json_emitted = False
 
-RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True,
+# readable=False: gpusnap checks access itself (access.py), with its own error and hint
+RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True, readable=False,
                        help="Repository directory (default /var/lib/gpusnap).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.")
 
 
 def _emit_json(obj) -> None:
+    global _json_emitted
+    if _json_emitted:  # one object per command, whatever happens after the first
+        return
+    _json_emitted = True
     sys.stdout.write(json.dumps(obj, indent=None, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    from gpusnap.render import human_bytes
+
+    return human_bytes(n)
+
+
+def _repo_root(repo: Optional[Path], write: bool = False) -> Path:
+    """The repository directory, after checking that this user may read (or change) it."""
+    from gpusnap import access, locate
+
+    root = locate.repo_path(repo)
+    access.check_repo(root, write=write)
+    return root
+
+
+def _open_repo(repo: Optional[Path], write: bool = False):
+    from gpusnap.repo.repository import Repository
+
+    return Repository.open(_repo_root(repo, write=write))
+
+
+def _open_snapshot(ref: str, repo: Optional[Path]):
+    from gpusnap import access, locate
+
+    access.check_snapshot_ref(ref, locate.repo_path(repo))
+    return locate.open_snapshot(ref, repo)
 
 
 def _progress(label: str, enabled: bool):
@@ -104,7 +131,8 @@ def dump(
     pid: Optional[int] = typer.Argument(None, help="Root of the process tree to snapshot."),
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Find the job by a regular expression on its command line."),
-    pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", help="Read the PID from FILE."),
+    pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", readable=False,
+                                            help="Read the PID from FILE."),
     user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
                                        help="With --match: only this user's processes."),
     repo: Optional[Path] = RepoOpt,
@@ -167,9 +195,9 @@ def dump(
         if failed is not None:
             raise typer.Exit(failed.exit_code)
         return
-    out.print(result.snapshot)
+    out.print(result.snapshot, markup=False)
     for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
-        err.print(f"[yellow]gpusnap: warning: retention: {w}[/]")
+        err.print(f"gpusnap: warning: retention: {w}", style="yellow", markup=False)
     if failed is not None:
         raise failed
     if not quiet and err.is_terminal:
@@ -226,56 +254,70 @@ def restore(
 
 
 @app.command("ls")
-def ls_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
-    """List snapshots with their unique and shared sizes."""
+def ls_cmd(
+    repo: Optional[Path] = RepoOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),
+    json_: bool = JsonOpt,
+) -> None:
+    """List snapshots with their unique and shared sizes, and the repository's totals."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import locate
+    from gpusnap.repo import inspect as repo_inspect
     from gpusnap.repo.repository import Repository
 
-    root = locate.repo_path(repo)
+    root = _repo_root(repo)
     rows = []
+    totals = {"snapshots": 0, "names": 0, "bytes_raw": 0, "bytes_stored": 0, "ratio": None}
     if os.path.lexists(root):     # a file, or a directory that is no repository: an error, not "empty"
-        usage = Repository.open(root).usage()
+        repository = Repository.open(root)
+        usage = repository.usage()
+        totals = repo_inspect.repo_totals(repository, usage)
         for dirname, row in usage.items():
-            rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
+            if name is None or row.get("name") == name:
+                rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
         rows.sort(key=lambda r: (r.get("created", 0), r["dir"]))
     if json_:
-        _emit_json({"repository": str(root), "snapshots": rows})
+        _emit_json({"repository": str(root), "snapshots": rows, "totals": totals})
         return
     if not rows:
-        err.print(f"no snapshots in {root}")
-        return
-    import datetime
+        err.print(f"no snapshots{f' named {name!r}' if name else ''} in {root}", markup=False)
+    else:
+        from gpusnap.render import plain, utc
 
-    table = Table(box=None)
-    for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared"):
-        table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left")
-    for r in rows:
-        created = datetime.datetime.fromtimestamp(r.get("created", 0), datetime.timezone.utc)
-        table.add_row(r["dir"], str(r.get("name", "")), str(r.get("id", ""))[:12],
-                      created.strftime("%Y-%m-%d %H:%M:%S"), _human(r.get("bytes_raw", 0)),
-                      _human(r.get("bytes_unique", 0)), _human(r.get("bytes_shared", 0)))
-    out.print(table)
+        table = Table(box=None)
+        for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared"):
+            table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left")
+        for r in rows:
+            table.add_row(plain(r["dir"]), plain(r.get("name", "")), str(r.get("id", ""))[:12],
+                          utc(r.get("created", 0)), _human(r.get("bytes_raw", 0)),
+                          _human(r.get("bytes_unique", 0)), _human(r.get("bytes_shared", 0)))
+        out.print(table)
+    if totals["snapshots"]:
+        ratio = f" ({totals['ratio']:.1%} of what CRIU produced)" if totals.get("ratio") else ""
+        err.print(f"{totals['snapshots']} snapshot(s) of {totals['names']} name(s): "
+                  f"{_human(totals['bytes_raw'])} from CRIU, {_human(totals['bytes_stored'])} "
+                  f"in the repository{ratio}", markup=False)
 
 
 @app.command()
 def inspect(
     snapshot: str = typer.Argument(..., metavar="DIR|NAME"),
     repo: Optional[Path] = RepoOpt,
+    images: bool = typer.Option(False, "--images", help="Also list CRIU's image files with their page statistics."),
     json_: bool = JsonOpt,
 ) -> None:
-    """Show a snapshot: processes, memory, page statistics, sizes, GPU information."""
+    """Show a snapshot: processes with command lines and cwd, open files (do they still match
+    the disk?), sockets, memory, page statistics, sizes, GPU information."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import describe, locate
+    from gpusnap import describe
 
-    repository, snap = locate.open_snapshot(snapshot, repo)
+    repository, snap = _open_snapshot(snapshot, repo)
     report = describe.describe(repository, snap)
     if json_:
         _emit_json(report)
         return
-    describe.render(report, out)
+    describe.render(report, out, images=images)
 
 
 @app.command()
@@ -288,29 +330,35 @@ def verify(
     """Check every checksum. Exit 0 only when all holds; otherwise name what is damaged."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import locate
     from gpusnap.errors import CorruptSnapshot
     from gpusnap.repo import verify as verify_mod
-    from gpusnap.repo.repository import Repository
 
     if snapshot:
-        repository, snap = locate.open_snapshot(snapshot, repo)
+        repository, snap = _open_snapshot(snapshot, repo)
         refs = [str(snap.path)]
     else:
-        repository, refs = Repository.open(locate.repo_path(repo)), None
+        repository, refs = _open_repo(repo), None
     # a prune deleting snapshots while verify reads them must not look like damage: wait for it
     with repository.readers_lock():
         report = verify_mod.verify(repository, refs, read_data=not structure_only)
     data = report.to_dict()
+    failure = None
+    if not report.ok:
+        failure = CorruptSnapshot(report.summary(), hint="restore from an intact snapshot; "
+                                                         "`gpusnap forget` the damaged ones, then `gpusnap prune`")
+        data.update({"error": failure.title, "message": failure.message, "exit_code": failure.exit_code,
+                     "hint": failure.hint})
     if json_:
-        _emit_json(data)
+        _emit_json(data)  # the report carries the error: still one object
     else:
         for line in report.lines():
-            (out if report.ok else err).print(line)
-    if not report.ok:
-        raise CorruptSnapshot(report.summary(), hint="restore from an intact snapshot; "
-                                                     "`gpusnap prune` removes the damaged ones' unique data only "
-                                                     "when they are pruned")
+            (out if report.ok else err).print(line, markup=False)
+    if failure is not None:
+        raise failure
+
+
+KeepLastHelp = ("Keep the newest N snapshots of each name (only of --name NAME when given); "
+                "0 deletes them all and needs --name and --all.")
 
 
 @app.command()
@@ -349,29 +397,136 @@ def repair(
 
 @app.command()
 def prune(
-    keep_last: int = typer.Option(..., "--keep-last", metavar="N", min=0, help="Newest snapshots to keep."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=0, help=KeepLastHelp),
     name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),
+    all_: bool = typer.Option(False, "--all", help="Allow --keep-last 0: delete every snapshot of --name."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Delete old snapshots, then the stored data no snapshot needs any more."""
+    """Free the stored data no snapshot needs; with --keep-last, first delete old snapshots.
+
+    `gpusnap forget` drops chosen snapshots; prune then frees their data.
+    """
     global _json_mode
     _json_mode = json_
-    from gpusnap import locate
+    from gpusnap import forget as forget_mod
     from gpusnap.repo import prune as prune_mod
-    from gpusnap.repo.repository import Repository
 
-    repository = Repository.open(locate.repo_path(repo))
+    forget_mod.check_retention(keep_last, name, all_, "prune")
+    if all_ and keep_last not in (None, 0):
+        raise UsageError("--all goes with --keep-last 0 (or without --keep-last): it deletes every snapshot of --name")
+    if all_ and keep_last is None:
+        keep_last = 0
+        forget_mod.check_retention(keep_last, name, all_, "prune")
+    repository = _open_repo(repo, write=not dry_run)
     with repository.writer_lock(), repository.readers_lock(exclusive=not dry_run):
-        plan = prune_mod.plan_prune(repository.snapshots(), keep_last=keep_last, name=name)
+        snaps = repository.snapshots()
+        if name is not None and keep_last is not None and not any(s.name == name for s in snaps):
+            from gpusnap.errors import SnapshotNotFound
+            raise SnapshotNotFound(f"no snapshot named {name!r} in repository {repository.path}",
+                                   hint="list them with: gpusnap ls")
+        if keep_last is None:
+            plan = prune_mod.PrunePlan(keep=[s.id for s in snaps], delete=[])
+        else:
+            plan = prune_mod.plan_prune(snaps, keep_last=keep_last, name=name)
         result = prune_mod.execute_prune(repository, plan, dry_run=dry_run)
+        if not dry_run:
+            forget_mod.sweep_logs(repository)
     data = result.to_dict() if hasattr(result, "to_dict") else {"result": str(result)}
     if json_:
         _emit_json(data)
+        return
+    verb = "would delete" if data.get("dry_run") else "deleted"
+    for n in data.get("snapshots_deleted", []):
+        out.print(f"{verb} snapshot {n}", markup=False)
+    out.print(f"kept {len(data.get('snapshots_kept', []))} snapshot(s); packs {verb}: "
+              f"{data.get('packs_deleted', 0)}, rewritten: {data.get('packs_rewritten', 0)}; "
+              f"{'would free' if data.get('dry_run') else 'freed'} {_human(data.get('bytes_freed', 0))}",
+              markup=False)
+    for why in data.get("unreadable", []):
+        err.print(f"gpusnap: warning: left alone: {why}", style="yellow", markup=False)
+    if data.get("data_kept"):
+        err.print(f"gpusnap: warning: {data['data_kept']} (`gpusnap forget DIR` drops a snapshot beyond repair)",
+                  style="yellow", markup=False)
+
+
+@app.command()
+def forget(
+    snapshots: Optional[list[str]] = typer.Argument(None, metavar="[SNAP]...",
+                                                    help="Snapshot directories, directory names or ids."),
+    name: Optional[str] = typer.Option(None, "--name", help="With --keep-last: only snapshots of this name."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=0, help=KeepLastHelp),
+    all_: bool = typer.Option(False, "--all", help="Forget every snapshot of --name."),
+    prune_: bool = typer.Option(False, "--prune", help="Then free the data nothing needs any more."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Drop snapshots: the named ones, or all but the newest N of each name.
+
+    Their data stays in the repository until `gpusnap prune` (or `--prune`) frees what no
+    remaining snapshot needs.
+    """
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import forget as forget_mod
+
+    repository = _open_repo(repo, write=not dry_run)
+    result = forget_mod.forget(repository, list(snapshots or []), name=name, keep_last=keep_last, all_=all_,
+                               dry_run=dry_run, prune=prune_)
+    if json_:
+        _emit_json(result.to_dict())
+        return
+    for line in result.lines():
+        out.print(line, markup=False)
+
+
+@app.command("export")
+def export_cmd(
+    snapshot: str = typer.Argument(..., metavar="DIR|NAME", help="The snapshot to export."),
+    output: str = typer.Option(..., "--output", "-o", metavar="FILE|-", help="Where to write it ('-': stdout)."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Write one snapshot as one self-contained, checksummed file (or to stdout with -o -)."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import exchange
+
+    if output == "-" and json_:
+        raise UsageError("--json and -o - both want stdout", hint="write the export to a file, or drop --json")
+    _, snap = _open_snapshot(snapshot, repo)
+    result = exchange.export_snapshot(snap, output)
+    if json_:
+        _emit_json(result)
+    elif output != "-":
+        out.print(f"{result['file']}: {result['name']} ({result['id']}), {_human(result['bytes'])} "
+                  f"for {_human(result['bytes_raw'])} from CRIU", markup=False)
+
+
+@app.command("import")
+def import_cmd(
+    file: str = typer.Argument(..., metavar="FILE|-", help="An export file ('-': stdin)."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Add an exported snapshot to this repository (deduplicated). Checks every checksum
+    first: a damaged or truncated file is refused and nothing of it is kept."""
+    global _json_mode
+    _json_mode = json_
+    from gpusnap import access, exchange, locate
+    from gpusnap.repo.repository import Repository
+
+    if file != "-":
+        access.check_readable_file(Path(file), "export file")
+    root = locate.repo_path(repo)
+    access.check_repo(root, write=True)
+    result = exchange.import_snapshot(lambda: Repository.open(root, create=True), file)
+    if json_:
+        _emit_json(result)
     else:
-        for line in (result.lines() if hasattr(result, "lines") else [str(result)]):
-            out.print(line)
+        out.print(result["snapshot"], markup=False)
 
 
 @app.command()
@@ -572,9 +727,9 @@ def _root(
         raise typer.Exit(0)
 
 
-def report_error(e: GpusnapError) -> None:
-    if _json_mode:
-        obj = {"error": e.title, "message": e.message, "exit_code": e.exit_code}
+def report_error(e: GpusnapError, force_json: bool = False, code: int | None = None) -> None:
+    if _json_mode or force_json:
+        obj = {"error": e.title, "message": e.message, "exit_code": code or e.exit_code}
         if e.hint:
             obj["hint"] = e.hint
         if isinstance(e, CriuFailed):
@@ -582,23 +737,67 @@ def report_error(e: GpusnapError) -> None:
             obj["criu_errors"] = e.last_lines
         _emit_json(obj)
         return
-    err.print(f"[bold red]gpusnap: {e.message}[/]")
+    from rich.text import Text
+
+    err.print(Text(f"gpusnap: {e.message}", style="bold red"))
     if isinstance(e, CriuFailed):
         for line in e.last_lines:
-            err.print(f"  [dim]{line}[/]", markup=True)
+            err.print(Text(f"  {line}", style="dim"))
         if e.log_path:
-            err.print(f"  full CRIU log: {e.log_path}")
+            err.print(f"  full CRIU log: {e.log_path}", markup=False)
     if e.hint:
-        err.print(f"[yellow]hint:[/] {e.hint}")
+        err.print(Text.assemble(("hint:", "yellow"), " ", e.hint))
+
+
+def _json_requested(argv: list[str] | None) -> bool:
+    args = sys.argv[1:] if argv is None else argv
+    return "--json" in args[: args.index("--")] if "--" in args else "--json" in args
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: the one place where errors become exit codes (usage errors: typer's 2)."""
+    """Entry point: the one place where errors become exit codes. With --json every path,
+    a bad command line included, prints exactly one JSON object."""
     try:
-        app(args=argv, prog_name="gpusnap")
+        from typer._click import exceptions as click_exc    # typer >= 0.22 vendors click
+    except ImportError:                                      # pragma: no cover - older typer
+        from click import exceptions as click_exc
+
+    try:
+        rv = app(args=argv, prog_name="gpusnap", standalone_mode=False)
+        if isinstance(rv, int) and rv:
+            sys.exit(rv)
     except GpusnapError as e:
         report_error(e)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        err.print("gpusnap: interrupted")
+    except click_exc.ClickException as e:
+        if _json_mode or _json_requested(argv):
+            report_error(UsageError(e.format_message()), force_json=True)
+        else:
+            from typer import rich_utils
+
+            rich_utils.rich_format_error(e)
+        sys.exit(UsageError.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        if _json_mode:
+            report_error(GpusnapError("interrupted"), force_json=True, code=130)
+        else:
+            err.print("gpusnap: interrupted")
         sys.exit(130)
+    except PermissionError as e:  # a last net: never a traceback for a permission problem
+        from gpusnap.errors import AccessDenied
+
+        what = e.filename or str(e)
+        ad = AccessDenied(f"permission denied: {what}",
+                          hint=f"run gpusnap as root (`sudo gpusnap ...`) or as the owner of {what}")
+        report_error(ad)
+        sys.exit(ad.exit_code)
+    except Exception as e:  # a bug: with --json still one object on stdout; the traceback on stderr
+        if not (_json_mode or _json_requested(argv)):
+            raise
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        report_error(GpusnapError(f"internal error: {type(e).__name__}: {e}",
+                                  hint="please report this with the command and the traceback above"),
+                     force_json=True)
+        sys.exit(GpusnapError.exit_code)

@@ -1,13 +1,22 @@
-"""What `gpusnap inspect` shows: the repository's page statistics for a snapshot, plus the
-processes decoded from CRIU's own images (with pycriu) and the GPU facts recorded at dump.
+"""What `gpusnap inspect` shows, in the spirit of `checkpointctl inspect`: what decides
+whether a restore will work. Processes with their command lines and working directories,
+open files (size and mode at dump time, and whether the file on disk still matches), sockets,
+GPU facts recorded at dump, and the repository's page statistics and sizes.
 
-Images come from the snapshot itself, so nothing in them is trusted: a malformed image is
-reported as unreadable rather than crashing the command.
+CRIU's images are decoded with pycriu from the snapshot itself, so nothing in them is trusted:
+a malformed image is reported as unreadable rather than crashing the command.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from typing import Any
+
+PAGE = 4096
+PE_PRESENT = 1 << 2            # pagemap entry flag: its pages are in the pages image
+CMDLINE_READ_LIMIT = 256 << 20  # read a pages image for command lines only up to this size
+O_ACCMODE, O_APPEND = 0o3, 0o2000
 
 
 def _load(snap, name: str) -> list[dict] | None:
@@ -21,9 +30,137 @@ def _load(snap, name: str) -> list[dict] | None:
         return None
 
 
+def _read_memory(snap, pagemap: list[dict], ranges: list[tuple[int, int]]) -> list[bytes | None]:
+    """The bytes of each virtual address range [start, end) from the process's pages image
+    (one pass over the image; None for a range not fully dumped)."""
+    if not pagemap or not ranges:
+        return [None] * len(ranges)
+    image = f"pages-{pagemap[0].get('pages_id')}.img"
+    if not snap.has_image(image) or snap.image(image).get("size", 0) > CMDLINE_READ_LIMIT:
+        return [None] * len(ranges)
+    # where each wanted page lies in the pages image
+    want: dict[int, int] = {}          # image offset -> vaddr of that page
+    off = 0
+    for e in pagemap[1:]:
+        n = int(e.get("nr_pages", 0))
+        if int(e.get("flags", 0)) & PE_PRESENT:
+            va = int(e["vaddr"])
+            for a, b in ranges:
+                first = max(a & ~(PAGE - 1), va)
+                last = min(b, va + n * PAGE)
+                p = first
+                while p < last:
+                    want[off + (p - va)] = p
+                    p += PAGE
+            off += n * PAGE
+    pages: dict[int, bytes] = {}
+    if want:
+        pos = 0
+        try:
+            for chunk in snap.read_image(image):
+                end = pos + len(chunk)
+                for o in [o for o in want if pos <= o < end]:
+                    pages[want.pop(o)] = bytes(chunk[o - pos:o - pos + PAGE])
+                pos = end
+                if not want:
+                    break
+        except Exception:  # noqa: BLE001 - a damaged image: no command line, not a crash
+            pass
+    out = []
+    for a, b in ranges:
+        parts = []
+        p = a & ~(PAGE - 1)
+        while p < b:
+            if p not in pages:
+                parts = None
+                break
+            parts.append(pages[p])
+            p += PAGE
+        out.append(b"".join(parts)[a - (a & ~(PAGE - 1)):][: b - a] if parts is not None else None)
+    return out
+
+
+def _file_now(path: str, mode: int | None, size: int | None, flags: int) -> dict[str, Any]:
+    """Does the file on disk still match what the snapshot recorded?"""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return {"status": "missing", "detail": "gone from the disk: restore will fail"}
+    except OSError as e:
+        return {"status": "unknown", "detail": e.strerror}
+    if mode is not None and stat.S_IFMT(st.st_mode) != stat.S_IFMT(mode):
+        return {"status": "differs", "detail": "now a different kind of file"}
+    if mode is not None and stat.S_IMODE(st.st_mode) != stat.S_IMODE(mode):
+        return {"status": "differs", "detail": f"mode now {stat.filemode(st.st_mode)}"}
+    if size is not None and stat.S_ISREG(st.st_mode) and st.st_size != size:
+        return {"status": "differs", "detail": f"size now {st.st_size} (CRIU refuses a regular file whose "
+                                               "size changed)"}
+    return {"status": "ok", "detail": ""}
+
+
+def _ip(words) -> str:
+    """CRIU's address: u32 words holding the address bytes in network order."""
+    import ipaddress
+    import struct
+
+    try:
+        raw = b"".join(struct.pack("<I", int(w)) for w in words or [])
+        if len(raw) == 4:
+            return str(ipaddress.IPv4Address(raw))
+        if len(raw) == 16:
+            a = ipaddress.IPv6Address(raw)
+            return f"[{a.ipv4_mapped or a}]"
+    except (ValueError, struct.error):
+        pass
+    return "*"
+
+
+def _describe_file(e: dict) -> dict[str, Any]:
+    """One entry of files.img in plain terms."""
+    t = e.get("type", "?")
+    if t == "REG":
+        r = e.get("reg", {})
+        mode = r.get("mode")
+        flags = int(r.get("flags", 0))
+        acc = {0: "r", 1: "w", 2: "rw"}.get(flags & O_ACCMODE, "?") + ("a" if flags & O_APPEND else "")
+        row = {"kind": "file", "path": r.get("name", "?"), "size": r.get("size"), "pos": r.get("pos"),
+               "mode": stat.filemode(mode) if mode is not None else None, "access": acc}
+        if mode is not None and stat.S_ISDIR(mode):
+            row["kind"] = "directory"
+        row.update({"now_" + k: v for k, v in _file_now(row["path"], mode, r.get("size"), flags).items()})
+        return row
+    if t == "UNIXSK":
+        u = e.get("usk", {})
+        name = u.get("name")
+        if isinstance(name, (bytes, bytearray)):
+            name = name.decode(errors="replace")
+        return {"kind": "socket", "family": "unix", "type": u.get("type"), "state": u.get("state"),
+                "address": name or "", "peer": u.get("peer", 0)}
+    if t == "INETSK":
+        i = e.get("isk", {})
+        fam = {2: "inet", 10: "inet6"}.get(i.get("family"), str(i.get("family")))
+        src, dst = _ip(i.get("src_addr")), _ip(i.get("dst_addr"))
+        return {"kind": "socket", "family": fam, "type": i.get("type"), "proto": i.get("proto"),
+                "state": i.get("state"), "address": f"{src}:{i.get('src_port', 0)}",
+                "peer_address": f"{dst}:{i.get('dst_port', 0)}"}
+    if t == "PIPE":
+        return {"kind": "pipe", "pipe_id": e.get("pipe", {}).get("pipe_id")}
+    return {"kind": t.lower()}
+
+
 def processes(snap) -> list[dict[str, Any]]:
-    """One row per process: pid, ppid, command name, threads, resident pages in the image."""
+    """One row per process: pid, ppid, command (name and line), cwd, threads, memory in the
+    image, and its open file descriptors."""
     tree = _load(snap, "pstree.img") or []
+    files = {int(e.get("id", -1)): e for e in (_load(snap, "files.img") or [])}
+    described: dict[int, dict] = {}
+
+    def fdesc(fid: int) -> dict:
+        if fid not in described:
+            described[fid] = _describe_file(files[fid]) if fid in files else {"kind": "unknown"}
+        return described[fid]
+
+    meta = snap.manifest.get("meta", {})
     rows = []
     for e in tree:
         pid = int(e.get("pid", 0))
@@ -31,11 +168,30 @@ def processes(snap) -> list[dict[str, Any]]:
         comm = core[0].get("tc", {}).get("comm", "?")
         pagemap = _load(snap, f"pagemap-{pid}.img") or []
         pages = sum(int(x.get("nr_pages", 0)) for x in pagemap[1:])
-        cuda = pid in (snap.manifest.get("meta", {}).get("cuda_pids") or [])
-        rows.append({"pid": pid, "ppid": int(e.get("ppid", 0)), "comm": comm,
-                     "threads": len(e.get("threads", [])) or 1, "memory_bytes": pages * 4096,
+        ids = (_load(snap, f"ids-{pid}.img") or [{}])[0]
+        fs = (_load(snap, f"fs-{pid}.img") or [{}])[0]
+        mm = (_load(snap, f"mm-{pid}.img") or [{}])[0]
+        cmdline, cmdline_from = None, None
+        if mm.get("mm_arg_end", 0) > mm.get("mm_arg_start", 0):
+            raw = _read_memory(snap, pagemap, [(int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))])[0]
+            if raw is not None:
+                cmdline = [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
+                cmdline_from = "memory"
+        if cmdline is None and pid == meta.get("pid") and meta.get("cmdline"):
+            # too big to read here (CMDLINE_READ_LIMIT): the line recorded at dump, one string
+            cmdline, cmdline_from = [meta["cmdline"]], "dump"
+        fds = []
+        fdinfo = _load(snap, f"fdinfo-{ids.get('files_id')}.img") if "files_id" in ids else None
+        for fd in fdinfo or []:
+            fds.append({"fd": int(fd.get("fd", -1)), **fdesc(int(fd.get("id", -1)))})
+        cwd = fdesc(int(fs["cwd_id"])).get("path") if "cwd_id" in fs else None
+        root = fdesc(int(fs["root_id"])).get("path") if "root_id" in fs else None
+        cuda = pid in (meta.get("cuda_pids") or [])
+        rows.append({"pid": pid, "ppid": int(e.get("ppid", 0)), "pgid": e.get("pgid"), "sid": e.get("sid"),
+                     "comm": comm, "cmdline": cmdline, "cmdline_from": cmdline_from, "cwd": cwd, "root": root,
+                     "threads": len(e.get("threads", [])) or 1, "memory_bytes": pages * PAGE,
                      "pages_image": f"pages-{pagemap[0].get('pages_id')}.img" if pagemap else None,
-                     "cuda": cuda})
+                     "cuda": cuda, "fds": fds})
     return rows
 
 
@@ -48,26 +204,66 @@ def describe(repository, snap) -> dict[str, Any]:
     meta = snap.manifest.get("meta", {})
     report["command"] = meta.get("cmdline")
     report["gpu"] = gpu_procs.describe_recorded(meta.get("gpu"))
+    # every distinct open file and socket once (checkpointctl's --files / --sockets views)
+    seen_files: dict[str, dict] = {}
+    sockets = []
+    for p in report["processes"]:
+        for fd in p["fds"]:
+            if fd["kind"] in ("file", "directory"):
+                seen_files.setdefault(fd["path"], {k: v for k, v in fd.items() if k != "fd"})
+            elif fd["kind"] == "socket":
+                sockets.append({"pid": p["pid"], **fd})
+    report["files"] = list(seen_files.values())
+    report["sockets"] = sockets
+    report["files_changed"] = [f["path"] for f in report["files"] if f.get("now_status") in ("missing", "differs")]
     return report
 
 
-def render(report: dict[str, Any], console) -> None:
+def render(report: dict[str, Any], console, images: bool = False) -> None:
+    """The human view. Everything from the snapshot goes through rich Text, never markup:
+    a command line like `train.py --layers [idx]` must print as it is."""
     from rich.table import Table
+    from rich.text import Text
 
     from gpusnap.gpu import procs as gpu_procs
+    from gpusnap.render import human_bytes, plain
     from gpusnap.repo import inspect as repo_inspect
 
-    repo_inspect.render(report, console)
-    if report.get("command"):
-        console.print(f"command: {report['command']}")
+    repo_inspect.render(report, console, images=images)
     table = Table(title="processes", box=None, title_justify="left")
-    for col in ("pid", "ppid", "command", "threads", "memory", "GPU"):
+    for col in ("pid", "ppid", "command", "threads", "memory", "GPU", "cwd"):
         table.add_column(col, justify="right" if col in ("pid", "ppid", "threads", "memory") else "left")
     for p in report.get("processes", []):
-        table.add_row(str(p["pid"]), str(p["ppid"]), p["comm"], str(p["threads"]),
-                      f"{p['memory_bytes'] / (1 << 20):.1f} MiB", "CUDA" if p["cuda"] else "")
+        cmd = " ".join(p["cmdline"]) if p.get("cmdline") else p["comm"]
+        table.add_row(str(p["pid"]), str(p["ppid"]), plain(cmd), str(p["threads"]),
+                      human_bytes(p["memory_bytes"]), "CUDA" if p["cuda"] else "", plain(p.get("cwd") or ""))
     console.print(table)
+    files = report.get("files", [])
+    if files:
+        ft = Table(title="open files", box=None, title_justify="left")
+        for col in ("path", "mode", "access", "size", "on disk now"):
+            ft.add_column(col, justify="right" if col == "size" else "left")
+        for f in files:
+            status = f.get("now_status", "")
+            style = {"ok": "green", "missing": "red", "differs": "red"}.get(status, "yellow")
+            ft.add_row(plain(f["path"]), f.get("mode") or "", f.get("access", ""),
+                       human_bytes(f["size"]) if f.get("size") is not None else "-",
+                       Text(f"{status} {f.get('now_detail', '')}".strip(), style=style))
+        console.print(ft)
+    socks = report.get("sockets", [])
+    if socks:
+        st = Table(title="sockets", box=None, title_justify="left")
+        for col in ("pid", "fd", "family", "address", "peer"):
+            st.add_column(col)
+        for s in socks:
+            st.add_row(str(s["pid"]), str(s["fd"]), s.get("family", ""), plain(s.get("address", "")),
+                       plain(s.get("peer_address", s.get("peer", ""))))
+        console.print(st)
     if report.get("gpu"):
         gpu_procs.render_recorded(report["gpu"], console)
     else:
         console.print("GPU: none recorded (a CPU-only job)")
+    changed = report.get("files_changed") or []
+    if changed:
+        console.print(Text(f"restore will fail until these files are as they were at the dump: "
+                           f"{', '.join(changed)}", style="bold red"))

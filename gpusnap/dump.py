@@ -470,7 +470,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if criu.returncode != 0 or server.failed:
                 server.abort()
                 raise _failure(server.error(), criu.returncode, log,
-                               runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}"))
+                               runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
             stopped = not req.leave_running
             frozen = criu_frozen_seconds(workdir)
             if frozen is None and gate.opened_at is not None:

@@ -176,6 +176,20 @@ class Interrupted(GpusnapError):
     title = "interrupted"
 
 
+
+class AccessDenied(GpusnapError):
+    """This user may not read or change the repository (or file): usually another user's."""
+
+    exit_code = 31
+    title = "permission denied"
+
+
+class BadExportFile(GpusnapError):
+    """An export file (gpusnap export) is damaged, truncated or not one; nothing was imported."""
+
+    exit_code = 32
+    title = "bad export file"
+
 def all_error_classes() -> list[type[GpusnapError]]:
     """Every error class, base first, in exit-code order (for docs and tests)."""
     seen: list[type[GpusnapError]] = []

@@ -300,7 +300,8 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
     if criu.returncode != 0 or (server is not None and server.failed):
         if server is not None:
             server.abort()
-        kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}")
+        kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
+                                                f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
         err = server.error() if server is not None else None
         if isinstance(err, GpusnapError):
             err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"

@@ -67,6 +67,60 @@ def test_match_pidfile_and_inspect(sample_job, repo):
     ls = run_json("ls", "--repo", repo)
     assert [s["name"] for s in ls["snapshots"]] == ["m", "p"]
     assert run_json("verify", "--repo", repo)["ok"] is True
-    pr = run_json("prune", "--keep-last", "0", "--name", "m", "--repo", repo)
+    pr = run_json("prune", "--keep-last", "0", "--name", "m", "--all", "--repo", repo)
     assert len(pr["snapshots_deleted"]) == 1
     assert [s["name"] for s in run_json("ls", "--repo", repo)["snapshots"]] == ["p"]
+
+
+@pytest.mark.criu
+def test_inspect_shows_what_a_restore_depends_on(tmp_path):
+    """checkpointctl-style inspect of a real dump: command line verbatim (`[idx]` survives the
+    terminal rendering), cwd, open files with mode and size and whether they still match the
+    disk, a listening socket."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    work = tmp_path / "work"
+    work.mkdir()
+    data = work / "state.bin"
+    code = ("import os,socket,sys,time; os.chdir(sys.argv[1]); f=open('state.bin','w'); f.write('x'*5000); "
+            "f.flush(); s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('127.0.0.1',0)); s.listen(1); open('port','w').write(str(s.getsockname()[1])); "
+            "time.sleep(600)")
+    job = subprocess.Popen([sys.executable, "-c", code, str(work), "--layers", "[idx]"], start_new_session=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (work / "port").exists():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.05)
+        port = int((work / "port").read_text())
+        repo = tmp_path / "repo"
+        d = run_json("dump", job.pid, "--repo", repo, "--name", "insp")
+        with open(data, "a") as f:           # the file changes after the dump
+            f.write("more")
+        rep = run_json("inspect", d["snapshot"])
+        p = {x["pid"]: x for x in rep["processes"]}[job.pid]
+        assert p["cmdline"][-2:] == ["--layers", "[idx]"] and p["cmdline"][1] == "-c"
+        assert p["cwd"] == str(work)
+        files = {f["path"]: f for f in rep["files"]}
+        st = files[str(data)]
+        assert st["size"] == 5000 and st["mode"] == "-rw-r--r--" and st["access"] == "w"
+        assert st["now_status"] == "differs" and str(data) in rep["files_changed"]
+        assert any(s["family"] == "inet" and s["address"] == f"127.0.0.1:{port}" for s in rep["sockets"]), \
+            rep["sockets"]
+        text = run_gpusnap("inspect", d["snapshot"], check=True, env={"COLUMNS": "250"}).stdout
+        assert "--layers [idx]" in text
+        assert "differs" in text and f"127.0.0.1:{port}" in text
+        assert "restore will fail until these files are as they were" in " ".join(text.split())
+        assert "pages-" not in text     # CRIU's image files only on request
+        assert "pages-" in run_gpusnap("inspect", d["snapshot"], "--images", check=True).stdout
+        os.unlink(data)
+        assert run_json("inspect", d["snapshot"])["files_changed"] == [str(data)]
+        assert {f["path"]: f for f in run_json("inspect", d["snapshot"])["files"]}[str(data)]["now_status"] == "missing"
+    finally:
+        job.kill()
+        job.wait()

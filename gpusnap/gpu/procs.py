@@ -258,13 +258,9 @@ class GpuProcessList(list):
 
 
 def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    from gpusnap.render import human_bytes
+
+    return human_bytes(n)
 
 
 def render(listing: "GpuProcessList | list[GpuProcess]", console: Any) -> None:

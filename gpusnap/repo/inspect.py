@@ -90,16 +90,15 @@ def inspect_snapshot(repo: Repository, snap: Snapshot) -> dict:
     return snapshot_stats(repo, snap)
 
 
-def render(report: dict, console) -> None:
-    """Human-readable form of inspect_snapshot()'s report (console: anything with print())."""
-    def human(n):
-        n = float(n)
-        for u in ("B", "KiB", "MiB", "GiB", "TiB"):
-            if n < 1024 or u == "TiB":
-                return f"{n:.1f} {u}" if u != "B" else f"{int(n)} B"
-            n /= 1024
+def render(report: dict, console, images: bool = True) -> None:
+    """Human-readable form of inspect_snapshot()'s report (console: anything with print()).
+    The snapshot path is escaped: it may hold `[...]`, which rich would read as markup."""
+    from rich.markup import escape
+
+    from gpusnap.render import human_bytes as human
+
     r = report
-    console.print(f"snapshot {r['snapshot']}  id {r['id']}  name {r['name']}")
+    console.print(escape(f"snapshot {r['snapshot']}  id {r['id']}  name {r['name']}"))
     console.print(f"pages: {r['pages_total']} total, {r['pages_zero']} zero, {r['pages_dedup']} deduplicated, "
                   f"{r['pages_compressed']} compressed, {r['pages_raw']} raw")
     ratio = r["bytes_stored"] / r["bytes_raw"] if r["bytes_raw"] else 0
@@ -110,9 +109,32 @@ def render(report: dict, console) -> None:
         frozen = meta.get("frozen_seconds")
         console.print(f"dump: {meta['dump_seconds']:.2f} s until stored"
                       + (f", of which the job stood frozen {frozen:.2f} s" if frozen is not None else ""))
-    for im in r["images"]:
+    for im in r["images"] if images else []:
         if im["type"] == "pages":
             console.print(f"  {im['name']}: {human(im['size'])}, {im['pages']} pages ({im['pages_zero']} zero, "
                           f"{im['pages_dedup']} dedup, {im['pages_compressed']} compressed, {im['pages_raw']} raw)")
         else:
             console.print(f"  {im['name']}: {human(im['size'])}")
+
+
+def repo_totals(repo: Repository, usage: dict) -> dict:
+    """Repository totals for `gpusnap ls`: snapshots, bytes CRIU produced for all of them, and
+    what the repository holds on disk (packs, index, snapshot metadata), hence the saving."""
+    import os
+
+    def tree_bytes(sub: str) -> int:
+        total = 0
+        for dp, _dn, fns in os.walk(repo.path / sub):
+            for f in fns:
+                try:
+                    total += os.lstat(os.path.join(dp, f)).st_size
+                except OSError:
+                    pass
+        return total
+
+    packs, index, snaps = tree_bytes("packs"), tree_bytes("index"), tree_bytes("snapshots")
+    raw = sum(int(r.get("bytes_raw", 0)) for r in usage.values())
+    stored = packs + index + snaps
+    return {"snapshots": len(usage), "names": len({r.get("name") for r in usage.values()}),
+            "bytes_raw": raw, "bytes_stored": stored, "bytes_packs": packs, "bytes_index": index,
+            "bytes_metadata": snaps, "ratio": round(stored / raw, 4) if raw else None}

@@ -456,6 +456,26 @@ class Repository:
                                    "give more digits of the id")
         raise SnapshotNotFound(f"no snapshot {ref!r} in repository {self.path}", "list them with: gpusnap ls")
 
+    def remove_snapshot(self, snap) -> None:
+        """Delete one committed snapshot directory (its logs go with prune.prune_logs). The
+        data it referenced stays until prune finds nothing needs it. Readers never see a
+        half-deleted snapshot: the directory is renamed to snapshots/.del-* (ignored by every
+        reader, removed by prune if a crash leaves it) before it is deleted. `snap` is a
+        Snapshot, or anything with the `path` of a snapshot directory (one whose manifest is
+        unreadable). The caller holds the writer lock, and the readers lock exclusively (a
+        restore may be reading it)."""
+        import shutil
+        if not self.holds_lock():
+            raise RepositoryError("remove_snapshot() needs the repository's writer lock (use repo.writer_lock())")
+        sd = self.path / "snapshots"
+        if Path(snap.path).parent != sd or sd / Path(snap.path).name not in self._snapshot_dirs():
+            raise SnapshotNotFound(f"{snap.path} is not a snapshot directory of repository {self.path}")
+        tomb = sd / f".del-{snap.path.name}"
+        shutil.rmtree(tomb, ignore_errors=True)   # left by a crash while an earlier namesake went
+        os.rename(snap.path, tomb)
+        fsutil.fsync_dir(sd)
+        shutil.rmtree(tomb)
+
     def usage(self) -> dict:
         from .inspect import repo_usage
         return repo_usage(self)

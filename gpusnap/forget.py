@@ -1,0 +1,163 @@
+"""gpusnap forget: which snapshots to drop (named ones, or a retention rule per name), and
+dropping them through the repository's snapshot-removal primitive. The data they alone
+needed stays until prune frees it (`forget --prune` does both).
+
+Deleting every snapshot of a name is never a side effect of a number: a retention that keeps
+none needs `--name` and an explicit `--all`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpusnap.errors import CorruptSnapshot, SnapshotNotFound, UsageError
+
+
+@dataclass
+class Unreadable:
+    """A snapshot directory whose manifest cannot be read: forget may still drop it when it
+    is named explicitly (its directory name or path), which is how a user gets rid of it."""
+    path: object
+    id: str | None = None
+    name: str | None = None
+    created: float | None = None
+
+
+@dataclass
+class ForgetResult:
+    dry_run: bool
+    forgotten: list[dict] = field(default_factory=list)   # {"dir", "id", "name", "created"}
+    kept: list[str] = field(default_factory=list)          # snapshot directory names
+    prune: dict | None = None                              # prune's result with --prune
+
+    def to_dict(self) -> dict:
+        return {"dry_run": self.dry_run, "snapshots_forgotten": self.forgotten,
+                "snapshots_kept": self.kept, "prune": self.prune}
+
+    def lines(self) -> list[str]:
+        from gpusnap.render import human_bytes
+
+        verb = "would forget" if self.dry_run else "forgot"
+        out = [f"{verb} {f['dir']}" for f in self.forgotten]
+        if not self.forgotten:
+            out.append("nothing to forget")
+        out.append(f"{len(self.kept)} snapshot(s) kept")
+        if self.prune is not None:
+            p = self.prune
+            out.append(f"{'would free' if self.dry_run else 'freed'} {human_bytes(p.get('bytes_freed', 0))} "
+                       f"({p.get('packs_deleted', 0)} packs deleted, {p.get('packs_rewritten', 0)} rewritten)")
+        elif self.forgotten and not self.dry_run:
+            out.append("their data stays until `gpusnap prune` (or use `forget --prune`)")
+        return out
+
+
+def check_retention(keep_last: int | None, name: str | None, all_: bool, what: str) -> None:
+    """The guard shared by prune and forget: a retention that keeps nothing must say so."""
+    if keep_last is None:
+        return
+    if keep_last < 0:
+        raise UsageError(f"{what} --keep-last must be 0 or more")
+    if keep_last == 0 and name is None:
+        raise UsageError(f"{what} --keep-last 0 without --name would delete every snapshot in the repository",
+                         hint=f"name the snapshots to go (`gpusnap forget SNAP...`), or give --name NAME --all")
+    if keep_last == 0 and not all_:
+        raise UsageError(f"{what} --keep-last 0 --name {name} deletes every snapshot of {name!r}",
+                         hint="add --all if that is what you want")
+
+
+def _resolve(repo, ref: str):
+    """One snapshot for `ref` (directory name or path, id prefix, or a name that has exactly
+    one snapshot). A name with several snapshots is refused: forget never guesses."""
+    snaps = repo.snapshots()
+    byname = [s for s in snaps if s.name == ref]
+    if len(byname) > 1 and not (repo.path / "snapshots" / ref).is_dir():
+        raise UsageError(f"{ref!r} names {len(byname)} snapshots; forget needs one",
+                         hint=f"give a snapshot directory or id (`gpusnap ls --name {ref}`), or use "
+                              f"--name {ref} --keep-last N")
+    return repo.snapshot(ref)
+
+
+def _snapshot_dir(repo, ref: str):
+    """REPO/snapshots/<dir> for a directory name or path inside this repository, else None."""
+    from pathlib import Path
+
+    sd = repo.path / "snapshots"
+    p = Path(ref)
+    cand = p if ("/" in ref or p.is_absolute()) else sd / ref
+    try:
+        if cand.absolute().parent.resolve() != sd.resolve():
+            return None
+    except OSError:
+        return None
+    # only a directory gpusnap trusts (not a symlink, not another user's): see _snapshot_entries
+    return sd / cand.name if sd / cand.name in repo._snapshot_dirs() else None
+
+
+def select(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
+           all_: bool = False) -> tuple[list, list]:
+    """(snapshots to forget, snapshots kept), both oldest first."""
+    from gpusnap.repo import prune as prune_mod
+
+    snaps = repo.snapshots()
+    if refs:
+        if keep_last is not None or all_ or name is not None:
+            raise UsageError("give snapshots, or --name/--keep-last/--all, not both")
+        doomed_paths: dict = {}
+        for ref in refs:
+            try:
+                s = _resolve(repo, ref)
+            except CorruptSnapshot:
+                p = _snapshot_dir(repo, ref)
+                if p is None:
+                    raise
+                s = Unreadable(p)
+            doomed_paths.setdefault(s.path.name, s)
+        doomed = sorted(doomed_paths.values(), key=lambda s: (s.created or 0, s.path.name))
+        return doomed, [s for s in snaps if s.path.name not in doomed_paths]
+    else:
+        if all_ and keep_last is None:
+            keep_last = 0
+        if keep_last is None:
+            raise UsageError("say what to forget: SNAP..., or --keep-last N [--name NAME]",
+                             hint="`gpusnap ls` lists the snapshots")
+        check_retention(keep_last, name, all_, "forget")
+        if name is not None and not any(s.name == name for s in snaps):
+            raise SnapshotNotFound(f"no snapshot named {name!r} in repository {repo.path}",
+                                   hint="list them with: gpusnap ls")
+        doomed_ids = set(prune_mod.plan_prune(snaps, keep_last=keep_last, name=name).delete)
+    doomed = [s for s in snaps if s.id in doomed_ids]
+    kept = [s for s in snaps if s.id not in doomed_ids]
+    return doomed, kept
+
+
+def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
+           all_: bool = False, dry_run: bool = False, prune: bool = False) -> ForgetResult:
+    """Select, then remove under the writer lock and the exclusive readers lock (a restore
+    may be reading a snapshot about to go); with `prune`, free the data nothing needs."""
+    from gpusnap.repo import prune as prune_mod
+
+    with repo.writer_lock(), repo.readers_lock(exclusive=not dry_run):
+        doomed, kept = select(repo, refs, name=name, keep_last=keep_last, all_=all_)
+        res = ForgetResult(dry_run=dry_run, kept=[s.path.name for s in kept],
+                           forgotten=[{"dir": s.path.name, "id": s.id, "name": s.name, "created": s.created}
+                                      for s in doomed])
+        if not dry_run:
+            for s in doomed:
+                repo.remove_snapshot(s)
+            sweep_logs(repo)
+        if prune:
+            if dry_run:
+                # what prune would free once these are gone: plan their deletion, change nothing
+                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[s.id for s in doomed if s.id])
+            else:
+                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[])
+            res.prune = prune_mod.execute_prune(repo, plan, dry_run=dry_run).to_dict()
+    return res
+
+
+def sweep_logs(repo) -> int:
+    """Remove the kept logs of snapshots that are gone (prune's rule, gpusnap/repo/prune.py):
+    whoever deleted the snapshot, its logs go with it."""
+    from gpusnap.repo import prune as prune_mod
+
+    return prune_mod.prune_logs(repo.path)

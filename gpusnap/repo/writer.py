@@ -467,7 +467,6 @@ class SnapshotWriter:
           4. rename .tmp-* to snapshots/<dir>, fsync snapshots/: the commit point.
         Whatever stops it (an exception, a signal, a full disk) before step 4 leaves no
         snapshot, and _abort() removes only what nothing names."""
-        from .repository import Snapshot
         with self.lock:
             if self.state != "open":
                 raise RepositoryError(f"snapshot writer is {self.state}")
@@ -529,7 +528,7 @@ class SnapshotWriter:
             fault("commit:snapshot-renamed")
             fsutil.fsync_dir(snaps)
             fault("commit:done")
-            return Snapshot(self.repo, dest)
+            return self.repo.snapshot_at(dest)
         except BaseException as e:
             if self.state != "committed":
                 self._abort()

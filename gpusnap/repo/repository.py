@@ -23,7 +23,7 @@ from ..errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryL
 from . import fsutil, locations, native
 from .codec import codec_id
 from .format import (
-    BLOB_HEADER, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
+    BLOB_HEADER, HEX64, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
     make_config, encode_config, parse_config, parse_index, parse_manifest,
 )
 from .store import BlobReader, RepoIndex, index_pack_names, pack_path, pack_sizes, write_index_file

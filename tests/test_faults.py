@@ -29,7 +29,7 @@ import pytest
 from conftest import GPUSNAP, PY, ROOT, kill_pids, run_gpusnap, run_json
 from jobs.workloads import expected_digest
 
-pytestmark = pytest.mark.criu
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads.py"
 MB = 8

@@ -89,7 +89,7 @@ class Job:
     def state(self) -> str:
         try:
             st = Path(f"/proc/{self.pid}/stat").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped between open and read: ESRCH
             return "gone"
         return st[st.rindex(")") + 2]
 

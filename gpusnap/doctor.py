@@ -13,24 +13,18 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from gpusnap import paths, preflight
-from gpusnap import proc as gsproc
 from gpusnap.criu import runner
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 
 STATUSES = ("ok", "info", "warn", "fail")
-CAP_SYS_ADMIN = 21
-CAP_SYS_RESOURCE = 24
-CAP_CHECKPOINT_RESTORE = 40
+CAP_SYS_RESOURCE = preflight.CAP_SYS_RESOURCE
 PROC = Path("/proc")
-
-TCP_STATES = preflight.TCP_STATES
 
 
 @dataclass
@@ -109,62 +103,12 @@ def render(report: DoctorReport, console: Any) -> None:
 
 
 # ---------------------------------------------------------------- small readers
+# /proc and capability readers are the preflight's (shared with `gpusnap dump`).
 
-def _read(path: Path | str) -> str | None:
-    try:
-        return Path(path).read_text(errors="replace")
-    except OSError:
-        return None
-
-
-def cap_eff(status_text: str | None = None) -> int:
-    """CapEff of this process (or of the given /proc/PID/status text) as an int."""
-    text = status_text if status_text is not None else (_read("/proc/self/status") or "")
-    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", text, re.M)
-    return int(m.group(1), 16) if m else 0
-
-
-def has_cap(bit: int, caps: int | None = None) -> bool:
-    return bool(((cap_eff() if caps is None else caps) >> bit) & 1)
-
-
-def parse_criu_version(text: str) -> tuple[int, ...] | None:
-    m = re.search(r"Version:\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
-    if not m:
-        return None
-    return tuple(int(x) for x in m.groups() if x is not None)
-
-
-def _run(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return 124, f"timed out after {timeout:.0f} s"
-    except OSError as e:
-        return 127, str(e)
-    return r.returncode, (r.stdout or "") + (r.stderr or "")
-
-
-def proc_stat(pid: int) -> dict[str, Any] | None:
-    """state, ppid, tty_nr of /proc/PID/stat (None when gone)."""
-    s = _read(PROC / str(pid) / "stat")
-    if not s or ")" not in s:
-        return None
-    rest = s[s.rindex(")") + 2:].split()
-    return {"comm": s[s.index("(") + 1:s.rindex(")")], "state": rest[0], "ppid": int(rest[1]),
-            "tty_nr": int(rest[4])}
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants, walked as CRIU and `gpusnap dump` walk it (task/*/children)."""
-    return gsproc.tree(pid)
-
-
-def _status_field(pid: int, key: str) -> str | None:
-    for line in (_read(PROC / str(pid) / "status") or "").splitlines():
-        if line.startswith(key + ":"):
-            return line.split(":", 1)[1].strip()
-    return None
+_read = preflight._read
+_run = preflight._run
+cap_eff = preflight.cap_eff
+has_cap = preflight.has_cap
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -175,15 +119,6 @@ def _environ(pid: int) -> dict[str, str]:
             k, v = item.split("=", 1)
             out[k] = v
     return out
-
-
-# Socket readers and parsers live in the preflight (shared with dump); kept here by name.
-socket_inodes = preflight.socket_inodes
-decode_addr = preflight.decode_addr
-parse_proc_net_tcp = preflight.parse_proc_net_tcp
-tcp_sockets = preflight.tcp_sockets
-parse_ss_unix = preflight.parse_ss_unix
-_who_holds = preflight.who_holds
 
 
 # ---------------------------------------------------------------- system checks
@@ -225,7 +160,7 @@ def _check_criu_check(r: DoctorReport, criu: str, root_like: bool) -> None:
               "run `criu check -v4` to see why")
 
 
-def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
+def _check_privileges(r: DoctorReport) -> bool:
     caps = cap_eff()
     f = preflight.privileges()  # the same finding `gpusnap dump` acts on
     r.add(f.name, f.status, f.detail, f.fix)
@@ -240,7 +175,7 @@ def _check_privileges(r: DoctorReport) -> tuple[bool, bool]:
               "harmless \"Can't setup RLIMIT_NOFILE for self\"",
               "run from a full root shell (containers often drop this capability), or dump "
               "only processes running as this user")
-    return root_like, sysres
+    return root_like
 
 
 def _check_dirty_tracking(r: DoctorReport, criu: str | None, root_like: bool) -> None:
@@ -330,7 +265,7 @@ def _pids_named(names: Iterable[str]) -> list[int]:
 
 # ---------------------------------------------------------------- per-job checks
 
-def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bool) -> None:  # noqa: ARG001
+def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe) -> None:
     """The preflight `gpusnap dump` runs, finding by finding, then the GPU checks."""
     plan = preflight.check(pid, system=False)
     for f in plan.findings:
@@ -339,13 +274,6 @@ def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe, sysres: bo
               "tcp": plan.tcp, "listening": plan.listening, "locks": plan.locks}
     if plan.pids:
         _check_gpu_job(r, plan.pids, probe)
-
-
-def _netns(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net")
-    except OSError:
-        return None
 
 
 def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe) -> None:
@@ -428,7 +356,7 @@ def run_doctor(pid: int | None = None) -> DoctorReport:
     """All system checks, plus what would stop a dump of `pid` when one is given."""
     r = DoctorReport(pid=pid)
     criu = _check_criu(r)
-    root_like, sysres = _check_privileges(r)
+    root_like = _check_privileges(r)
     if criu:
         _check_criu_check(r, criu[0], root_like)
     _check_dirty_tracking(r, criu and criu[0], root_like)
@@ -437,7 +365,7 @@ def run_doctor(pid: int | None = None) -> DoctorReport:
     r.driver = probe.to_dict()
     _check_driver(r, probe)
     if pid is not None:
-        _check_pid(r, int(pid), probe, sysres)
+        _check_pid(r, int(pid), probe)
     _check_schedules(r)
     return r
 

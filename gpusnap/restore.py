@@ -91,7 +91,7 @@ def pidns_init(snap) -> bool:
     return False
 
 
-def _check_pids_free(pids: list[int], snap_path) -> None:
+def _check_pids_free(pids: list[int]) -> None:
     busy = [p for p in pids if proc.read_stat(p) is not None]
     if not busy:
         return
@@ -113,7 +113,7 @@ def pids_hint(busy: list[int]) -> str:
             "with `gpusnap run`, or `unshare --pid --fork setsid CMD`) restores side by side")
 
 
-def _pids_taken_meanwhile(pids: list[int], snap_path, kept) -> None:
+def _pids_taken_meanwhile(pids: list[int], kept) -> None:
     """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
     the same moment): that is PidsInUse, not a CRIU failure."""
     busy = [p for p in pids if proc.read_stat(p) is not None]
@@ -229,7 +229,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
         own_pidns = pidns_init(snap)
     own_pidns = own_pidns is True
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
-        _check_pids_free(pids, snap.path)
+        _check_pids_free(pids)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
     allowed = {"--shell-job", "--tcp-established", "--file-locks"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
@@ -256,7 +256,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
                     raise
                 mode = "files"
                 if not own_pidns:
-                    _check_pids_free(pids, snap.path)
+                    _check_pids_free(pids)
                 pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
         else:
             pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
@@ -308,7 +308,7 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
             raise err
         lines = runner.log_errors(log)
         if pids:
-            _pids_taken_meanwhile(pids, snap.path, kept)
+            _pids_taken_meanwhile(pids, kept)
         raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                          last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:

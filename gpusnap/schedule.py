@@ -568,7 +568,7 @@ def doctor_checks(add) -> None:
                 f"gpusnap schedule add ... --name {s.name} --replace")
         elif s.backend != kind and kind is not None:
             add(f"schedule {s.name}", "warn", f"written for {s.backend}, but {kind} runs this machine",
-                f"add it again with --replace")
+                "add it again with --replace")
         elif st["job_gone"]:
             add(f"schedule {s.name}", "warn",
                 f"the job ({s.match!r}, user {s.user}) has been gone for {st['runs_without_job']} runs in a row",

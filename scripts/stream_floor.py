@@ -14,7 +14,6 @@ of their time that no change to gpusnap's page pipeline can remove. Needs root.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -81,6 +81,7 @@ def _meta(repo: Path, snap: str) -> dict:
     return json.loads(run_gpusnap("inspect", snap, "--repo", repo, "--json").stdout).get("meta", {})
 
 
+@pytest.mark.slow
 def test_appended_log_that_grew_after_the_dump_has_every_line_once(tmp_path, repo):
     ref = tmp_path / "reference"
     assert _start(ref, 200, 0).wait(timeout=60) == 0

@@ -153,6 +153,7 @@ def test_second_dump_of_unchanged_job_stores_almost_nothing(workload, repo):
     restore_and_check(job, second["snapshot"], repo)
 
 
+@pytest.mark.slow
 def test_relocated_buffer_is_deduplicated(workload, repo):
     job = workload("relocate", 128)
     first = dump(job, repo, "reloc")
@@ -166,6 +167,7 @@ def test_relocated_buffer_is_deduplicated(workload, repo):
     restore_and_check(job, second["snapshot"], repo)
 
 
+@pytest.mark.slow
 def test_restore_after_older_snapshots_were_pruned(workload, repo):
     job = workload("relocate", 64)
     dump(job, repo, "pr")

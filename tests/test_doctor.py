@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap import doctor, paths
+from gpusnap import doctor, paths, preflight
 from gpusnap import proc as gsproc
+from gpusnap.criu import runner
 from gpusnap.doctor import run_doctor
 from gpusnap.gpu import driver as gdriver
 
@@ -37,31 +38,31 @@ def system_report():
 # ---------------------------------------------------------------- parsers
 
 def test_parse_criu_version():
-    assert doctor.parse_criu_version("Version: 4.1.1\n") == (4, 1, 1)
-    assert doctor.parse_criu_version("Version: 3.17\nGitID: v3.17") == (3, 17)
-    assert doctor.parse_criu_version("nonsense") is None
+    assert runner.parse_version("Version: 4.1.1\n") == (4, 1, 1)
+    assert runner.parse_version("Version: 3.17\nGitID: v3.17") == (3, 17)
+    assert runner.parse_version("nonsense") is None
 
 
 def test_cap_eff_parsing():
     caps = doctor.cap_eff("Name:\tx\nCapEff:\t000001fffeffffff\n")
     assert not doctor.has_cap(doctor.CAP_SYS_RESOURCE, caps)
-    assert doctor.has_cap(doctor.CAP_CHECKPOINT_RESTORE, caps)
-    assert doctor.has_cap(doctor.CAP_SYS_ADMIN, caps)
+    assert doctor.has_cap(preflight.CAP_CHECKPOINT_RESTORE, caps)
+    assert doctor.has_cap(21, caps)  # CAP_SYS_ADMIN
     assert doctor.cap_eff("") == 0
 
 
 def test_decode_addr():
-    assert doctor.decode_addr("0100007F:1F90") == "127.0.0.1:8080"
-    assert doctor.decode_addr("00000000000000000000000001000000:0016") == "[::1]:22"
+    assert preflight.decode_addr("0100007F:1F90") == "127.0.0.1:8080"
+    assert preflight.decode_addr("00000000000000000000000001000000:0016") == "[::1]:22"
     # IPv4-mapped IPv6 shows as IPv4
-    assert doctor.decode_addr("0000000000000000FFFF00000100007F:0050") == "127.0.0.1:80"
+    assert preflight.decode_addr("0000000000000000FFFF00000100007F:0050") == "127.0.0.1:80"
 
 
 def test_parse_proc_net_tcp():
     text = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
             "   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0 100 0 0 10 0\n"
             "   1: 0100007F:9C40 0100007F:1F90 01 00000000:00000000 00:00000000 00000000     0        0 4343 1 0 20 4 30 10 -1\n")
-    rows = doctor.parse_proc_net_tcp(text)
+    rows = preflight.parse_proc_net_tcp(text)
     assert rows == [{"local": "127.0.0.1:8080", "remote": "0.0.0.0:0", "state": "LISTEN", "inode": 4242},
                     {"local": "127.0.0.1:40000", "remote": "127.0.0.1:8080", "state": "ESTABLISHED",
                      "inode": 4343}]
@@ -71,7 +72,7 @@ def test_parse_ss_unix():
     text = ("u_str ESTAB 0 0 * 648 * 647\n"
             "u_str ESTAB 0 0 /run/systemd/journal/stdout 1234 * 999\n"
             "u_dgr UNCONN 0 0 /tmp/with space 77 * 0\n")
-    rows = doctor.parse_ss_unix(text)
+    rows = preflight.parse_ss_unix(text)
     assert rows[0] == {"type": "u_str", "state": "ESTAB", "path": "", "inode": 648, "peer": 647}
     assert rows[1]["path"] == "/run/systemd/journal/stdout" and rows[1]["peer"] == 999
     assert rows[2]["path"] == "/tmp/with space" and rows[2]["peer"] == 0
@@ -82,13 +83,13 @@ def test_process_tree_finds_descendants():
     try:
         import time
         for _ in range(50):
-            tree = doctor.process_tree(p.pid)
+            tree = gsproc.tree(p.pid)
             if len(tree) == 2:
                 break
             time.sleep(0.05)
         assert tree[0] == p.pid and len(tree) == 2
     finally:
-        for child in doctor.process_tree(p.pid)[1:]:
+        for child in gsproc.tree(p.pid)[1:]:
             os.kill(child, 9)
         p.kill()
         p.wait()
@@ -273,7 +274,7 @@ def test_controlling_terminal_is_flagged():
     p = subprocess.Popen(["sleep", "30"], stdin=slave, stdout=slave, stderr=slave,
                          preexec_fn=take_tty, pass_fds=(slave,))
     try:
-        assert doctor.proc_stat(p.pid)["tty_nr"] != 0
+        assert gsproc.read_stat(p.pid).tty_nr != 0
         r = run_doctor(p.pid)
         c = r.by_name("terminal")
         assert c and c[0].status == "info" and "--shell-job" in c[0].detail

@@ -64,6 +64,7 @@ def test_dump_keeps_job_running_then_restore_finishes_identically(sample_job, re
     assert steps[-1] == 300
 
 
+@pytest.mark.slow
 def test_exit_stops_the_job_after_storing(sample_job, repo, reference):
     kw = dict(steps=200, mb=32, threads=2)
     expected = reference(**kw)
@@ -77,6 +78,7 @@ def test_exit_stops_the_job_after_storing(sample_job, repo, reference):
     _restore_and_finish(job, info["snapshot"], repo, expected)
 
 
+@pytest.mark.slow
 def test_job_started_from_a_shell_without_setsid(sample_job, repo, reference):
     """A job started from a shell (`job &`) is in the shell's session and process group, both
     outside the dumped tree: that needs --shell-job, and gpusnap works it out itself."""
@@ -122,6 +124,7 @@ def test_session_leader_outside_the_pid_namespace_is_refused_untouched(repo, tmp
         holder.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_restore_by_name_from_repo_and_ls(sample_job, repo, reference):
     kw = dict(steps=200, mb=16, threads=1)
     expected = reference(**kw)
@@ -153,6 +156,7 @@ def test_repository_is_private(sample_job, repo):
             assert stat.S_IMODE(os.stat(p).st_mode) & 0o077 == 0, f"{p} is readable by others"
 
 
+@pytest.mark.slow
 def test_human_output_prints_the_snapshot_dir_and_pid(sample_job, repo, reference):
     kw = dict(steps=150, mb=8, threads=1)
     expected = reference(**kw)

@@ -75,6 +75,7 @@ def test_restore_of_something_that_is_not_a_snapshot(tmp_path, repo):
     assert proc.returncode == SnapshotNotFound.exit_code
 
 
+@pytest.mark.slow
 def test_pids_in_use_while_original_runs(sample_job, repo):
     job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
@@ -85,6 +86,7 @@ def test_pids_in_use_while_original_runs(sample_job, repo):
     assert job.alive()
 
 
+@pytest.mark.slow
 def test_pids_held_by_a_dying_process_are_waited_for(sample_job, repo, reference):
     kw = dict(steps=150, mb=8, threads=1)
     expected = reference(**kw)

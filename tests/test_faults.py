@@ -29,7 +29,7 @@ import pytest
 from conftest import GPUSNAP, PY, ROOT, kill_pids, run_gpusnap, run_json
 from jobs.workloads import expected_digest
 
-pytestmark = pytest.mark.criu
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 WORKLOAD = ROOT / "tests" / "jobs" / "workloads.py"
 MB = 8
@@ -89,7 +89,7 @@ class Job:
     def state(self) -> str:
         try:
             st = Path(f"/proc/{self.pid}/stat").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped between open and read: ESRCH
             return "gone"
         return st[st.rindex(")") + 2]
 

@@ -79,6 +79,7 @@ def _dump_then_kill(job: subprocess.Popen, out: Path, repo: Path, more_lines: in
     return snap
 
 
+@pytest.mark.slow
 def test_log_that_grew_after_the_dump_is_set_aside_and_the_job_finishes_identically(tmp_path, repo):
     ref = tmp_path / "reference"
     assert _start(ref, 200, 0).wait(timeout=60) == 0

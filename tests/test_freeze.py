@@ -18,7 +18,7 @@ import pytest
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.repo import staging as st
 
-pytestmark = pytest.mark.criu
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 KW = dict(steps=300, mb=96, threads=3)
 

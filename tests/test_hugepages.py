@@ -99,6 +99,7 @@ def _wait(pred, what: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_path, repo):
     ref = _start(tmp_path / "reference", 400, 0)
     assert ref.wait(timeout=120) == 0

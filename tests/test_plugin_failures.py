@@ -117,6 +117,7 @@ def test_hung_checkpoint_is_bounded_job_runs_on(tmp_path, fake, jobs):
     check_result(job)
 
 
+@pytest.mark.slow
 def test_hung_lock_is_bounded_by_lock_timeout(tmp_path, fake, jobs):
     """A lock that ignores its own timeout is abandoned after lock timeout + grace."""
     job = start(jobs, tmp_path / "job")

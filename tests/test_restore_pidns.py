@@ -39,6 +39,7 @@ def _wait(pred, what: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_pid_namespace_init_restores_while_the_original_runs(tmp_path, repo):
     out = tmp_path / "job"
     out.mkdir()

@@ -25,6 +25,7 @@ def _image_dirs(repo: Path) -> list[Path]:
 
 @pytest.mark.parametrize("via,where,threads", [("stream", None, 1), ("stream", None, 3), ("files", "tmpfs", 3),
                                                 ("files", "disk", 2)])
+@pytest.mark.slow
 def test_each_path_restores_the_job_identically(sample_job, repo, reference, via, where, threads):
     job = sample_job(**JOB)
     job.wait_steps(10)

@@ -17,9 +17,12 @@ import os
 import struct
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import blake3
+
+if TYPE_CHECKING:  # annotations only; numpy is imported where it is used
+    import numpy as np
 
 from ..errors import CorruptSnapshot
 from . import fsutil

@@ -23,7 +23,7 @@ from typing import Callable, Mapping
 
 from ..errors import CorruptSnapshot, RepositoryError
 from . import fsutil, locations
-from .codec import compress, decompress
+from .codec import compress
 from .format import (
     BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError,
 )
@@ -339,7 +339,6 @@ def _clear_leftovers(root) -> int:
     relative to them (shutil.rmtree is fd-based and refuses a symlink)."""
     n = fsutil.clear_dir(root / "tmp")
     dfd = fsutil.open_dir(root / "snapshots")
-    sd = root / "snapshots"
     try:
         for name in os.listdir(dfd):
             if name.startswith((".tmp-", ".del-")):

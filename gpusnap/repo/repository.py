@@ -23,10 +23,11 @@ from ..errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryL
 from . import fsutil, locations, native
 from .codec import codec_id
 from .format import (
-    BLOB_HEADER, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
+    BLOB_HEADER, HEX64, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
     make_config, encode_config, parse_config, parse_index, parse_manifest,
 )
 from .store import BlobReader, RepoIndex, index_pack_names, pack_path, pack_sizes, write_index_file
+from .writer import SnapshotWriter
 
 SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
 QUARANTINE = "quarantine"      # index files set aside by recovery or repair (docs/format.md §10)
@@ -367,8 +368,7 @@ class Repository:
         return out
 
     # -- snapshots ---------------------------------------------------------------------------
-    def new_snapshot(self, name: str, compress: str = "auto", meta: dict | None = None, **kw) -> "SnapshotWriter":
-        from .writer import SnapshotWriter
+    def new_snapshot(self, name: str, compress: str = "auto", meta: dict | None = None, **kw) -> SnapshotWriter:
         if not isinstance(name, str) or not SNAPSHOT_NAME.match(name):
             raise UsageError(f"bad snapshot name {name!r}",
                              "use letters, digits, '.', '_', '+', '-' (up to 100), starting with a letter or digit")
@@ -428,6 +428,11 @@ class Repository:
                 out[p] = str(e)
         return out
 
+    def snapshot_at(self, path: Path) -> "Snapshot":
+        """The snapshot in directory `path` of snapshots/ (what SnapshotWriter.commit() just
+        renamed into place); the writer gets it here so that it never imports this module."""
+        return Snapshot(self, path)
+
     def snapshot(self, ref: str) -> "Snapshot":
         ref = str(ref)
         snaps_dir = (self.path / "snapshots").resolve()
@@ -477,7 +482,7 @@ class Repository:
         shutil.rmtree(tomb)
 
     def usage(self) -> dict:
-        from .inspect import repo_usage
+        from .inspect import repo_usage  # inspect sits above this module (it imports it only to type-check)
         return repo_usage(self)
 
 

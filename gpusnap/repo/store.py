@@ -13,7 +13,7 @@ from . import fsutil
 from .codec import decompress
 from .faults import fault
 from .format import (
-    BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, IndexBlob,
+    BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, FormatError, IndexBlob,
     encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, pack_namer,
     parse_blob_header, parse_index, HEX64,
 )

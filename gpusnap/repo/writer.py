@@ -11,11 +11,11 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import CorruptSnapshot, GpusnapError, NoSpace, RepositoryError
+from ..errors import NoSpace, RepositoryError
 from . import fsutil, locations, native, pagetable
 from .codec import CODEC_AUTO, codec_name, compress
 from .format import (
-    BLOB_ID_LEN, PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
+    PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
     encode_manifest, encode_pl_tail, FORMAT_VERSION,
 )
 from .faults import fault
@@ -467,7 +467,6 @@ class SnapshotWriter:
           4. rename .tmp-* to snapshots/<dir>, fsync snapshots/: the commit point.
         Whatever stops it (an exception, a signal, a full disk) before step 4 leaves no
         snapshot, and _abort() removes only what nothing names."""
-        from .repository import Snapshot
         with self.lock:
             if self.state != "open":
                 raise RepositoryError(f"snapshot writer is {self.state}")
@@ -505,14 +504,14 @@ class SnapshotWriter:
                 "stats": stats,
             }
             # bytes_stored counts what this dump added: packs, index, page lists, manifest.
-            data, sid = encode_manifest(body)
+            data, _ = encode_manifest(body)
             stats["bytes_stored"] = 0
             for _ in range(3):   # the number's own digits change the manifest size: iterate to a fixed point
                 total = self.packer.bytes_written + index_bytes + loc_bytes + pl_bytes + len(data)
                 if stats["bytes_stored"] == total:
                     break
                 stats["bytes_stored"] = total
-                data, sid = encode_manifest(body)
+                data, _ = encode_manifest(body)
             fsutil.write_private(self.tmpdir / "manifest", data)
             fsutil.fsync_dir(self.tmpdir)
             fault("commit:manifest-written")
@@ -529,7 +528,7 @@ class SnapshotWriter:
             fault("commit:snapshot-renamed")
             fsutil.fsync_dir(snaps)
             fault("commit:done")
-            return Snapshot(self.repo, dest)
+            return self.repo.snapshot_at(dest)
         except BaseException as e:
             if self.state != "committed":
                 self._abort()

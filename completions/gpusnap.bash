@@ -2,7 +2,7 @@
 _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify --help --version -h" ;;
-        "doctor") echo "--help --json -h" ;;
+        "doctor") echo "--help --json --repo -h" ;;
         "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --name --prune --repo -h -n" ;;
@@ -25,6 +25,7 @@ _gpusnap_words() {
 }
 _gpusnap_value_kind() {  # command path, option -> what its value is
     case "$1|$2" in
+        "doctor|--repo") echo dir ;;
         "dump|--compress") echo codec ;;
         "dump|--gpu-lock-timeout") echo text ;;
         "dump|--keep-last") echo text ;;

@@ -532,14 +532,16 @@ def import_cmd(
 @app.command()
 def doctor(
     pid: Optional[int] = typer.Argument(None, help="Also say what would stop a dump of this job."),
+    repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
-    """Check CRIU, the kernel, permissions, the plugin and the CUDA driver."""
+    """Check CRIU, the kernel, permissions, the plugin, the CUDA driver and the repository's filesystem."""
     global _json_mode
     _json_mode = json_
     from gpusnap import doctor as doctor_mod
+    from gpusnap import locate
 
-    report = doctor_mod.run_doctor(pid)
+    report = doctor_mod.run_doctor(pid, repo=locate.repo_path(repo))
     if json_:
         _emit_json(report.to_dict())
     else:

@@ -352,7 +352,7 @@ def _driver_major(probe: gdriver.DriverProbe) -> int:
 
 # ---------------------------------------------------------------- entry point
 
-def run_doctor(pid: int | None = None) -> DoctorReport:
+def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport:
     """All system checks, plus what would stop a dump of `pid` when one is given."""
     r = DoctorReport(pid=pid)
     criu = _check_criu(r)
@@ -367,7 +367,16 @@ def run_doctor(pid: int | None = None) -> DoctorReport:
     if pid is not None:
         _check_pid(r, int(pid), probe)
     _check_schedules(r)
+    if repo is not None:
+        _check_repository_fs(r, repo)
     return r
+
+
+def _check_repository_fs(r: DoctorReport, repo: Path) -> None:
+    """Shared between machines (NFS for a Slurm cluster)? Then its locks must hold across them."""
+    from gpusnap import sharedfs
+
+    r.add("repository filesystem", *sharedfs.check(repo))
 
 
 def _check_schedules(r: DoctorReport) -> None:

@@ -9,7 +9,6 @@ filesystems differ per mount option; doctor names them so the user checks.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 

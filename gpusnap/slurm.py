@@ -36,7 +36,8 @@ from gpusnap.errors import RepositoryLocked, UsageError
 
 PR_SET_CHILD_SUBREAPER = 36
 EVENTS = "slurm.jsonl"
-LOCK_PATIENCE_FINAL_S = 60.0  # how long a final snapshot waits for another job's dump to finish
+LOCK_PATIENCE_FINAL_S = 60.0
+REQUEUE_WAIT_S = 120.0  # after `scontrol requeue`, wait this long for Slurm to end this instance  # how long a final snapshot waits for another job's dump to finish
 
 
 @dataclass
@@ -278,6 +279,15 @@ class Supervisor:
                     self.event("requeue", f"asked Slurm to requeue job {self.slurm_job}: "
                                           f"{'ok' if p.returncode == 0 else p.stderr.strip()}",
                                exit_code=p.returncode, snapshot_ok=ok)
+                    if p.returncode == 0:
+                        # Let Slurm end this instance itself: a batch that exits on its own right
+                        # after requeueing races slurmd's kill, and the relaunch on the same node
+                        # can fail ("Job N already killed, do not launch batch job").
+                        self.signal_seen = None
+                        end = time.monotonic() + REQUEUE_WAIT_S
+                        while time.monotonic() < end and self.signal_seen is None:  # Slurm's TERM
+                            time.sleep(0.5)
+                            self._reap()
                 if not ok:
                     return 75  # EX_TEMPFAIL: the job will resume from its last periodic snapshot
                 return 0

@@ -87,8 +87,11 @@ def _slurm_output(tmp: Path) -> str:
 
 def _requeued_and_running(c: SlurmCluster, job: int):
     info = c.job(job)
-    if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-        c.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)  # skip the requeue delay
+    if (info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
+            and c.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip() == "idle"):
+        # Skip Slurm's requeue delay, but only once the node has finished with the old instance:
+        # a batch started while the node still cleans up the previous one fails at launch.
+        c.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     return info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) >= 1
 
 

@@ -91,7 +91,7 @@ _gpusnap_snapshots() {  # $1: the repository; directory names and the names in t
         echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)
     done | sort -u
 }
-_gpusnap_schedules() {  # the schedules' records (gpusnap/schedule.py: spec_dir)
+_gpusnap_schedules() {  # the schedules' records (gpusnap/ops/schedule.py: spec_dir)
     local f
     for f in "${GPUSNAP_SCHEDULE_DIR:-/etc/gpusnap/schedules}"/*.json; do
         [ -e "$f" ] || continue

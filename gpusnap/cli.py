@@ -61,7 +61,8 @@ def _human(n: float) -> str:
 
 def _repo_root(repo: Optional[Path], write: bool = False) -> Path:
     """The repository directory, after checking that this user may read (or change) it."""
-    from gpusnap import access, locate
+    from gpusnap.system import access
+    from gpusnap.repo import locate
 
     root = locate.repo_path(repo)
     access.check_repo(root, write=write)
@@ -75,7 +76,8 @@ def _open_repo(repo: Optional[Path], write: bool = False):
 
 
 def _open_snapshot(ref: str, repo: Optional[Path]):
-    from gpusnap import access, locate
+    from gpusnap.system import access
+    from gpusnap.repo import locate
 
     access.check_snapshot_ref(ref, locate.repo_path(repo))
     return locate.open_snapshot(ref, repo)
@@ -108,7 +110,8 @@ def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Pat
                  user: Optional[str] = None, name: Optional[str] = None, repo: Optional[Path] = None) -> int:
     given = [x is not None for x in (pid, match, pidfile)]
     if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
-        from gpusnap import jobrun, locate
+        from gpusnap.ops import jobrun
+        from gpusnap.repo import locate
 
         return jobrun.find(name, locate.repo_path(repo)).pid
     if sum(given) != 1:
@@ -120,7 +123,7 @@ def _resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Pat
         except (OSError, ValueError, IndexError):
             raise UsageError(f"--pidfile {pidfile}: no PID could be read from it") from None
     if match is not None:
-        from gpusnap import validate
+        from gpusnap.ops import validate
 
         return validate.find_job(match, None if user is None else validate.resolve_user(user))
     return pid  # type: ignore[return-value]
@@ -160,15 +163,15 @@ def dump(
     """
     global _json_mode
     _json_mode = json_
-    from gpusnap import locate
-    from gpusnap.dump import DumpRequest, dump as do_dump
+    from gpusnap.repo import locate
+    from gpusnap.ops.dump import DumpRequest, dump as do_dump
 
     if user is not None and match is None:
         raise UsageError("--user only narrows --match")
     target = _resolve_pid(pid, match, pidfile, user, name, repo)
     budget = None
     if staging_budget is not None:
-        from gpusnap.repo.staging import parse_size
+        from gpusnap.repo.pipeline.staging import parse_size
 
         try:
             budget = parse_size(staging_budget)
@@ -184,7 +187,7 @@ def dump(
     else:
         result = do_dump(req)
     data = result.to_dict()
-    from gpusnap.dump import retention_error
+    from gpusnap.ops.dump import retention_error
 
     failed = retention_error(result)
     if json_:
@@ -234,7 +237,7 @@ def restore(
     """
     global _json_mode
     _json_mode = json_
-    from gpusnap.restore import restore as do_restore
+    from gpusnap.ops.restore import restore as do_restore
 
     bar, update = _progress("restoring", not (json_ or quiet))
     if bar:
@@ -262,7 +265,7 @@ def ls_cmd(
     """List snapshots with their unique and shared sizes, and the repository's totals."""
     global _json_mode
     _json_mode = json_
-    from gpusnap.repo import inspect as repo_inspect
+    from gpusnap.repo.maint import usage as repo_inspect
     from gpusnap.repo.repository import Repository
 
     root = _repo_root(repo)
@@ -310,7 +313,7 @@ def inspect(
     the disk?), sockets, memory, page statistics, sizes, GPU information."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import describe
+    from gpusnap.ops import describe
 
     repository, snap = _open_snapshot(snapshot, repo)
     report = describe.describe(repository, snap)
@@ -331,7 +334,7 @@ def verify(
     global _json_mode
     _json_mode = json_
     from gpusnap.errors import CorruptSnapshot
-    from gpusnap.repo import verify as verify_mod
+    from gpusnap.repo.maint import verify as verify_mod
 
     if snapshot:
         repository, snap = _open_snapshot(snapshot, repo)
@@ -377,9 +380,9 @@ def repair(
     """
     global _json_mode
     _json_mode = json_
-    from gpusnap import locate
+    from gpusnap.repo import locate
     from gpusnap.errors import DamageRemains
-    from gpusnap.repo import repair as repair_mod
+    from gpusnap.repo.maint import repair as repair_mod
     from gpusnap.repo.repository import Repository
 
     report = repair_mod.repair(Repository.open(locate.repo_path(repo)), dry_run=dry_run, read_data=read_data)
@@ -410,8 +413,8 @@ def prune(
     """
     global _json_mode
     _json_mode = json_
-    from gpusnap import forget as forget_mod
-    from gpusnap.repo import prune as prune_mod
+    from gpusnap.ops import forget as forget_mod
+    from gpusnap.repo.maint import prune as prune_mod
 
     forget_mod.check_retention(keep_last, name, all_, "prune")
     if all_ and keep_last not in (None, 0):
@@ -470,7 +473,7 @@ def forget(
     """
     global _json_mode
     _json_mode = json_
-    from gpusnap import forget as forget_mod
+    from gpusnap.ops import forget as forget_mod
 
     repository = _open_repo(repo, write=not dry_run)
     result = forget_mod.forget(repository, list(snapshots or []), name=name, keep_last=keep_last, all_=all_,
@@ -492,7 +495,7 @@ def export_cmd(
     """Write one snapshot as one self-contained, checksummed file (or to stdout with -o -)."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import exchange
+    from gpusnap.ops import exchange
 
     if output == "-" and json_:
         raise UsageError("--json and -o - both want stdout", hint="write the export to a file, or drop --json")
@@ -515,7 +518,9 @@ def import_cmd(
     first: a damaged or truncated file is refused and nothing of it is kept."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import access, exchange, locate
+    from gpusnap.system import access
+    from gpusnap.ops import exchange
+    from gpusnap.repo import locate
     from gpusnap.repo.repository import Repository
 
     if file != "-":
@@ -538,8 +543,8 @@ def doctor(
     """Check CRIU, the kernel, permissions, the plugin, the CUDA driver and the repository's filesystem."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import doctor as doctor_mod
-    from gpusnap import locate
+    from gpusnap.ops import doctor as doctor_mod
+    from gpusnap.repo import locate
 
     report = doctor_mod.run_doctor(pid, repo=locate.repo_path(repo))
     if json_:
@@ -584,7 +589,7 @@ def schedule_add(
     """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import schedule
+    from gpusnap.ops import schedule
 
     s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
                      replace=replace)
@@ -603,7 +608,7 @@ def schedule_ls(json_: bool = JsonOpt) -> None:
     """List schedules: when, last run, result, next run; a job gone for runs in a row."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import schedule
+    from gpusnap.ops import schedule
 
     items = [schedule.status(s) for s in schedule.list_schedules()]
     if json_:
@@ -631,7 +636,7 @@ def schedule_rm(name: str = typer.Argument(...), json_: bool = JsonOpt) -> None:
     """Remove a schedule (its snapshots stay)."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import schedule
+    from gpusnap.ops import schedule
 
     s = schedule.remove(name)
     if json_:
@@ -650,7 +655,7 @@ def schedule_run(
     """Run a schedule once, as its timer or cron line does; logs one JSON line."""
     global _json_mode
     _json_mode = json_
-    from gpusnap import schedule
+    from gpusnap.ops import schedule
 
     rec = schedule.run(name, config_dir)
     for w in rec.get("warnings", []):
@@ -677,7 +682,8 @@ def run(
     """
     global _json_mode
     _json_mode = json_
-    from gpusnap import jobrun, locate
+    from gpusnap.ops import jobrun
+    from gpusnap.repo import locate
 
     job = jobrun.start(command, locate.repo_path(repo), name=name)
     if json_:
@@ -709,7 +715,8 @@ def slurm_run(
     Starts the job (or, after a requeue, restores its newest snapshot); on USR1/TERM (use
     `#SBATCH --signal=B:USR1@120`) takes a final snapshot and requeues. Exits with the job's status.
     """
-    from gpusnap import locate, slurm
+    from gpusnap.repo import locate
+    from gpusnap.ops import slurm
 
     if resume not in ("auto", "always", "never"):
         raise UsageError(f"--resume {resume!r}: use auto, always or never")

@@ -82,7 +82,7 @@ def _sh_tables(tree, values) -> list[str]:
               '        echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)',
               '    done | sort -u',
               "}",
-              "_gpusnap_schedules() {  # the schedules' records (gpusnap/schedule.py: spec_dir)",
+              "_gpusnap_schedules() {  # the schedules' records (gpusnap/ops/schedule.py: spec_dir)",
               "    local f",
               '    for f in "${GPUSNAP_SCHEDULE_DIR:-/etc/gpusnap/schedules}"/*.json; do',
               '        [ -e "$f" ] || continue',

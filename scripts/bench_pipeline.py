@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpusnap.repo import Repository, native  # noqa: E402
+from gpusnap.repo import Repository, native
 
 PAGE = 4096
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpusnap.criu import runner  # noqa: E402
-from gpusnap.criu.streamer import CaptureServer, ServeServer  # noqa: E402
+from gpusnap.criu import runner
+from gpusnap.criu.streamer import CaptureServer, ServeServer
 
 
 class _Drop:

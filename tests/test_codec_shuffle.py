@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpusnap.repo import codec as C, native
-from gpusnap.repo.format import (CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODECS,
-                                 FormatError, check_blob_fields, KIND_DATA, parse_blob_header)
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODECS, FormatError, check_blob_fields, KIND_DATA, parse_blob_header
 from repo_helpers import PAGE, dump, read_all
 
 np = pytest.importorskip("numpy")

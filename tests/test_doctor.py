@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gpusnap import doctor, paths, preflight
-from gpusnap import proc as gsproc
+from gpusnap.ops import doctor
+from gpusnap.system import paths, preflight
+from gpusnap.system import proc as gsproc
 from gpusnap.criu import runner
-from gpusnap.doctor import run_doctor
+from gpusnap.ops.doctor import run_doctor
 from gpusnap.gpu import driver as gdriver
 
 NO_DRIVER = not gdriver.probe_inprocess().available

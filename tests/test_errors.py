@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
-from gpusnap.errors import (CorruptSnapshot, CriuFailed, CriuUnavailable, Interrupted, NoSpace, NotRoot,
-                            PidsInUse, ProcessNotFound, SnapshotNotFound)
+from gpusnap.errors import CorruptSnapshot, CriuFailed, CriuUnavailable, Interrupted, NoSpace, NotRoot, PidsInUse, ProcessNotFound, SnapshotNotFound
 
 pytestmark = pytest.mark.criu
 
@@ -207,7 +206,7 @@ def test_corrupt_pack_refuses_restore_and_starts_nothing(sample_job, repo):
     assert pack.name[:12] in proc.stderr or "pack" in proc.stderr
     time.sleep(1)
     # CRIU may leave a reaped-later zombie of the half-built tree, but nothing ran
-    from gpusnap.proc import exists
+    from gpusnap.system.proc import exists
     assert not any(exists(p) for p in job.pids), "a restored process is running"
     assert job.steps_done() == steps_before
     v = run_gpusnap("verify", "--repo", repo)

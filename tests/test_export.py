@@ -10,10 +10,10 @@ import subprocess
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
-from gpusnap import exchange
+from gpusnap.ops import exchange
 from gpusnap.errors import BadExportFile
 from gpusnap.repo import Repository
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 
 

@@ -390,7 +390,7 @@ PRUNE_STEPS = ["snapshot-renamed", "snapshots-deleted", "packs-rewritten", "inde
 _PRUNE_CRASH = """
 import os, signal, sys
 from gpusnap.repo import Repository
-from gpusnap.repo.prune import execute_prune, plan_prune
+from gpusnap.repo.maint.prune import execute_prune, plan_prune
 repo = Repository.open(sys.argv[1])
 step, how = sys.argv[2], sys.argv[3]
 def fault(s):

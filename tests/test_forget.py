@@ -7,11 +7,11 @@ import random
 import pytest
 
 from conftest import run_gpusnap, run_json
-from gpusnap import forget as forget_mod
+from gpusnap.ops import forget as forget_mod
 from gpusnap.errors import UsageError
 from gpusnap.render import human_bytes
 from gpusnap.repo import Repository
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all
 
 

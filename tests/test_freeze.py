@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
-from gpusnap.repo import staging as st
+from gpusnap.repo.pipeline import staging as st
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 

@@ -9,9 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpusnap.errors import GpuMismatch, UsageError
-from gpusnap.gpu.remap import (GPU_MAP_ENV, check_restore_compat, format_gpu_map_env, is_uuid,
-                               parse_gpu_map, parse_gpu_map_env, plan_gpu_restore, resolve_gpu,
-                               used_gpus)
+from gpusnap.gpu.remap import GPU_MAP_ENV, check_restore_compat, format_gpu_map_env, is_uuid, parse_gpu_map, parse_gpu_map_env, plan_gpu_restore, resolve_gpu, used_gpus
 
 
 def U(n: int) -> str:
@@ -338,7 +336,7 @@ def test_exhaustive_small_maps_never_crash():
 # ---------------------------------------------------------------- the dump's other recorded shape
 
 def test_process_gpus_mapping_shape():
-    """{driver: driver_info(), processes: {pid: [uuid]}} as gpusnap.dump records it (JSON keys)."""
+    """{driver: driver_info(), processes: {pid: [uuid]}} as gpusnap.ops.dump records it (JSON keys)."""
     rec = {"driver": machine(*OLD2), "processes": {"101": [U(0xA1)], "102": []}}
     assert check_restore_compat(rec, machine(*OLD2)) == []
     with pytest.raises(GpuMismatch, match="not on this machine") as e:

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap
-from gpusnap.errors import (AccessDenied, BadExportFile, CorruptSnapshot, NotRoot, ProcessNotFound,
-                            RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError)
+from gpusnap.errors import AccessDenied, BadExportFile, CorruptSnapshot, NotRoot, ProcessNotFound, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
 from gpusnap.repo import Repository
 from repo_helpers import PAGE, dump
 

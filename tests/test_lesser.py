@@ -10,8 +10,8 @@ import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.repo import Repository
-from gpusnap.repo.prune import execute_prune, plan_prune, snapshots_info
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all
 
 

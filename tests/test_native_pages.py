@@ -113,7 +113,8 @@ def test_selftest_and_length_checks():
 def test_writer_native_and_python_write_identical_snapshots(tmp_path, monkeypatch):
     """Same images through both paths: same page lists, same packs (names are content
     hashes), and each reads back with the other path's verify."""
-    from gpusnap.repo import Repository, repository, writer
+    from gpusnap.repo import Repository, repository
+    from gpusnap.repo.pipeline import writer
     rnd = random.Random(5)
     base = os.urandom(300 * PAGE)
     img = b"".join(bytes(PAGE) if rnd.random() < 0.3 else os.urandom(PAGE) for _ in range(500))

@@ -11,7 +11,7 @@ from gpusnap.repo import Repository
 from gpusnap.repo import format as F
 from gpusnap.repo.codec import decompress
 from gpusnap.repo.store import pack_path
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 
 

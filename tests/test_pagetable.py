@@ -1,4 +1,4 @@
-"""The dump's page tables (gpusnap/repo/pagetable.py, native/pages/gs_table.c): the native
+"""The dump's page tables (gpusnap/repo/pipeline/pagetable.py, native/pages/gs_table.c): the native
 table behaves exactly like the dict reference, stays exact as it grows, claims each new id
 exactly once across threads, and rejects malformed input."""
 
@@ -11,8 +11,9 @@ import threading
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gpusnap.repo import Repository, pagetable
-from gpusnap.repo.pagetable import PageTable, claim
+from gpusnap.repo import Repository
+from gpusnap.repo.pipeline import pagetable
+from gpusnap.repo.pipeline.pagetable import PageTable, claim
 from repo_helpers import PAGE, dump
 
 needs_native = pytest.mark.skipif(not pagetable.native_available(), reason="native page table not built")

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap
-from gpusnap import locate, preflight, proc
+from gpusnap.repo import locate
+from gpusnap.system import preflight, proc
 
 pytestmark = pytest.mark.criu
 

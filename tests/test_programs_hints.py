@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import run_gpusnap
-from gpusnap import proc
+from gpusnap.system import proc
 from gpusnap.criu import runner
 
 

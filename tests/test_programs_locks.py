@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
-from gpusnap import preflight, proc
+from gpusnap.system import preflight, proc
 
 pytestmark = pytest.mark.criu
 

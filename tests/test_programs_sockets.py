@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
-from gpusnap import proc
+from gpusnap.system import proc
 
 pytestmark = pytest.mark.criu
 

@@ -19,9 +19,9 @@ import pytest
 
 from gpusnap.errors import NoSpace
 from gpusnap.repo import Repository, faults
-from gpusnap.repo.repair import repair
+from gpusnap.repo.maint.repair import repair
 from gpusnap.repo.store import RepoIndex, pack_path, write_index_file
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.verify import verify
 from conftest import run_gpusnap
 from repo_helpers import PAGE, read_all, text_page
 

@@ -5,7 +5,7 @@ import pytest
 
 from gpusnap.errors import CorruptSnapshot
 from gpusnap.repo import Repository
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 
 

@@ -13,9 +13,9 @@ from hypothesis import given, settings, strategies as st
 from gpusnap.errors import CorruptSnapshot
 from gpusnap.repo import Repository
 from gpusnap.repo import locations as L
-from gpusnap.repo.prune import execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.store import pack_path
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 
 

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from gpusnap.repo import Repository
-from gpusnap.repo.prune import PrunePlan, execute_prune, plan_prune, snapshots_info
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.prune import PrunePlan, execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 
 
@@ -147,7 +147,7 @@ def test_plan_accepts_snapshot_objects_and_cli_helpers(tmp_path):
     assert any("deleted snapshot" in line for line in res.lines())
     rep = verify(repo)
     assert rep.ok and "all good" in rep.summary() and rep.lines()
-    from gpusnap.repo.inspect import inspect_snapshot, render
+    from gpusnap.repo.maint.usage import inspect_snapshot, render
     r = inspect_snapshot(repo, repo.snapshots()[0])
     assert r["pages_total"] == 270 and r["bytes_unique"] > 0
 

@@ -14,8 +14,8 @@ import pytest
 from conftest import run_gpusnap, run_json
 from gpusnap.errors import RepositoryError
 from gpusnap.repo import Repository
-from gpusnap.repo.prune import execute_prune, plan_prune, snapshots_info
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump
 
 NOBODY = pwd.getpwnam("nobody").pw_uid

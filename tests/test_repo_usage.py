@@ -1,4 +1,4 @@
-"""`gpusnap ls` sizes (gpusnap/repo/inspect.py repo_usage): the numpy implementation gives
+"""`gpusnap ls` sizes (gpusnap/repo/maint/usage.py repo_usage): the numpy implementation gives
 what the definition gives, computed here the slow way with Python sets."""
 
 import os
@@ -6,8 +6,8 @@ import random
 
 from gpusnap.repo import Repository
 from gpusnap.repo.format import BLOB_HEADER, KIND_PAGES
-from gpusnap.repo.inspect import repo_usage
-from gpusnap.repo.prune import execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.maint.usage import repo_usage
+from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
 from repo_helpers import PAGE, dump, text_page
 
 

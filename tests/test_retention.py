@@ -12,8 +12,8 @@ import pytest
 
 from conftest import run_gpusnap, run_json
 from gpusnap.repo import Repository
-from gpusnap.repo.prune import FAILED_LOGS_KEPT, execute_prune, plan_packs, plan_prune, prune_logs, snapshots_info
-from gpusnap.repo.verify import verify
+from gpusnap.repo.maint.prune import FAILED_LOGS_KEPT, execute_prune, plan_packs, plan_prune, prune_logs, snapshots_info
+from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
-from gpusnap import jobrun, proc
+from gpusnap.ops import jobrun
+from gpusnap.system import proc
 
 pytestmark = pytest.mark.criu
 

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from conftest import PY, ROOT, run_gpusnap, run_json
-from gpusnap import cronexpr, schedule, validate
+from gpusnap.ops import cronexpr, schedule, validate
 from gpusnap.errors import ProcessNotFound, UsageError
 
 NOBODY = pwd.getpwnam("nobody").pw_uid

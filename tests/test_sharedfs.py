@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import run_gpusnap
-from gpusnap import sharedfs
+from gpusnap.system import sharedfs
 
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw

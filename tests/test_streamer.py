@@ -123,7 +123,7 @@ def test_peer_disconnects_mid_image(tmp_path):
     os.close(w)
     srv.finish(timeout=5)
     # the streamer ends cleanly; the partial image is there, but the dump's fate is decided
-    # by CRIU's exit status, which is what gpusnap.dump checks before committing anything
+    # by CRIU's exit status, which is what gpusnap.ops.dump checks before committing anything
     assert store["pages-1.img"] == b"x" * 5000
 
 

@@ -13,7 +13,7 @@ itself (native/gate/gs_gate.c, build/bin/gpusnap-gate; CRIU's `sh -c` execs it, 
 finds the socket in CRIU's environment, `env`) when that was built, and a Python script
 (20-150 ms of interpreter start-up, measured) otherwise.
 
-"Drained" means copied out into staging (gpusnap/repo/staging.py), not stored: the gate
+"Drained" means copied out into staging (gpusnap/repo/pipeline/staging.py), not stored: the gate
 opens as soon as every byte is staged, and then lets the ingest start if it was held back
 (`staging.go`), so the page pipeline never competes with the freeze for the CPU.
 """
@@ -46,7 +46,7 @@ except OSError:
 
 def native_gate() -> Path | None:
     """$GPUSNAP_GATE, else <source tree>/build/bin/gpusnap-gate, else the installed one."""
-    from gpusnap import paths
+    from gpusnap.system import paths
 
     env = os.environ.get("GPUSNAP_GATE")
     cands = [Path(env)] if env else [paths.source_root() / "build" / "bin" / "gpusnap-gate",

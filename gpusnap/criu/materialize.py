@@ -3,7 +3,7 @@
 The second restore path (the first is `--stream`, fed by the serve streamer). CRIU restores
 from a directory faster than from a stream (its restorer preadv()s pages straight into place
 instead of copying them out of premapped memory), and only a directory lets it restore
-private huge-page mappings at all (gpusnap/restore_needs.py).
+private huge-page mappings at all (gpusnap/ops/restore_needs.py).
 
 The directory is private (0700, created exclusively, named after this process so that a
 later run can remove what a SIGKILLed one left) and on tmpfs (/dev/shm) when the memory

@@ -2,7 +2,7 @@
 
 Capture (dump): CRIU connects to <dir>/streamer-capture.sock, names each image it is
 about to write and hands us the read end of a pipe; one thread per open image drains
-that pipe into staging (gpusnap/repo/staging.py), and another feeds the image's sink (the
+that pipe into staging (gpusnap/repo/pipeline/staging.py), and another feeds the image's sink (the
 repository's page pipeline) from there, so the post-dump gate need not wait for the sink. Serve (restore): CRIU connects
 to <dir>/streamer-serve.sock and asks for images by name; we answer whether the image
 exists and feed its bytes into the pipe CRIU hands us, again one thread per image.
@@ -245,7 +245,7 @@ class _Server:
 class CaptureServer(_Server):
     """Receives CRIU's images during `criu dump --stream`.
 
-    With a Staging (gpusnap/repo/staging.py), each image has two threads: the drain moves
+    With a Staging (gpusnap/repo/pipeline/staging.py), each image has two threads: the drain moves
     the pipe's bytes into staging and ends at the pipe's EOF (drained() counts only these,
     so the post-dump gate opens once everything is staged), and the ingest feeds the sink
     from staging once `staging.go` is set, releasing staging as it goes. Without one, the
@@ -271,7 +271,7 @@ class CaptureServer(_Server):
         if self.staging is None:
             self._spawn(self._drain, name, fd, sink)
             return
-        from gpusnap.repo.staging import StagedImage
+        from gpusnap.repo.pipeline.staging import StagedImage
 
         image = StagedImage(self.staging, name)
         self._images.append(image)
@@ -282,8 +282,8 @@ class CaptureServer(_Server):
         t.start()
 
     def _stage(self, name: str, fd: int, image) -> None:
-        from gpusnap.repo.staging import StagingCancelled
-        from gpusnap.repo.writer import is_pages_image
+        from gpusnap.repo.pipeline.staging import StagingCancelled
+        from gpusnap.repo.pipeline.writer import is_pages_image
 
         _grow_pipe(fd, CAPTURE_PIPE_SIZE if is_pages_image(name) else PIPE_SIZE)
         try:
@@ -296,7 +296,7 @@ class CaptureServer(_Server):
             os.close(fd)
 
     def _ingest_image(self, name: str, image, sink: ImageSink) -> None:
-        from gpusnap.repo.staging import StagingCancelled
+        from gpusnap.repo.pipeline.staging import StagingCancelled
 
         st = self.staging
         try:

@@ -393,7 +393,9 @@ def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    root = str(Path(__file__).resolve().parents[2])
+    from gpusnap.system.paths import source_root
+
+    root = str(source_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

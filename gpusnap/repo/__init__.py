@@ -1,6 +1,6 @@
 """The content-addressed, deduplicating snapshot repository (docs/format.md)."""
 
-from .repository import Repository, Snapshot
-from .writer import ImageSink, SnapshotWriter
+from gpusnap.repo.repository import Repository, Snapshot
+from gpusnap.repo.pipeline.writer import ImageSink, SnapshotWriter
 
 __all__ = ["Repository", "Snapshot", "SnapshotWriter", "ImageSink"]

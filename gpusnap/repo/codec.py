@@ -18,9 +18,8 @@ import threading
 import lz4.block
 import zstandard
 
-from . import native
-from .format import (CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD,
-                     CODEC_ZSTD, CODECS, FormatError)
+from gpusnap.repo import native
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODEC_ZSTD, CODECS, FormatError
 
 # Store compressed only when it saves more than 3 %: restore then never decompresses
 # data that barely shrank.

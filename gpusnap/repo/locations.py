@@ -24,12 +24,9 @@ import blake3
 if TYPE_CHECKING:  # annotations only; numpy is imported where it is used
     import numpy as np
 
-from ..errors import CorruptSnapshot
-from . import fsutil
-from .format import (
-    BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, check_blob_fields,
-    iter_pagelist,
-)
+from gpusnap.errors import CorruptSnapshot
+from gpusnap.repo import fsutil
+from gpusnap.repo.format import BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, check_blob_fields, iter_pagelist
 
 LOC_NAME = "locations"
 LOC_MAGIC = b"GSNLOC\x00\x00"
@@ -168,7 +165,7 @@ class Locations:
     def check_packs(self, root: Path) -> None:
         """Every pack the file names exists and is long enough; else LocationsInvalid
         (stale: prune replaced a pack this file was written against)."""
-        from .store import pack_path
+        from gpusnap.repo.store import pack_path
         for name, need in self.iter_packs():
             try:
                 st = os.stat(pack_path(root, name))
@@ -210,7 +207,7 @@ def image_digests(manifest: dict) -> list[bytes]:
 # restore through a locations file
 # =====================================================================================
 
-from .format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK  # noqa: E402
+from gpusnap.repo.format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK
 
 
 class RunReader:
@@ -218,7 +215,7 @@ class RunReader:
     FIFO of decompressed blobs, keyed by (pack_no, offset)."""
 
     def __init__(self, root: Path, loc: Locations, cache_blobs: int = 32):
-        from .store import BlobReader
+        from gpusnap.repo.store import BlobReader
         self.loc = loc
         self.br = BlobReader(root, None, cache_blobs=0)
         self.cache: dict = {}
@@ -243,7 +240,7 @@ class RunReader:
         data = c.get(key)
         if data is not None:
             return data
-        from .store import BlobLoc
+        from gpusnap.repo.store import BlobLoc
         data = self.br.read_raw(BlobLoc(self.pack_name(r[0]), r[1], r[2], r[3], r[4], r[5], r[6], b""))
         if len(c) >= self.cache_blobs:
             del c[next(iter(c))]
@@ -314,7 +311,7 @@ def read_image(snap, im: dict, loc: Locations, image_no: int) -> Iterator[bytes]
 
 
 def _read_pages(snap, name, runs, next_run, blob, data_blob):
-    from . import native
+    from gpusnap.repo import native
     verify = native.verify
     out: list = []
     outn = 0

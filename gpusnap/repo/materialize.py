@@ -19,11 +19,9 @@ from pathlib import Path
 
 import blake3
 
-from . import native
-from .format import (
-    BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, _ZCHUNK, FormatError,
-)
-from .locations import LocationsInvalid, RunReader
+from gpusnap.repo import native
+from gpusnap.repo.format import BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, _ZCHUNK, FormatError
+from gpusnap.repo.locations import LocationsInvalid, RunReader
 
 JOB_BYTES = 4 << 20
 

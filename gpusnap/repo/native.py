@@ -41,7 +41,9 @@ def _candidates() -> list[str]:
     env = os.environ.get("GPUSNAP_NATIVE_LIB")
     if env:
         return [env]
-    root = Path(__file__).resolve().parent.parent.parent
+    from gpusnap.system.paths import source_root
+
+    root = source_root()
     return [str(root / "build" / "lib" / _LIB_NAME), f"/usr/local/lib/gpusnap/{_LIB_NAME}"]
 
 

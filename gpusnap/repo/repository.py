@@ -19,15 +19,12 @@ from typing import Iterator
 
 import blake3
 
-from ..errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
-from . import fsutil, locations, native
-from .codec import codec_id
-from .format import (
-    BLOB_HEADER, HEX64, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist,
-    make_config, encode_config, parse_config, parse_index, parse_manifest,
-)
-from .store import BlobReader, RepoIndex, index_pack_names, pack_path, pack_sizes, write_index_file
-from .writer import SnapshotWriter
+from gpusnap.errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
+from gpusnap.repo import fsutil, locations, native
+from gpusnap.repo.codec import codec_id
+from gpusnap.repo.format import BLOB_HEADER, HEX64, PAGE_ID_LEN, PAGE_SIZE, SNAPSHOT_NAME, FormatError, iter_pagelist, make_config, encode_config, parse_config, parse_index, parse_manifest
+from gpusnap.repo.store import BlobReader, RepoIndex, index_pack_names, pack_path, pack_sizes, write_index_file
+from gpusnap.repo.pipeline.writer import SnapshotWriter
 
 SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
 QUARANTINE = "quarantine"      # index files set aside by recovery or repair (docs/format.md §10)
@@ -89,7 +86,7 @@ def _check_tree(path: Path) -> None:
             os.close(pfd)
     finally:
         os.close(rfd)
-from .format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK  # noqa: E402
+from gpusnap.repo.format import _ONES, _ZCHUNK, _ZIDS, _ZKINDS, _ZVIEW, READ_CHUNK
 
 
 def quarantine_file(root: Path, path: Path) -> Path:
@@ -156,7 +153,7 @@ class Repository:
             if e.errno == errno.ELOOP:
                 raise _untrusted(path / "config", "is a symbolic link") from None
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                from ..errors import NoSpace
+                from gpusnap.errors import NoSpace
                 raise NoSpace(f"no space to create repository {path}: {e.strerror}",
                               "free some space, then dump again") from None
             raise RepositoryError(f"cannot read repository {path}: {e}") from None
@@ -482,7 +479,7 @@ class Repository:
         shutil.rmtree(tomb)
 
     def usage(self) -> dict:
-        from .inspect import repo_usage  # inspect sits above this module (it imports it only to type-check)
+        from gpusnap.repo.maint.usage import repo_usage
         return repo_usage(self)
 
 

@@ -9,14 +9,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fsutil
-from .codec import decompress
-from .faults import fault
-from .format import (
-    BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, FormatError, IndexBlob,
-    encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, pack_namer,
-    parse_blob_header, parse_index, HEX64,
-)
+from gpusnap.repo import fsutil
+from gpusnap.repo.codec import decompress
+from gpusnap.repo.faults import fault
+from gpusnap.repo.format import BLOB_HEADER, KIND_PAGES, PAGE_ID_LEN, FormatError, IndexBlob, encode_blob_header, encode_index, encode_pack_header, encode_pack_trailer, pack_namer, parse_blob_header, parse_index, HEX64
 
 DEFAULT_PACK_TARGET = 32 << 20
 PACK_HEADER_SIZE = 16
@@ -331,7 +327,7 @@ def write_index_file(root: Path, packs: list[tuple[bytes, list]], on_name=None) 
 def index_pack_names(path: Path) -> list[bytes]:
     """The pack names an index file lists, from its header alone (no checksum check: a
     cheap look for recovery; the full parse checks everything). Raises OSError, FormatError."""
-    from .format import INDEX_HEADER, INDEX_MAGIC
+    from gpusnap.repo.format import INDEX_HEADER, INDEX_MAGIC
     with open(path, "rb") as f:
         head = f.read(INDEX_HEADER.size)
         if len(head) < INDEX_HEADER.size:
@@ -396,7 +392,7 @@ class RepoIndex:
     def page_table(self):
         """The page locations as a pagetable.PageTable (native when the library is there)."""
         if self._page_table is None:
-            from .pagetable import PageTable
+            from gpusnap.repo.pipeline.pagetable import PageTable
             t = PageTable(hint=sum(b.n_pages for b in self.blobs if b.kind == KIND_PAGES))
             step = 1 << 16                # blobs per call: bounds the joined ids (~16 MiB)
             for lo in range(0, len(self.blobs), step):

@@ -19,9 +19,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from gpusnap.dump import DumpRequest, dump
+from gpusnap.ops.dump import DumpRequest, dump
 from gpusnap.errors import GpusnapError
-from gpusnap.restore import restore
+from gpusnap.ops.restore import restore
 
 console = Console(highlight=False)
 

@@ -2,7 +2,7 @@
 
 CRIU records the size of every regular file a process has open or mapped (except files opened
 O_APPEND for writing, whose size gpusnap records itself at the freeze: `meta.append_files`,
-gpusnap/appendfiles.py) and refuses to restore when the size differs ("File X has bad size").
+gpusnap/system/appendfiles.py) and refuses to restore when the size differs ("File X has bad size").
 A job started as `python train.py > train.log` keeps writing its log after the dump; when it
 crashes later, the log is longer than the snapshot expects. Here, before CRIU runs:
 

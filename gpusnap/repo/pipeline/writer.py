@@ -11,15 +11,13 @@ from pathlib import Path
 
 import blake3
 
-from ..errors import NoSpace, RepositoryError
-from . import fsutil, locations, native, pagetable
-from .codec import CODEC_AUTO, codec_name, compress
-from .format import (
-    PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO,
-    encode_manifest, encode_pl_tail, FORMAT_VERSION,
-)
-from .faults import fault
-from .store import PackWriter, write_index_file
+from gpusnap.errors import NoSpace, RepositoryError
+from gpusnap.repo import fsutil, locations, native
+from gpusnap.repo.pipeline import pagetable
+from gpusnap.repo.codec import CODEC_AUTO, codec_name, compress
+from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO, encode_manifest, encode_pl_tail, FORMAT_VERSION
+from gpusnap.repo.faults import fault
+from gpusnap.repo.store import PackWriter, write_index_file
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes

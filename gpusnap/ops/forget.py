@@ -96,7 +96,7 @@ def _snapshot_dir(repo, ref: str):
 def select(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
            all_: bool = False) -> tuple[list, list]:
     """(snapshots to forget, snapshots kept), both oldest first."""
-    from gpusnap.repo import prune as prune_mod
+    from gpusnap.repo.maint import prune as prune_mod
 
     snaps = repo.snapshots()
     if refs:
@@ -134,7 +134,7 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
            all_: bool = False, dry_run: bool = False, prune: bool = False) -> ForgetResult:
     """Select, then remove under the writer lock and the exclusive readers lock (a restore
     may be reading a snapshot about to go); with `prune`, free the data nothing needs."""
-    from gpusnap.repo import prune as prune_mod
+    from gpusnap.repo.maint import prune as prune_mod
 
     with repo.writer_lock(), repo.readers_lock(exclusive=not dry_run):
         doomed, kept = select(repo, refs, name=name, keep_last=keep_last, all_=all_)
@@ -156,8 +156,8 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
 
 
 def sweep_logs(repo) -> int:
-    """Remove the kept logs of snapshots that are gone (prune's rule, gpusnap/repo/prune.py):
+    """Remove the kept logs of snapshots that are gone (prune's rule, gpusnap/repo/maint/prune.py):
     whoever deleted the snapshot, its logs go with it."""
-    from gpusnap.repo import prune as prune_mod
+    from gpusnap.repo.maint import prune as prune_mod
 
     return prune_mod.prune_logs(repo.path)

@@ -72,7 +72,7 @@ def _is_local_ip(ip: str) -> bool:
 
 
 def _live_connections() -> set[tuple[str, str]]:
-    from gpusnap import preflight
+    from gpusnap.system import preflight
 
     rows = []
     for name in ("tcp", "tcp6"):

@@ -27,14 +27,11 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from . import fsutil, native
-from .codec import decompress
-from .format import (
-    BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_ID_LEN, PAGE_SIZE,
-    FormatError, IndexBlob, IndexFile, pack_namer, parse_blob_header, parse_index, parse_pack_header,
-)
-from .repository import QUARANTINE, Repository, quarantine_file
-from .store import PendingBlob, RepoIndex, encode_index_file, pack_path, write_index_file
+from gpusnap.repo import fsutil, native
+from gpusnap.repo.codec import decompress
+from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_ID_LEN, PAGE_SIZE, FormatError, IndexBlob, IndexFile, pack_namer, parse_blob_header, parse_index, parse_pack_header
+from gpusnap.repo.repository import QUARANTINE, Repository, quarantine_file
+from gpusnap.repo.store import PendingBlob, RepoIndex, encode_index_file, pack_path, write_index_file
 
 _ZERO_PAGE_ID = blake3.blake3(bytes(PAGE_SIZE)).digest(PAGE_ID_LEN)
 

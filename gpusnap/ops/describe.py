@@ -197,7 +197,7 @@ def processes(snap) -> list[dict[str, Any]]:
 
 def describe(repository, snap) -> dict[str, Any]:
     from gpusnap.gpu import procs as gpu_procs
-    from gpusnap.repo import inspect as repo_inspect
+    from gpusnap.repo.maint import usage as repo_inspect
 
     report = repo_inspect.inspect_snapshot(repository, snap)
     report["processes"] = processes(snap)
@@ -227,7 +227,7 @@ def render(report: dict[str, Any], console, images: bool = False) -> None:
 
     from gpusnap.gpu import procs as gpu_procs
     from gpusnap.render import human_bytes, plain
-    from gpusnap.repo import inspect as repo_inspect
+    from gpusnap.repo.maint import usage as repo_inspect
 
     repo_inspect.render(report, console, images=images)
     table = Table(title="processes", box=None, title_justify="left")

@@ -77,7 +77,7 @@ def process_uid(pid: int) -> int | None:
 def find_job(match: str, uid: int | None = None) -> int:
     """The one process tree whose command line matches `match` (of user `uid` when given:
     another user's process that happens to match is never picked)."""
-    from gpusnap import proc
+    from gpusnap.system import proc
 
     check_match(match)
     hits = proc.find_matching(match)

@@ -46,7 +46,7 @@ class Guardian:
     def __init__(self, pids: list[int], report: Path, cuda: list[int], log: Path | None = None):
         r, self._w = os.pipe()
         os.set_inheritable(r, True)
-        args = [sys.executable, "-m", "gpusnap.guardian", "--fd", str(r), "--report", str(report),
+        args = [sys.executable, "-m", "gpusnap.ops.guardian", "--fd", str(r), "--report", str(report),
                 "--pids", ",".join(f"{p}:{_start_time(p) or 0}" for p in pids),
                 "--cuda", ",".join(map(str, cuda)) or "-"]
         if log:
@@ -186,7 +186,7 @@ def _run(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpusnap.guardian")
+    ap = argparse.ArgumentParser(prog="python -m gpusnap.ops.guardian")
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--pids", required=True)
     ap.add_argument("--cuda", default="-")

@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import paths, preflight, proc
-from gpusnap import appendfiles, restore_needs
+from gpusnap.system import paths, preflight, proc
+from gpusnap.system import appendfiles
+from gpusnap.ops import restore_needs
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
-from gpusnap.repo import staging as staging_mod
+from gpusnap.repo.pipeline import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
@@ -307,7 +308,7 @@ def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
     """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock).
     Returns (snapshot ids deleted, warnings: entries of snapshots/ that could not be read and
     were skipped, data kept because of them). Raises on failure."""
-    from gpusnap.repo import prune as prune_mod
+    from gpusnap.repo.maint import prune as prune_mod
 
     plan = prune_mod.plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
     warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
@@ -431,7 +432,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         try:
             if not req.leave_running:
                 # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
-                from gpusnap.guardian import Guardian
+                from gpusnap.ops.guardian import Guardian
 
                 guardian = Guardian(pids, workdir / "cuda-report", _gpu_candidates(gpu),
                                     log=Path(repo.path) / "logs" / "guardian.log")
@@ -443,7 +444,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if overlap:
                 staging.go.set()
             server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
-            # sizes of the files the job appends to, as of the freeze (gpusnap/appendfiles.py)
+            # sizes of the files the job appends to, as of the freeze (gpusnap/system/appendfiles.py)
             appending = appendfiles.Recorder(appendfiles.scan(pids))
             gate = PostDumpGate(workdir, server, at_freeze=appending.at_freeze)
             phase("staging")

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from gpusnap import paths, preflight
+from gpusnap.system import paths, preflight
 from gpusnap.criu import runner
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
@@ -374,13 +374,13 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
 
 def _check_repository_fs(r: DoctorReport, repo: Path) -> None:
     """Shared between machines (NFS for a Slurm cluster)? Then its locks must hold across them."""
-    from gpusnap import sharedfs
+    from gpusnap.system import sharedfs
 
     r.add("repository filesystem", *sharedfs.check(repo))
 
 
 def _check_schedules(r: DoctorReport) -> None:
     """Can schedules run here (systemd or a cron daemon), and is each one healthy."""
-    from gpusnap import schedule
+    from gpusnap.ops import schedule
 
     schedule.doctor_checks(r.add)

@@ -21,14 +21,12 @@ import stat
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..errors import CorruptSnapshot, RepositoryError
-from . import fsutil, locations
-from .codec import compress
-from .format import (
-    BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError,
-)
-from .repository import Repository
-from .store import DEFAULT_PACK_TARGET, PendingBlob, BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
+from gpusnap.errors import CorruptSnapshot, RepositoryError
+from gpusnap.repo import fsutil, locations
+from gpusnap.repo.codec import compress
+from gpusnap.repo.format import BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError
+from gpusnap.repo.repository import Repository
+from gpusnap.repo.store import DEFAULT_PACK_TARGET, PendingBlob, BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
 
 import blake3
 

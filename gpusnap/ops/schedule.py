@@ -1,7 +1,7 @@
 """Periodic snapshots: a systemd timer where systemd runs the machine, /etc/cron.d otherwise.
 
 Nothing a user typed goes into a cron or unit file. `schedule add` checks every argument
-with the validators `dump` uses (gpusnap/validate.py, gpusnap/cronexpr.py), records them in a
+with the validators `dump` uses (gpusnap/ops/validate.py, gpusnap/ops/cronexpr.py), records them in a
 root-only JSON spec (/etc/gpusnap/schedules/NAME.json, with the job owner's uid), and the
 cron line or timer runs only `gpusnap schedule run NAME --config-dir DIR`: a name of
 [A-Za-z0-9_-] and paths checked to need no quoting, so neither a newline nor cron's `%`
@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap import cronexpr, validate
+from gpusnap.ops import cronexpr, validate
 from gpusnap.errors import GpusnapError, ProcessNotFound, SchedulerUnavailable, UsageError
 
 PREFIX = "gpusnap-"
@@ -238,8 +238,8 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
         keep_last: int = 4, repo: Path | None = None, exit_after: bool = False,
         user: str | int | None = None, replace: bool = False) -> Schedule:
     """Check everything as `dump` would, then record and install the schedule."""
-    from gpusnap import locate
-    from gpusnap.dump import check_name
+    from gpusnap.repo import locate
+    from gpusnap.ops.dump import check_name
 
     validate.check_schedule_name(name)
     check_name(name)                        # it is also the snapshot name
@@ -310,7 +310,7 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
 
 def _run_job_owner(name: str, repo: Path, user) -> int:
     """No --match: the job `gpusnap run --name NAME` started, which must run now; its owner."""
-    from gpusnap import jobrun
+    from gpusnap.ops import jobrun
 
     job = jobrun.find(name, repo)
     uid = validate.process_uid(job.pid)
@@ -325,7 +325,7 @@ def _job_owner(match: str, user) -> int:
     """The uid whose processes --match may pick: --user, or the owner of what matches now."""
     if user is not None:
         return validate.resolve_user(user)
-    from gpusnap import proc
+    from gpusnap.system import proc
     hits = proc.find_matching(match)
     uids = sorted({u for u in (validate.process_uid(p) for p in hits) if u is not None})
     if not uids:
@@ -430,7 +430,7 @@ def read_log(s: Schedule, last: int = 50) -> list[dict]:
 def run(name: str, config_dir: Path | None = None) -> dict:
     """What the cron line or timer runs: find the job among its owner's processes, dump with
     retention, log one JSON line. Returns the record; raises the dump's error after logging."""
-    from gpusnap.dump import DumpRequest, dump, retention_error
+    from gpusnap.ops.dump import DumpRequest, dump, retention_error
 
     s = load(name, config_dir)
     t0 = time.time()
@@ -438,7 +438,7 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     error: GpusnapError | None = None
     try:
         if s.match is None:
-            from gpusnap import jobrun
+            from gpusnap.ops import jobrun
 
             pid = jobrun.find(s.name, Path(s.repo)).pid
             if validate.process_uid(pid) != s.uid:

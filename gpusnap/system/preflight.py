@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpusnap import netlock, proc
-from gpusnap.errors import (CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound,
-                            UsageError)
+from gpusnap.criu import netlock
+from gpusnap.system import proc
+from gpusnap.errors import CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound, UsageError
 
 PROC = Path("/proc")
 CAP_SYS_PTRACE = 19

@@ -8,14 +8,12 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from ..errors import CorruptSnapshot, GpusnapError
-from .codec import decompress
-from .format import (
-    BLOB_HEADER, HEX64, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError, pack_namer, parse_pack,
-)
-from . import locations
-from .repository import Repository, Snapshot
-from .store import RepoIndex, pack_path
+from gpusnap.errors import CorruptSnapshot, GpusnapError
+from gpusnap.repo.codec import decompress
+from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError, pack_namer, parse_pack
+from gpusnap.repo import locations
+from gpusnap.repo.repository import Repository, Snapshot
+from gpusnap.repo.store import RepoIndex, pack_path
 
 
 @dataclass
@@ -72,7 +70,7 @@ def _check_blob(data, off, b) -> str | None:
     if end > len(data):
         return f"blob at offset {off} runs past the end of the pack"
     try:
-        from .format import parse_blob_header
+        from gpusnap.repo.format import parse_blob_header
         h = parse_blob_header(data, off)
         if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len):
             return f"blob header at offset {off} disagrees with the index"

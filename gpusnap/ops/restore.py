@@ -1,11 +1,11 @@
 """Bringing a snapshot back: checks first, then CRIU, detached, by one of two paths.
 
 Before CRIU starts: the snapshot's structure, its PIDs (must be free), its GPUs, huge pages,
-and the files the job had open (gpusnap/restore_files.py: output files that grew are set
+and the files the job had open (gpusnap/ops/restore_files.py: output files that grew are set
 aside and truncated back; anything else changed is refused). Then CRIU gets the images either
 through `--stream` from the serve streamer, or as image files written into a private directory
 for a plain `criu restore -D` (gpusnap/criu/materialize.py): faster when they fit on tmpfs, and
-the only way for private huge-page mappings (gpusnap/restore_needs.py). Either way every page
+the only way for private huge-page mappings (gpusnap/ops/restore_needs.py). Either way every page
 is checked against its checksum before CRIU can use it, so a damaged snapshot fails before the
 restored tree ever runs.
 """
@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from gpusnap import locate, netlock, paths, proc, restore_files, restore_needs
+from gpusnap.repo import locate
+from gpusnap.criu import netlock
+from gpusnap.system import paths, proc
+from gpusnap.ops import restore_files, restore_needs
 from gpusnap.criu import materialize, runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.repo import materialize as repo_materialize
-from gpusnap.errors import (
-    CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError,
-)
+from gpusnap.errors import CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.

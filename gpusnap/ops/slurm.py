@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap import jobrun, proc
+from gpusnap.ops import jobrun
+from gpusnap.system import proc
 from gpusnap.errors import RepositoryLocked, UsageError
 
 PR_SET_CHILD_SUBREAPER = 36

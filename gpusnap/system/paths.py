@@ -11,7 +11,7 @@ SYSTEM_PLUGIN_DIR = Path("/usr/local/lib/gpusnap/plugins")
 
 def source_root() -> Path:
     """The checkout gpusnap runs from (the directory holding pyproject.toml)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def plugin_dir() -> Path:

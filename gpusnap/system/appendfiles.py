@@ -10,7 +10,7 @@ own point and the log ended with those steps twice. Here:
 - inside the freeze (the post-dump gate: CRIU has dumped everything, the job has not resumed),
   `Recorder.at_freeze` stats exactly those fds: a few syscalls each, counted in the freeze;
 - the result goes into the manifest's `meta.append_files` (docs/format.md), and restore treats
-  each like an output file with a known size (gpusnap/restore_files.py).
+  each like an output file with a known size (gpusnap/ops/restore_files.py).
 
 A file is named by its path and identified by (st_dev, st_ino), so restore can tell a rotated
 file from the one the job wrote. Files opened between the scan and the freeze are not

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .format import BLOB_HEADER, KIND_PAGES
+from gpusnap.repo.format import BLOB_HEADER, KIND_PAGES
 
 if TYPE_CHECKING:  # at run time Repository.usage() imports this module: no import circle
-    from .repository import Repository, Snapshot
+    from gpusnap.repo.repository import Repository, Snapshot
 
 
 def repo_usage(repo: Repository) -> dict:

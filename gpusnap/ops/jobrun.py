@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpusnap import proc
+from gpusnap.system import proc
 from gpusnap.errors import ProcessNotFound, UsageError
 
 NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")

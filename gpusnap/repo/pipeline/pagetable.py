@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 from array import array
 
-from . import native
+from gpusnap.repo import native
 
 ID_LEN = native.ID_LEN
 _lib = native._lib if native.available() and hasattr(native._lib, "gs_table_new") else None

@@ -1,0 +1,1 @@
+"""Repository maintenance: prune, verify, repair, usage."""

@@ -1,4 +1,4 @@
-/* gpusnap page table: page id (16 bytes) -> int64 location, for gpusnap/repo/pagetable.py.
+/* gpusnap page table: page id (16 bytes) -> int64 location, for gpusnap/repo/pipeline/pagetable.py.
  *
  * A dump must know every page id already in the repository. As a Python dict that costs
  * about 110 bytes and 0.7 us per page to build (a 20 M-page repository: over 2 GB and

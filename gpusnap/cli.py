@@ -273,7 +273,7 @@ def ls_cmd(
     totals = {"snapshots": 0, "names": 0, "bytes_raw": 0, "bytes_stored": 0, "ratio": None}
     if os.path.lexists(root):     # a file, or a directory that is no repository: an error, not "empty"
         repository = Repository.open(root)
-        usage = repository.usage()
+        usage = repo_inspect.repo_usage(repository)
         totals = repo_inspect.repo_totals(repository, usage)
         for dirname, row in usage.items():
             if name is None or row.get("name") == name:

@@ -130,7 +130,7 @@ def test_repository_index_table_equals_its_dict(tmp_path):
     a = os.urandom(PAGE * 50)
     dump(repo, {"pages-1.img": a + bytes(PAGE * 3)})
     dump(repo, {"pages-1.img": os.urandom(PAGE * 20) + a[:PAGE * 10]})
-    idx = repo._load_index(refresh=True)
+    idx = repo.index()
     table, ref = idx.page_table(), idx.page_loc
     keys = list(ref)
     assert len(table) == len(ref) == 70

@@ -10,6 +10,7 @@ unwinds exactly as it does for a signal in a real dump.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -20,7 +21,8 @@ import pytest
 from gpusnap.errors import NoSpace
 from gpusnap.repo import Repository, faults
 from gpusnap.repo.maint.repair import repair
-from gpusnap.repo.store import RepoIndex, pack_path, write_index_file
+from gpusnap.repo.index import RepoIndex, write_index_file
+from gpusnap.repo.store import pack_path
 from gpusnap.repo.maint.verify import verify
 from conftest import run_gpusnap
 from repo_helpers import PAGE, read_all, text_page
@@ -197,7 +199,7 @@ def test_open_recovery_quarantines_an_index_naming_a_missing_pack(tmp_path):
     b = _images(1, new_pages=100)
     s_b, _ = dump(repo, b, name="b")
     victim_index = [n for n in os.listdir(repo.path / "index") if n not in a_index]
-    b_packs = set(RepoIndex.load(repo.path, victim_index).packs())
+    b_packs = {b.pack for b in RepoIndex.load(repo.path, victim_index).blobs}
     for ph in b_packs:
         os.unlink(pack_path(repo.path, ph))
     repo = Repository.open(repo.path)
@@ -223,7 +225,7 @@ def test_repair_of_a_lost_pack_and_its_dry_run(tmp_path):
     before = sorted(os.listdir(repo.path / "index"))
     s_b, _ = dump(repo, _images(1, new_pages=100), name="b")
     lost = [n for n in os.listdir(repo.path / "index") if n not in before]
-    for ph in RepoIndex.load(repo.path, lost).packs():
+    for ph in {b.pack for b in RepoIndex.load(repo.path, lost).blobs}:
         os.unlink(pack_path(repo.path, ph))
     state = sorted(str(p) for p in repo.path.rglob("*"))
     r = run_gpusnap("repair", "--repo", repo.path, "--dry-run")
@@ -285,9 +287,7 @@ def test_repair_trusts_the_packs_not_a_lying_index(tmp_path):
     lies = {}
     for b in idx.blobs:
         ids = bytes(reversed(b.ids))
-        lies.setdefault(b.pack, []).append(type("R", (), dict(offset=b.offset, kind=b.kind, codec=b.codec,
-                                                              n_pages=b.n_pages, raw_len=b.raw_len,
-                                                              stored_len=b.stored_len, ids=ids)))
+        lies.setdefault(b.pack, []).append(dataclasses.replace(b, ids=ids))
     liar, _ = write_index_file(repo.path, sorted(lies.items()))
     truth = sorted(n for n in os.listdir(repo.path / "index") if n != liar.name)
     for n in truth:
@@ -305,7 +305,7 @@ def test_repair_leaves_out_damaged_blobs_and_names_the_snapshots(tmp_path):
     expected = _history(repo, 2)
     first = sorted(expected)[0]
     s = repo.snapshot(first)
-    idx = repo._load_index()
+    idx = repo.index()
     rec = next(r for r in s.iter_page_refs("pages-1.img") if r[0] == "pages")
     b = idx.blobs[idx.page_loc[rec[1][:16]] >> 8]
     pp = pack_path(repo.path, b.pack)

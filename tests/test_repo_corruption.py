@@ -28,7 +28,7 @@ def _packs(repo):
 
 def _pack_of(repo, snap):
     """The pack holding the first page of snap's pages-1.img."""
-    idx = repo._load_index()
+    idx = repo.index()
     for rec in snap.iter_page_refs("pages-1.img"):
         if rec[0] == "pages":
             loc = idx.page_loc[rec[1][:16]]
@@ -138,7 +138,7 @@ def test_missing_pack(setup):
 
 def test_corrupt_data_blob(setup):
     repo, s1, *_ = setup
-    idx = repo._load_index()
+    idx = repo.index()
     bid = bytes.fromhex(s1.image("core-1.img")["blobs"][0])
     b = idx.blobs[idx.data_loc[bid]]
     from gpusnap.repo.store import pack_path

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from gpusnap.errors import CorruptSnapshot
 from gpusnap.repo import Repository
 from gpusnap.repo import locations as L
+from gpusnap.repo.format import locations as LF
 from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.store import pack_path
 from gpusnap.repo.maint.verify import verify
@@ -66,9 +67,9 @@ def test_batched_lookups_build_the_same_file(tmp_path, monkeypatch):
     s1, _ = dump(repo, {"pages-1.img": img})
     img2 = img[PAGE * 1000:-4] + os.urandom(PAGE * 40) + img[:PAGE * 1000]
     s2, _ = dump(repo, {"pages-1.img": img2, "pages-2.img": img})
-    res = L.index_resolver(repo._load_index(refresh=True))
+    res = L.index_resolver(repo.index())
     for snap in (s1, s2):
-        stored = (snap.path / L.LOC_NAME).read_bytes()
+        stored = (snap.path / LF.LOC_NAME).read_bytes()
         per_record = []
         for batch in (1, 7, L.RESOLVE_BATCH):
             monkeypatch.setattr(L, "RESOLVE_BATCH", batch)
@@ -191,8 +192,8 @@ def test_restore_memory_bounded(tmp_path, monkeypatch):
     be ~9 MiB more."""
     # no read-ahead thread: its queue is bounded too (PREFETCH_DEPTH chunks), but how full it
     # gets depends on scheduling, which would only add noise here
-    from gpusnap.repo import repository
-    monkeypatch.setattr(repository, "PREFETCH_MIN", 1 << 62)
+    from gpusnap.repo import reader
+    monkeypatch.setattr(reader, "PREFETCH_MIN", 1 << 62)
     repo = Repository.open(tmp_path / "repo", create=True)
     small, _ = dump(repo, {"pages-1.img": _cheap_unique_pages(4096, 1), "core-1.img": b"x" * 5000},
                     chunk=1 << 20)
@@ -214,10 +215,10 @@ def test_restore_memory_bounded(tmp_path, monkeypatch):
 def _valid_locations():
     runs = [(0, 16, 1, 1, 4, 4 * PAGE, 100, 1, 3), (1, 16, 2, 0, 0, 10, 10, 0, 1), (0, 200, 1, 0, 2, 2 * PAGE, 2 * PAGE, 0, 2)]
     digests = [b"\x0a" * 32, b"\x0b" * 32]
-    parts = [L.LOC_HEADER.pack(L.LOC_MAGIC, 1, 0, 2, 2, 0, len(runs)),
-             L.LOC_PACK.pack(b"\x01" * 32, 10000), L.LOC_PACK.pack(b"\x02" * 32, 100),
-             L.LOC_IMAGE.pack(digests[0], 0, 2), L.LOC_IMAGE.pack(digests[1], 2, 1)]
-    parts += [L.LOC_RUN.pack(*r) for r in runs]
+    parts = [LF.LOC_HEADER.pack(LF.LOC_MAGIC, 1, 0, 2, 2, 0, len(runs)),
+             LF.LOC_PACK.pack(b"\x01" * 32, 10000), LF.LOC_PACK.pack(b"\x02" * 32, 100),
+             LF.LOC_IMAGE.pack(digests[0], 0, 2), LF.LOC_IMAGE.pack(digests[1], 2, 1)]
+    parts += [LF.LOC_RUN.pack(*r) for r in runs]
     body = b"".join(parts)
     return body + blake3.blake3(body).digest(), digests
 
@@ -226,7 +227,7 @@ VALID_LOC, DIGESTS = _valid_locations()
 
 
 def _parse(data):
-    loc = L.Locations.parse(lambda n, off: data[off:off + n], len(data), DIGESTS)
+    loc = LF.Locations.parse(lambda n, off: data[off:off + n], len(data), DIGESTS)
     out = [list(loc.iter_runs(i)) for i in range(len(loc.images))]
     list(loc.iter_packs())
     return out
@@ -253,7 +254,7 @@ def _mutations(valid):
 def test_fuzz_locations(data):
     try:
         _parse(data)
-    except L.LocationsInvalid:
+    except LF.LocationsInvalid:
         pass
 
 
@@ -263,5 +264,5 @@ def test_fuzz_locations_rehashed(body):
     """Mutated body with a correct checksum: the structural checks are exercised."""
     try:
         _parse(body + blake3.blake3(body).digest())
-    except L.LocationsInvalid:
+    except LF.LocationsInvalid:
         pass

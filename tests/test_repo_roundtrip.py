@@ -279,5 +279,5 @@ def test_compressor_threads_keep_counts_exact(repo, monkeypatch, workers):
 
 def _blob_codecs(repo):
     from gpusnap.repo.codec import codec_name
-    idx = repo._load_index(refresh=True)
+    idx = repo.index()
     return [codec_name(b.codec) for b in idx.blobs if b.kind == 1]

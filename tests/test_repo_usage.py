@@ -14,7 +14,7 @@ from repo_helpers import PAGE, dump, text_page
 def _by_definition(repo):
     """Every referenced id's stored bytes (a page: its share of its blob), unique when one
     snapshot references it, shared otherwise."""
-    idx = repo._load_index(refresh=True)
+    idx = repo.index()
     snaps = repo.snapshots()
     refs = []
     count = {}

@@ -26,7 +26,9 @@ from gpusnap.repo import fsutil, locations
 from gpusnap.repo.codec import compress
 from gpusnap.repo.format import BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError
 from gpusnap.repo.repository import Repository
-from gpusnap.repo.store import DEFAULT_PACK_TARGET, PendingBlob, BlobReader, PackWriter, RepoIndex, pack_path, write_index_file
+from gpusnap.repo.index import RepoIndex, write_index_file
+from gpusnap.repo.pipeline.packwriter import DEFAULT_PACK_TARGET, PackWriter
+from gpusnap.repo.store import BlobReader, pack_path
 
 import blake3
 
@@ -257,7 +259,7 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
 
         # 2. rewrite partly used packs
         writer = PackWriter(root)
-        reader = BlobReader(root, idx, cache_blobs=2)
+        reader = BlobReader(root)
         try:
             for ph in rewrite_packs:
                 for bno in by_pack[ph]:
@@ -295,7 +297,7 @@ def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repa
                 recs = []
                 for bno in by_pack[ph]:
                     b = idx.blobs[bno]
-                    recs.append(_Rec(b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len, b.ids))
+                    recs.append(b)
                 kept.append((ph, recs))
             res_idx = write_index_file(root, kept + list(new_packs))
             fault("index-written")
@@ -395,7 +397,6 @@ def prune_logs(root) -> int:
         os.close(dfd)
 
 
-_Rec = PendingBlob  # a blob header read back from a pack: the same fields
 
 
 def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import stat
 from dataclasses import dataclass, field
 
 import blake3
 
 from gpusnap.repo import fsutil, native
 from gpusnap.repo.codec import decompress
-from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_ID_LEN, PAGE_SIZE, FormatError, IndexBlob, IndexFile, pack_namer, parse_blob_header, parse_index, parse_pack_header
-from gpusnap.repo.repository import QUARANTINE, Repository, quarantine_file
-from gpusnap.repo.store import PendingBlob, RepoIndex, encode_index_file, pack_path, write_index_file
+from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_ID_LEN, PAGE_SIZE, Blob, FormatError, IndexFile, blob_id, page_id, pack_namer, parse_blob_header, parse_index, parse_pack_header
+from gpusnap.repo.index import RepoIndex, encode_index_file, write_index_file
+from gpusnap.repo.repository import Repository
+from gpusnap.repo.store import list_packs, pack_path
+from gpusnap.repo.trust import QUARANTINE, quarantine_file
 
-_ZERO_PAGE_ID = blake3.blake3(bytes(PAGE_SIZE)).digest(PAGE_ID_LEN)
+_ZERO_PAGE_ID = page_id(bytes(PAGE_SIZE))
 
 
 @dataclass
@@ -118,13 +119,12 @@ def repair(repo: Repository, dry_run: bool = False, read_data: bool = False) -> 
                 continue
             keys = []
             for b in parsed.blobs:
-                ph = parsed.packs[b.pack_no]
-                k = _key(ph, b)
+                k = _key(b.pack, b)
                 keys.append(k)
-                claims.setdefault(ph, {}).setdefault(b.offset, set()).add(k[2:])
+                claims.setdefault(b.pack, {}).setdefault(b.offset, set()).add(k[2:])
             good_files[n] = keys
         # 2. what the packs hold
-        new: dict[bytes, list[PendingBlob]] = {}
+        new: dict[bytes, list[Blob]] = {}
         for ph in _pack_files(root, rep):
             rep.packs_scanned += 1
             recs = _scan_pack(root, ph, claims.get(ph, {}), read_data, rep)
@@ -156,29 +156,18 @@ def repair(repo: Repository, dry_run: bool = False, read_data: bool = False) -> 
         if dry_run:
             idx = RepoIndex()
             for ph, recs in new.items():
-                idx.add_file(ph.hex(), IndexFile([ph], [IndexBlob(0, r.offset, r.kind, r.codec, r.n_pages,
-                                                                  r.raw_len, r.stored_len, r.ids) for r in recs]))
+                idx.add_file(ph.hex(), IndexFile([ph], recs))
         else:
-            idx = repo._load_index(check_packs=True)
+            idx = repo.index(check_packs=True)
         rep.snapshots_damaged = repo.snapshots_missing_data(idx)
     return rep
 
 
 def _pack_files(root, rep: RepairReport) -> list[bytes]:
-    """Every pack file in packs/ab/ (regular files named by 64 hex digits starting with ab)."""
-    out = []
-    pdir = root / "packs"
-    for sub in sorted(os.listdir(pdir)):
-        sp = pdir / sub
-        if len(sub) != 2 or not stat.S_ISDIR(os.lstat(sp).st_mode):
-            rep.problems.append(f"unexpected entry packs/{sub} (left alone)")
-            continue
-        for f in sorted(os.listdir(sp)):
-            if HEX64.match(f) and f.startswith(sub) and stat.S_ISREG(os.lstat(sp / f).st_mode):
-                out.append(bytes.fromhex(f))
-            else:
-                rep.problems.append(f"unexpected entry packs/{sub}/{f} (left alone)")
-    return out
+    """Every pack file in packs/ab/; other entries are reported and left alone."""
+    present, other = list_packs(root)
+    rep.problems.extend(f"unexpected entry {p} (left alone)" for p in other)
+    return present
 
 
 def _walk(fd: int, size: int) -> tuple[list, str | None]:
@@ -220,7 +209,7 @@ def _walk(fd: int, size: int) -> tuple[list, str | None]:
 
 def _ids_of(h, raw: bytes) -> bytes:
     if h.kind != KIND_PAGES:
-        return blake3.blake3(raw).digest()
+        return blob_id(raw)
     kinds, ids, _ = native.scan(raw, h.n_pages)
     for i in range(h.n_pages):
         if not kinds[i]:          # (the writer never groups a zero page, but its id is defined)
@@ -228,7 +217,7 @@ def _ids_of(h, raw: bytes) -> bytes:
     return bytes(ids)
 
 
-def _scan_pack(root, ph: bytes, claimed: dict, read_data: bool, rep: RepairReport) -> list[PendingBlob]:
+def _scan_pack(root, ph: bytes, claimed: dict, read_data: bool, rep: RepairReport) -> list[Blob]:
     """The good blobs of one pack, with their ids (module docstring)."""
     name = ph.hex()
     try:
@@ -249,7 +238,7 @@ def _scan_pack(root, ph: bytes, claimed: dict, read_data: bool, rep: RepairRepor
                          and _descriptor(fd, size, walked, claim_ids) == ph)
         if confirmed and not read_data:
             rep.packs_confirmed += 1
-            return [PendingBlob(off, h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len, ids)
+            return [Blob(ph, off, h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len, ids)
                     for (off, h, _), ids in zip(walked, claim_ids)]
         rep.packs_rehashed += 1
         out = []
@@ -268,7 +257,7 @@ def _scan_pack(root, ph: bytes, claimed: dict, read_data: bool, rep: RepairRepor
             if confirmed and ids != cid:
                 damaged += 1          # the name commits to other content: this payload is damaged
                 continue
-            out.append(PendingBlob(off, h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len, ids))
+            out.append(Blob(ph, off, h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len, ids))
         rep.blobs_damaged += damaged
         if problem is None and not confirmed and walked and None not in all_ids:
             if _descriptor(fd, size, walked, all_ids) != ph and not _whole_file_name(fd, ph):

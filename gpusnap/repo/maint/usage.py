@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from gpusnap.repo.format import BLOB_HEADER, KIND_PAGES
 
-if TYPE_CHECKING:  # at run time Repository.usage() imports this module: no import circle
+if TYPE_CHECKING:
     from gpusnap.repo.repository import Repository, Snapshot
 
 
@@ -21,7 +21,7 @@ def repo_usage(repo: Repository) -> dict:
     index's page table in bulk): 16 bytes per page reference instead of a Python set entry."""
     import numpy as np
     snaps = repo.snapshots()
-    idx = repo._load_index()
+    idx = repo.index()
     table = idx.page_table()
     blob_cost = np.array([(BLOB_HEADER.size + b.stored_len) / max(b.n_pages, 1) if b.kind == KIND_PAGES
                           else float(BLOB_HEADER.size + b.stored_len) for b in idx.blobs] or [0.0])

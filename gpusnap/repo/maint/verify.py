@@ -9,11 +9,13 @@ from dataclasses import dataclass, field
 import blake3
 
 from gpusnap.errors import CorruptSnapshot, GpusnapError
+from gpusnap.repo import locations, native
 from gpusnap.repo.codec import decompress
-from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError, pack_namer, parse_pack
-from gpusnap.repo import locations
+from gpusnap.repo.format import (BLOB_HEADER, KIND_DATA, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError,
+                                 blob_id, pack_namer, page_id, parse_blob_header, parse_pack)
+from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.repository import Repository, Snapshot
-from gpusnap.repo.store import RepoIndex, pack_path
+from gpusnap.repo.store import list_packs, pack_path
 
 
 @dataclass
@@ -70,7 +72,6 @@ def _check_blob(data, off, b) -> str | None:
     if end > len(data):
         return f"blob at offset {off} runs past the end of the pack"
     try:
-        from gpusnap.repo.format import parse_blob_header
         h = parse_blob_header(data, off)
         if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len):
             return f"blob header at offset {off} disagrees with the index"
@@ -78,11 +79,10 @@ def _check_blob(data, off, b) -> str | None:
     except FormatError as e:
         return f"blob at offset {off}: {e}"
     if b.kind == KIND_PAGES:
-        mv = memoryview(raw)
-        for s in range(b.n_pages):
-            if blake3.blake3(mv[s * PAGE_SIZE:(s + 1) * PAGE_SIZE]).digest(16) != b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN]:
-                return f"page {s} of the blob at offset {off} fails its checksum"
-    elif blake3.blake3(raw).digest() != b.ids:
+        bad = native.verify(raw, b.n_pages, b.ids)
+        if bad >= 0:
+            return f"page {bad} of the blob at offset {off} fails its checksum"
+    elif blob_id(raw) != b.ids:
         return f"data blob at offset {off} fails its checksum"
     return None
 
@@ -109,10 +109,9 @@ def _name_matches(data, walked, ph: bytes, recs) -> bool:
                     break
                 if bh.kind == KIND_PAGES:
                     mv = memoryview(raw)
-                    ids = b"".join(blake3.blake3(mv[s * PAGE_SIZE:(s + 1) * PAGE_SIZE]).digest(PAGE_ID_LEN)
-                                   for s in range(bh.n_pages))
+                    ids = b"".join(page_id(mv[s * PAGE_SIZE:(s + 1) * PAGE_SIZE]) for s in range(bh.n_pages))
                 else:
-                    ids = blake3.blake3(raw).digest()
+                    ids = blob_id(raw)
             h.update(data[off:off + BLOB_HEADER.size])
             h.update(ids)
         if ok:
@@ -120,6 +119,60 @@ def _name_matches(data, walked, ph: bytes, recs) -> bool:
             if h.digest() == ph:
                 return True
     return blake3.blake3(data).digest() == ph      # a pack from before revision 1.2
+
+
+def check_locations(snap, idx) -> tuple[str | None, str | None]:
+    """For verify: -> (problem, note). problem: the locations file is usable but disagrees
+    with the index (a restore would fail); note: missing/unusable/stale (a restore uses
+    the index instead)."""
+    try:
+        loc = locations.Locations.open(snap.path, locations.image_digests(snap.manifest))
+    except locations.LocationsInvalid as e:
+        return None, f"snapshot {snap.path.name}: locations file not used ({e}); restore reads through locations built from the index"
+    try:
+        try:
+            locations.check_packs(loc, snap.repo.path)
+        except locations.LocationsInvalid as e:
+            return None, f"snapshot {snap.path.name}: locations file not used ({e}); restore reads through locations built from the index"
+        where = {(b.pack, b.offset): b for b in idx.blobs}
+        for i, im in enumerate(snap.manifest["images"]):
+            runs = loc.iter_runs(i)
+            if im["type"] == "blob":
+                want = [("data", bytes.fromhex(b)) for b in im["blobs"]]
+            else:
+                want = snap.iter_page_refs(im["name"])
+            pend = b""
+            for rec in want:
+                if rec[0] == "zero":
+                    continue
+                if rec[0] in ("data", "tail"):
+                    bid = rec[1] if rec[0] == "data" else rec[2]
+                    r = next(runs, None)
+                    b = where.get((loc.pack(r[0])[0], r[1])) if r else None
+                    if b is None or b.kind != KIND_DATA or b.ids != bid:
+                        return f"locations file disagrees with the index for {im['name']}", None
+                    continue
+                ids = rec[1]
+                while ids:
+                    if not pend:
+                        r = next(runs, None)
+                        b = where.get((loc.pack(r[0])[0], r[1])) if r else None
+                        if b is None or r[2] != KIND_PAGES or (b.kind, b.codec, b.stored_len) != (r[2], r[3], r[6]):
+                            return f"locations file disagrees with the index for {im['name']}", None
+                        pend = b.ids[r[7] * PAGE_ID_LEN:(r[7] + r[8]) * PAGE_ID_LEN]
+                    k = min(len(pend), len(ids))
+                    if pend[:k] != ids[:k]:
+                        return f"locations file disagrees with the page list of {im['name']}", None
+                    pend, ids = pend[k:], ids[k:]
+            if pend or next(runs, None) is not None:
+                return f"locations file disagrees with the page list of {im['name']}", None
+    except locations.LocationsInvalid as e:
+        return f"locations file damaged: {e}", None
+    except CorruptSnapshot as e:
+        return str(e), None
+    finally:
+        loc.close()
+    return None, None
 
 
 def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> VerifyReport:
@@ -181,7 +234,7 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
                     + (" (damaged index files: " + ", ".join(sorted(idx.bad_files)) + ")" if idx.bad_files else ""))
             rep.affected_snapshots.append(s.path.name)
             continue
-        problem, note = locations.check(s, idx)
+        problem, note = check_locations(s, idx)
         if problem:
             rep.add("snapshot", s.path.name, problem + " (a restore would fail; prune rewrites the file)")
             rep.affected_snapshots.append(s.path.name)
@@ -196,19 +249,9 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
         needed = {idx.blobs[bno].pack for bno in blob_users}
         by_pack = {k: v for k, v in by_pack.items() if k in needed}
     else:
-        present = set()
-        pdir = root / "packs"
-        for sub in sorted(os.listdir(pdir)):
-            sp = pdir / sub
-            if not sp.is_dir():
-                rep.notes.append(f"unexpected file packs/{sub}")
-                continue
-            for f in os.listdir(sp):
-                if HEX64.match(f) and f.startswith(sub):
-                    present.add(bytes.fromhex(f))
-                else:
-                    rep.notes.append(f"unexpected file packs/{sub}/{f}")
-        orphans = present - set(by_pack)
+        present, other = list_packs(root)
+        rep.notes.extend(f"unexpected file {p}" for p in other)
+        orphans = set(present) - set(by_pack)
         if orphans:
             rep.notes.append(f"{len(orphans)} pack(s) not referenced by the index (left by an interrupted dump; prune removes them)")
         for d in ("tmp",):
@@ -230,7 +273,7 @@ def verify(repo: Repository, snapshot_refs=None, read_data: bool = True) -> Veri
     for ph, bnos in sorted(by_pack.items()):
         rep.packs_checked += 1
         pp = pack_path(root, ph)
-        need_end = max(idx.blobs[b].offset + BLOB_HEADER.size + idx.blobs[b].stored_len for b in bnos) + 16
+        need_end = max(idx.blobs[b].end for b in bnos)
         try:
             size = os.stat(pp).st_size
         except FileNotFoundError:

@@ -17,7 +17,8 @@ from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.codec import CODEC_AUTO, codec_name, compress
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN, CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_RECORD, PL_PAGES, PL_ZERO, encode_manifest, encode_pl_tail, FORMAT_VERSION
 from gpusnap.repo.faults import fault
-from gpusnap.repo.store import PackWriter, write_index_file
+from gpusnap.repo.index import write_index_file
+from gpusnap.repo.pipeline.packwriter import PackWriter
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
@@ -412,7 +413,7 @@ class SnapshotWriter:
         self.created = time.time()
         locations.preload_numpy()         # needed at commit; loads while the dump streams
         # records whose pack is missing or short are left out: never dedup against them
-        idx = repo._load_index(refresh=True, check_packs=True)
+        idx = repo.index(check_packs=True)
         self.index = idx                  # for the locations file at commit (locations.py)
         self.known_pages = idx.page_table()
         self.known_data = idx.data_loc

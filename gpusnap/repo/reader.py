@@ -1,0 +1,326 @@
+"""The one read path: a snapshot image rebuilt from its locations runs (docs/format.md §5.4).
+
+plan() walks an image's page list alongside its runs (metadata only, no pack is read) and
+cuts the image into jobs of at most `job_bytes`, each with its place in the output;
+assemble() reads a job's blobs, lays the pages, zero pages and tail out in one buffer and
+checks every page against its id from the page list (one native call, without the GIL)
+and every data blob against its blake3. Sequential reading (read_image: restore's stream
+feed, export, describe) and the parallel materializer (repo/materialize.py, worker
+threads) run exactly these two functions; they differ only in job size and scheduling.
+
+The runs come from the snapshot's locations file, or, when that is missing or unusable,
+from one built in memory from the repository index (Snapshot.reading_locations): one path.
+Nothing read is trusted: a wrong run gives a checksum failure, never a wrong byte.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from pathlib import Path
+from typing import Iterator
+
+from gpusnap.repo import native
+from gpusnap.repo.format import (BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
+                                 READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
+from gpusnap.repo.format.locations import Locations, LocationsInvalid
+from gpusnap.repo.store import BlobReader
+
+PREFETCH_MIN = 8 << 20     # pages images at least this big are read ahead in a thread
+PREFETCH_DEPTH = 3         # chunks (<= 1 MiB each) read ahead
+
+
+class Job:
+    """A piece of one pages image: `size` bytes at offset `pos`. pieces: ("z", nbytes) zero
+    pages | ("r", run, slot, count) pages of a run | ("d", run, blob id, length) the tail;
+    ids/kinds: what the job's pages are checked against (kind 0: a zero page, not checked)."""
+    __slots__ = ("pos", "size", "pieces", "ids", "kinds", "npages", "data")
+
+    def __init__(self, pos: int):
+        self.pos = pos
+        self.size = 0
+        self.pieces: list = []
+        self.ids: list = []
+        self.kinds = bytearray()
+        self.npages = 0
+        self.data = False
+
+
+class RunReader:
+    """Reads the blobs runs point to (one per reading thread): open pack fds and a small
+    FIFO of decompressed blobs, keyed by (pack_no, offset)."""
+
+    def __init__(self, root: Path, loc: Locations, cache_blobs: int = 32):
+        self.loc = loc
+        self.br = BlobReader(root)
+        self.cache: dict = {}
+        self.cache_blobs = cache_blobs
+        self.names: dict[int, bytes] = {}
+
+    def close(self) -> None:
+        self.br.close()
+        self.cache.clear()
+
+    def pack_name(self, pack_no: int) -> bytes:
+        n = self.names.get(pack_no)
+        if n is None:
+            if len(self.names) >= 64:
+                self.names.clear()
+            n = self.names[pack_no] = self.loc.pack(pack_no)[0]
+        return n
+
+    def get(self, r) -> bytes:
+        key = (r[0], r[1])
+        c = self.cache
+        data = c.get(key)
+        if data is not None:
+            return data
+        data = self.br.read_at(self.pack_name(r[0]), r[1], r[2], r[3], r[4], r[5], r[6])
+        if len(c) >= self.cache_blobs:
+            del c[next(iter(c))]
+        c[key] = data
+        return data
+
+
+def _runs(snap, name: str, loc: Locations, image_no: int):
+    """-> (next_run(kind), end()): the image's runs one at a time, each checked to be of the
+    kind the page list needs; end() checks that none is left over."""
+    runs = loc.iter_runs(image_no)
+
+    def next_run(kind):
+        try:
+            r = next(runs)
+        except StopIteration:
+            raise snap._corrupt(f"locations file ends before image {name} does") from None
+        except LocationsInvalid as e:
+            raise snap._corrupt(f"locations file of {name}: {e}") from None
+        if r[2] != kind:
+            raise snap._corrupt(f"locations file of {name} disagrees with its page list")
+        return r
+
+    def end():
+        try:
+            next(runs)
+        except StopIteration:
+            return
+        except LocationsInvalid as e:
+            raise snap._corrupt(f"locations file of {name}: {e}") from None
+        raise snap._corrupt(f"locations file has more runs than image {name} needs")
+    return next_run, end
+
+
+def plan(snap, name: str, loc: Locations, image_no: int, job_bytes: int) -> Iterator[Job]:
+    """The jobs of one pages image, in order (metadata only: no pack is read here)."""
+    next_run, end = _runs(snap, name, loc, image_no)
+    job = Job(0)
+    run = None
+    slot = left = 0
+    for rec in snap.iter_page_refs(name):
+        kind = rec[0]
+        if kind == "pages":
+            ids = rec[1]
+            n = len(ids) // PAGE_ID_LEN
+            o = 0
+            while o < n:
+                if not left:
+                    run = next_run(KIND_PAGES)
+                    slot, left = run[7], run[8]
+                k = min(n - o, left, max(1, (job_bytes - job.size) // PAGE_SIZE))
+                job.pieces.append(("r", run, slot, k))
+                job.ids.append(ids[o * PAGE_ID_LEN:(o + k) * PAGE_ID_LEN])
+                job.kinds += b"\x01" * k
+                job.npages += k
+                job.size += k * PAGE_SIZE
+                job.data = True
+                slot += k
+                left -= k
+                o += k
+                if job.size >= job_bytes:
+                    yield job
+                    job = Job(job.pos + job.size)
+        elif kind == "zero":
+            rem = rec[1] * PAGE_SIZE
+            while rem:
+                k = min(rem, max(PAGE_SIZE, job_bytes - job.size))
+                job.pieces.append(("z", k))
+                job.ids.append(bytes(k // PAGE_SIZE * PAGE_ID_LEN))
+                job.kinds += bytes(k // PAGE_SIZE)
+                job.npages += k // PAGE_SIZE
+                job.size += k
+                rem -= k
+                if job.size >= job_bytes:
+                    yield job
+                    job = Job(job.pos + job.size)
+        else:                       # the tail: last in a page list, after every page
+            if left:
+                raise snap._corrupt(f"locations file of {name} disagrees with its page list")
+            job.pieces.append(("d", next_run(KIND_DATA), rec[2], rec[1]))
+            job.size += rec[1]
+            job.data = True
+    if left:
+        raise snap._corrupt(f"locations file of {name} disagrees with its page list")
+    end()
+    if job.size:
+        yield job
+
+
+def _blob(snap, name: str, reader: RunReader, r) -> bytes:
+    try:
+        return reader.get(r)
+    except FileNotFoundError:
+        raise snap._corrupt(f"{name}: pack missing", reader.pack_name(r[0])) from None
+    except (OSError, FormatError) as e:
+        raise snap._corrupt(f"{name}: {e}", reader.pack_name(r[0])) from None
+
+
+def _data_blob(snap, name: str, reader: RunReader, r, bid: bytes) -> bytes:
+    data = _blob(snap, name, reader, r)
+    if blob_id(data) != bid:
+        raise snap._corrupt(f"blob {bid.hex()[:16]} of {name} fails its checksum", reader.pack_name(r[0]))
+    return data
+
+
+def _pack_of_page(job: Job, reader: RunReader, page: int) -> bytes | None:
+    """The pack the job's page number `page` was read from (for the error message)."""
+    at = 0
+    for p in job.pieces:
+        n = p[1] // PAGE_SIZE if p[0] == "z" else p[3] if p[0] == "r" else 0
+        if page < at + n:
+            return reader.pack_name(p[1][0]) if p[0] == "r" else None
+        at += n
+    return None
+
+
+def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
+    """The job's bytes, every page and the tail checked; None for a job of zero pages only."""
+    if not job.data:
+        return None
+    buf = bytearray(job.size)
+    mv = memoryview(buf)
+    pos = 0
+    for p in job.pieces:
+        if p[0] == "r":
+            r = p[1]
+            n = p[3] * PAGE_SIZE
+            s = p[2] * PAGE_SIZE
+            if r[3] == CODEC_NONE:
+                # stored raw: read the pages straight into place (one copy instead of three);
+                # the page checks below catch anything the run might point at wrongly
+                pack = reader.pack_name(r[0])
+                try:
+                    got = os.preadv(reader.br.fd(pack), [mv[pos:pos + n]], r[1] + BLOB_HEADER.size + s)
+                except FileNotFoundError:
+                    raise snap._corrupt(f"{name}: pack missing", pack) from None
+                except OSError as e:
+                    raise snap._corrupt(f"{name}: {e}", pack) from None
+                if got != n:
+                    raise snap._corrupt(f"{name}: pack truncated", pack)
+            else:
+                mv[pos:pos + n] = memoryview(_blob(snap, name, reader, r))[s:s + n]
+            pos += n
+        elif p[0] == "z":
+            pos += p[1]
+        else:
+            data = _data_blob(snap, name, reader, p[1], p[2])
+            if len(data) != p[3]:
+                raise snap._corrupt(f"tail of {name} has the wrong length")
+            mv[pos:pos + len(data)] = data
+            pos += len(data)
+    if job.npages:
+        bad = native.verify(buf, job.npages, b"".join(job.ids), job.kinds)
+        if bad >= 0:
+            raise snap._corrupt(f"a page of {name} fails its checksum", _pack_of_page(job, reader, bad))
+    return buf
+
+
+def _read_pages(snap, name: str, loc: Locations, image_no: int) -> Iterator:
+    reader = RunReader(snap.repo.path, loc)
+    try:
+        for job in plan(snap, name, loc, image_no, READ_CHUNK):
+            buf = assemble(snap, name, job, reader)
+            if buf is None:         # all zero: the shared zero chunk (a hole for the materializer)
+                buf = ZERO_CHUNK if job.size == READ_CHUNK else bytes(job.size)
+            yield buf
+    finally:
+        reader.close()
+
+
+def _read_blobs(snap, im: dict, loc: Locations, image_no: int) -> Iterator[bytes]:
+    """A blob image: its data blobs in order, each checked, then the whole image's digest."""
+    import blake3
+    name = im["name"]
+    next_run, end = _runs(snap, name, loc, image_no)
+    reader = RunReader(snap.repo.path, loc)
+    try:
+        h = blake3.blake3()
+        n = 0
+        for bh in im["blobs"]:
+            data = _data_blob(snap, name, reader, next_run(KIND_DATA), bytes.fromhex(bh))
+            reader.cache.clear()       # data blobs are rarely shared inside one image
+            n += len(data)
+            if n > im["size"]:
+                raise snap._corrupt(f"image {name} longer than recorded")
+            h.update(data)
+            for o in range(0, len(data), READ_CHUNK):
+                yield data[o:o + READ_CHUNK]
+        if n != im["size"] or h.hexdigest() != im["digest"]:
+            raise snap._corrupt(f"image {name} does not match its recorded size/checksum")
+        end()
+    finally:
+        reader.close()
+
+
+def read_image(snap, im: dict, loc: Locations, image_no: int) -> Iterator:
+    """The original bytes of one image in chunks of at most READ_CHUNK (bytes or bytearray;
+    an all-zero chunk of READ_CHUNK is ZERO_CHUNK itself). Big pages images are built one
+    step ahead in a helper thread (the checks run without the GIL) while the caller uses
+    the previous chunk."""
+    if im["type"] == "blob":
+        return _read_blobs(snap, im, loc, image_no)
+    it = _read_pages(snap, im["name"], loc, image_no)
+    if int(im.get("size", 0)) >= PREFETCH_MIN:
+        return _prefetched(it)
+    return it
+
+
+def _prefetched(it: Iterator, depth: int = PREFETCH_DEPTH) -> Iterator:
+    """Run the generator `it` in a helper thread, `depth` items ahead; exceptions reach the
+    caller in order. Closing this generator early stops and closes `it` (in its thread)."""
+    q: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for x in it:
+                if not put((0, x)):
+                    return
+            put((1, None))
+        except BaseException as e:   # noqa: BLE001 - handed to the consumer
+            put((2, e))
+        finally:
+            it.close()
+
+    t = threading.Thread(target=run, name="gpusnap-read-ahead", daemon=True)
+    t.start()
+    try:
+        while True:
+            tag, x = q.get()
+            if tag == 0:
+                yield x
+            elif tag == 1:
+                return
+            else:
+                raise x
+    finally:
+        stop.set()
+        t.join()

@@ -1,0 +1,88 @@
+"""Trusting a repository before reading it: every directory above it and in it owned by the
+caller or root and writable by nobody else, none a symlink; and quarantine/, where recovery
+and repair set aside index files they replaced (docs/format.md §10)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from gpusnap.errors import RepositoryError
+from gpusnap.repo import fsutil
+
+SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
+QUARANTINE = "quarantine"      # index files set aside by recovery or repair (docs/format.md §10)
+MADE_ON_OPEN = ("tmp", "locks")     # recreated when missing; the others missing = damaged
+OPTIONAL = ("logs", "quarantine")  # checked when present
+
+
+def untrusted(p, why: str) -> RepositoryError:
+    return fsutil.untrusted(p, why)
+
+
+def check_above(path: Path) -> None:
+    """Every directory above the repository must be trusted too, or writable only with the
+    sticky bit (as /tmp): else its owner could swap the repository for one of their own."""
+    for anc in reversed(path.parents):
+        try:
+            st = os.lstat(anc)
+        except FileNotFoundError:
+            return                    # (created by a dump, as the caller)
+        if st.st_uid not in fsutil.trusted_uids():
+            raise untrusted(anc, f"(above the repository) is owned by uid {st.st_uid}, neither you nor root")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise untrusted(anc, f"(above the repository) is writable by others (mode {st.st_mode & 0o7777:04o})")
+
+
+def check_tree(path: Path) -> None:
+    """The repository directory, its subdirectories and packs/xx/: real directories (not
+    symlinks), owned by the caller or root, writable by nobody else. Missing tmp/ and locks/
+    are recreated (never through a symlink: relative to the checked directory's fd)."""
+    rfd = fsutil.open_dir(path)
+    try:
+        bad = fsutil.untrusted_reason(os.fstat(rfd), want_dir=True)
+        if bad:
+            raise untrusted(path, bad)
+        for d in SUBDIRS + OPTIONAL:
+            try:
+                st = os.stat(d, dir_fd=rfd, follow_symlinks=False)
+            except FileNotFoundError:
+                if d in MADE_ON_OPEN:
+                    os.mkdir(d, 0o700, dir_fd=rfd)
+                    continue
+                if d in OPTIONAL:
+                    continue
+                if not os.path.lexists(path / "config"):
+                    raise
+                raise RepositoryError(f"{path} is damaged: directory {d}/ is missing") from None
+            bad = fsutil.untrusted_reason(st, want_dir=True)
+            if bad:
+                raise untrusted(path / d, bad)
+        pfd = fsutil.open_dir("packs", dir_fd=rfd)
+        try:
+            for sub in os.listdir(pfd):
+                st = os.stat(sub, dir_fd=pfd, follow_symlinks=False)
+                bad = fsutil.untrusted_reason(st, want_dir=True)
+                if bad:
+                    raise untrusted(path / "packs" / sub, bad)
+        finally:
+            os.close(pfd)
+    finally:
+        os.close(rfd)
+
+
+def quarantine_file(root: Path, path: Path) -> Path:
+    """Move `path` (an index file) into REPO/quarantine/ (atomic rename, both directories
+    fsynced): kept for inspection, never read. -> its new path."""
+    q = root / QUARANTINE
+    fsutil.mkdir_private(q)
+    dest = q / f"{path.parent.name}-{path.name}"
+    k = 1
+    while os.path.lexists(dest):
+        k += 1
+        dest = q / f"{path.parent.name}-{path.name}.{k}"
+    os.rename(path, dest)
+    fsutil.fsync_dir(q)
+    fsutil.fsync_dir(path.parent)
+    return dest

@@ -307,7 +307,7 @@ def test_repair_leaves_out_damaged_blobs_and_names_the_snapshots(tmp_path):
     s = repo.snapshot(first)
     idx = repo.index()
     rec = next(r for r in s.iter_page_refs("pages-1.img") if r[0] == "pages")
-    b = idx.blobs[idx.page_loc[rec[1][:16]] >> 8]
+    b = idx.blobs[idx.page_table().get(rec[1][:16]) >> 8]
     pp = pack_path(repo.path, b.pack)
     data = bytearray(pp.read_bytes())
     data[b.offset + 16 + b.stored_len // 2] ^= 0x40

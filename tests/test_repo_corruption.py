@@ -31,7 +31,7 @@ def _pack_of(repo, snap):
     idx = repo.index()
     for rec in snap.iter_page_refs("pages-1.img"):
         if rec[0] == "pages":
-            loc = idx.page_loc[rec[1][:16]]
+            loc = idx.page_table().get(rec[1][:16])
             b = idx.blobs[loc >> 8]
             from gpusnap.repo.store import pack_path
             return pack_path(repo.path, b.pack), b

@@ -26,7 +26,7 @@ def _by_definition(repo):
 
     def cost(k):
         if len(k) == 16:
-            loc = idx.page_loc.get(k)
+            loc = idx.page_table().get(k)
             if loc is None:
                 return 0.0
             b = idx.blobs[loc >> 8]

@@ -60,35 +60,17 @@ def index_pack_names(path: Path) -> list[bytes]:
 
 @dataclass
 class RepoIndex:
-    """Union of all index files. Page ids -> blob_no << 8 | slot, as a dict (page_loc,
-    built on first use) or as a PageTable (page_table(), built on first use: the dump's
-    choice, a third of the memory); data_loc: blob id -> blob_no. The first index file (by
-    name) to list an id wins."""
+    """Union of all index files: blobs, one format.Blob record per blob (not per page);
+    page ids -> blob_no << 8 | slot in a PageTable (page_table(), built on first use, in
+    bulk); data_loc: blob id -> blob_no. The first index file (by name) to list an id wins."""
 
     blobs: list[Blob] = field(default_factory=list)
     data_loc: dict = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
     bad_files: dict = field(default_factory=dict)     # name -> reason
-    blob_file: list[int] = field(default_factory=list)  # blob_no -> index into files
     # load(check_packs=True): pack -> names of the index files whose records were left out
     missing_packs: dict = field(default_factory=dict)   # ... because the pack is missing
     short_packs: dict = field(default_factory=dict)     # ... because it ends before the record
-    _page_loc: dict | None = field(default=None, repr=False)
     _page_table: object = field(default=None, repr=False)
-
-    @property
-    def page_loc(self) -> dict:
-        if self._page_loc is None:
-            d: dict = {}
-            setd = d.setdefault
-            for bno, b in enumerate(self.blobs):
-                if b.kind == KIND_PAGES:
-                    ids = b.ids
-                    base = bno << 8
-                    for s in range(b.n_pages):
-                        setd(ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN], base | s)
-            self._page_loc = d
-        return self._page_loc
 
     def page_table(self):
         """The page locations as a pagetable.PageTable (native when the library is there)."""
@@ -150,10 +132,8 @@ class RepoIndex:
     def add_file(self, name, parsed, sizes: dict | None = None) -> None:
         """Add one parsed index file; with `sizes` (pack -> size, None = missing), records
         whose data is not in the pack are left out (load(check_packs=True))."""
-        if self._page_loc is not None or self._page_table is not None:
+        if self._page_table is not None:
             raise RuntimeError("add_file() after the page locations were built")
-        fno = len(self.files)
-        self.files.append(name)
         data_loc = self.data_loc
         for b in parsed.blobs:
             if sizes is not None:
@@ -166,7 +146,6 @@ class RepoIndex:
                     continue
             bno = len(self.blobs)
             self.blobs.append(b)
-            self.blob_file.append(fno)
             if b.kind != KIND_PAGES:
                 data_loc.setdefault(b.ids, bno)
 

@@ -114,14 +114,14 @@ def test_writer_native_and_python_write_identical_snapshots(tmp_path, monkeypatc
     """Same images through both paths: same page lists, same packs (names are content
     hashes), and each reads back with the other path's verify."""
     from gpusnap.repo import Repository, repository
-    from gpusnap.repo.pipeline import writer
+    from gpusnap.repo.pipeline import sinks
     rnd = random.Random(5)
     base = os.urandom(300 * PAGE)
     img = b"".join(bytes(PAGE) if rnd.random() < 0.3 else os.urandom(PAGE) for _ in range(500))
     images = {"pages-1.img": img + base + bytes(PAGE * 20) + base[:PAGE * 50] + b"tail",
               "pages-2.img": base[PAGE * 3:PAGE * 90], "core-1.img": b"core" * 99}
     out = {}
-    monkeypatch.setattr(writer, "COMPRESS_WORKERS", 1)   # several would order blobs by chance
+    monkeypatch.setattr(sinks, "COMPRESS_WORKERS", 1)   # several would order blobs by chance
     for mode in ("native", "python"):
         if mode == "python":
             monkeypatch.setattr(native, "scan", native.scan_python)

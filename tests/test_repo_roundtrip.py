@@ -260,8 +260,8 @@ def test_compressor_threads_keep_counts_exact(repo, monkeypatch, workers):
     (compressed + raw + dedup + zero = total) are exact; auto picks the float codec for
     float data and lz4 for text whatever thread sees them."""
     import numpy as np
-    from gpusnap.repo.pipeline import writer
-    monkeypatch.setattr(writer, "COMPRESS_WORKERS", workers)
+    from gpusnap.repo.pipeline import sinks
+    monkeypatch.setattr(sinks, "COMPRESS_WORKERS", workers)
     rnd = random.Random(9)
     floats = np.random.default_rng(2).normal(0, 0.02, 600 * PAGE // 4).astype(np.float32).tobytes()
     pages = [floats[i * PAGE:(i + 1) * PAGE] for i in range(600)]

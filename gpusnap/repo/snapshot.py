@@ -183,12 +183,7 @@ class Snapshot:
     def check_structure(self) -> None:
         """Cheap pre-restore check: page lists verify, every id has a location, every pack
         needed exists and is long enough. Raises CorruptSnapshot. With a usable locations
-        file (checked when opened) only the page lists are read, in bounded memory."""
-        if self.locations() is not None:
-            for im in self._images.values():
-                if im["type"] == "pages":
-                    self._check_pagelist(im)
-            return
+        file (checked when opened) nothing but the page lists is read, in bounded memory."""
         for im in self._images.values():
             if im["type"] == "pages":
                 self._check_pagelist(im)

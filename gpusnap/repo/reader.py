@@ -21,6 +21,8 @@ import threading
 from pathlib import Path
 from typing import Iterator
 
+import blake3
+
 from gpusnap.repo import native
 from gpusnap.repo.format import (BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
                                  READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
@@ -248,7 +250,6 @@ def _read_pages(snap, name: str, loc: Locations, image_no: int) -> Iterator:
 
 def _read_blobs(snap, im: dict, loc: Locations, image_no: int) -> Iterator[bytes]:
     """A blob image: its data blobs in order, each checked, then the whole image's digest."""
-    import blake3
     name = im["name"]
     next_run, end = _runs(snap, name, loc, image_no)
     reader = RunReader(snap.repo.path, loc)

@@ -49,6 +49,20 @@ def pack_sizes(root: Path, packs) -> dict[bytes, int | None]:
     return out
 
 
+def decode_blob(data, pos: int, offset: int, kind: int, codec: int, n_pages: int, raw_len: int,
+                stored_len: int) -> bytes:
+    """The payload of the blob whose header is at data[pos:] (at `offset` in its pack),
+    after checking the header against its record (kind..stored_len), decompressed. Raises
+    FormatError."""
+    if len(data) - pos < BLOB_HEADER.size + stored_len:
+        raise FormatError(f"blob at offset {offset} runs past the end of the pack")
+    h = parse_blob_header(data, pos)
+    if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (kind, codec, n_pages, raw_len, stored_len):
+        raise FormatError(f"blob header at offset {offset} disagrees with the index")
+    start = pos + BLOB_HEADER.size
+    return decompress(memoryview(data)[start:start + stored_len], codec, raw_len)
+
+
 class BlobReader:
     """Reads blobs: each checked against its record (header fields), then decompressed.
     Keeps up to max_fds packs open. One per reading thread (not shared), so no locking."""
@@ -85,10 +99,7 @@ class BlobReader:
         data = os.pread(self.fd(pack), want, offset)
         if len(data) != want:
             raise FormatError(f"pack truncated: blob at offset {offset} cut short")
-        h = parse_blob_header(data, 0)
-        if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (kind, codec, n_pages, raw_len, stored_len):
-            raise FormatError(f"blob header at offset {offset} disagrees with the index")
-        return decompress(memoryview(data)[BLOB_HEADER.size:], codec, raw_len)
+        return decode_blob(data, 0, offset, kind, codec, n_pages, raw_len, stored_len)
 
     def read_raw(self, b: Blob) -> bytes:
         """read_at() for a blob record."""

@@ -12,10 +12,10 @@ from gpusnap.errors import CorruptSnapshot, GpusnapError
 from gpusnap.repo import locations, native
 from gpusnap.repo.codec import decompress
 from gpusnap.repo.format import (BLOB_HEADER, KIND_DATA, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError,
-                                 blob_id, pack_namer, page_id, parse_blob_header, parse_pack)
+                                 blob_id, pack_namer, page_id, parse_pack)
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.repository import Repository, Snapshot
-from gpusnap.repo.store import list_packs, pack_path
+from gpusnap.repo.store import decode_blob, list_packs, pack_path
 
 
 @dataclass
@@ -67,17 +67,12 @@ class VerifyReport:
 
 
 def _check_blob(data, off, b) -> str | None:
-    """Decompress one blob from a pack held in memory and check it against its ids."""
-    end = off + BLOB_HEADER.size + b.stored_len
-    if end > len(data):
-        return f"blob at offset {off} runs past the end of the pack"
+    """Decode one blob of a pack held in memory (store.decode_blob, as every reader does) and
+    check it against its ids: -> what is wrong, or None."""
     try:
-        h = parse_blob_header(data, off)
-        if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len):
-            return f"blob header at offset {off} disagrees with the index"
-        raw = decompress(memoryview(data)[off + BLOB_HEADER.size:end], b.codec, b.raw_len)
+        raw = decode_blob(data, off, off, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len)
     except FormatError as e:
-        return f"blob at offset {off}: {e}"
+        return str(e) if str(e).startswith("blob") else f"blob at offset {off}: {e}"
     if b.kind == KIND_PAGES:
         bad = native.verify(raw, b.n_pages, b.ids)
         if bad >= 0:

@@ -159,7 +159,7 @@ def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list)
                     for f in fin:
                         written += f.result()
                     if total != im["size"]:
-                        raise snap._corrupt(f"image {name} rebuilds to {total} bytes, not {im['size']}")
+                        raise snap.corrupt(f"image {name} rebuilds to {total} bytes, not {im['size']}")
                     os.ftruncate(fd, total)
                 finally:
                     # no job may still write through this fd once it is closed (or reused)

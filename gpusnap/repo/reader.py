@@ -94,11 +94,11 @@ def _runs(snap, name: str, loc: Locations, image_no: int):
         try:
             r = next(runs)
         except StopIteration:
-            raise snap._corrupt(f"locations file ends before image {name} does") from None
+            raise snap.corrupt(f"locations file ends before image {name} does") from None
         except LocationsInvalid as e:
-            raise snap._corrupt(f"locations file of {name}: {e}") from None
+            raise snap.corrupt(f"locations file of {name}: {e}") from None
         if r[2] != kind:
-            raise snap._corrupt(f"locations file of {name} disagrees with its page list")
+            raise snap.corrupt(f"locations file of {name} disagrees with its page list")
         return r
 
     def end():
@@ -107,8 +107,8 @@ def _runs(snap, name: str, loc: Locations, image_no: int):
         except StopIteration:
             return
         except LocationsInvalid as e:
-            raise snap._corrupt(f"locations file of {name}: {e}") from None
-        raise snap._corrupt(f"locations file has more runs than image {name} needs")
+            raise snap.corrupt(f"locations file of {name}: {e}") from None
+        raise snap.corrupt(f"locations file has more runs than image {name} needs")
     return next_run, end
 
 
@@ -156,12 +156,12 @@ def plan(snap, name: str, loc: Locations, image_no: int, job_bytes: int) -> Iter
                     job = Job(job.pos + job.size)
         else:                       # the tail: last in a page list, after every page
             if left:
-                raise snap._corrupt(f"locations file of {name} disagrees with its page list")
+                raise snap.corrupt(f"locations file of {name} disagrees with its page list")
             job.pieces.append(("d", next_run(KIND_DATA), rec[2], rec[1]))
             job.size += rec[1]
             job.data = True
     if left:
-        raise snap._corrupt(f"locations file of {name} disagrees with its page list")
+        raise snap.corrupt(f"locations file of {name} disagrees with its page list")
     end()
     if job.size:
         yield job
@@ -171,15 +171,15 @@ def _blob(snap, name: str, reader: RunReader, r) -> bytes:
     try:
         return reader.get(r)
     except FileNotFoundError:
-        raise snap._corrupt(f"{name}: pack missing", reader.pack_name(r[0])) from None
+        raise snap.corrupt(f"{name}: pack missing", reader.pack_name(r[0])) from None
     except (OSError, FormatError) as e:
-        raise snap._corrupt(f"{name}: {e}", reader.pack_name(r[0])) from None
+        raise snap.corrupt(f"{name}: {e}", reader.pack_name(r[0])) from None
 
 
 def _data_blob(snap, name: str, reader: RunReader, r, bid: bytes) -> bytes:
     data = _blob(snap, name, reader, r)
     if blob_id(data) != bid:
-        raise snap._corrupt(f"blob {bid.hex()[:16]} of {name} fails its checksum", reader.pack_name(r[0]))
+        raise snap.corrupt(f"blob {bid.hex()[:16]} of {name} fails its checksum", reader.pack_name(r[0]))
     return data
 
 
@@ -213,11 +213,11 @@ def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
                 try:
                     got = os.preadv(reader.br.fd(pack), [mv[pos:pos + n]], r[1] + BLOB_HEADER.size + s)
                 except FileNotFoundError:
-                    raise snap._corrupt(f"{name}: pack missing", pack) from None
+                    raise snap.corrupt(f"{name}: pack missing", pack) from None
                 except OSError as e:
-                    raise snap._corrupt(f"{name}: {e}", pack) from None
+                    raise snap.corrupt(f"{name}: {e}", pack) from None
                 if got != n:
-                    raise snap._corrupt(f"{name}: pack truncated", pack)
+                    raise snap.corrupt(f"{name}: pack truncated", pack)
             else:
                 mv[pos:pos + n] = memoryview(_blob(snap, name, reader, r))[s:s + n]
             pos += n
@@ -226,13 +226,13 @@ def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
         else:
             data = _data_blob(snap, name, reader, p[1], p[2])
             if len(data) != p[3]:
-                raise snap._corrupt(f"tail of {name} has the wrong length")
+                raise snap.corrupt(f"tail of {name} has the wrong length")
             mv[pos:pos + len(data)] = data
             pos += len(data)
     if job.npages:
         bad = native.verify(buf, job.npages, b"".join(job.ids), job.kinds)
         if bad >= 0:
-            raise snap._corrupt(f"a page of {name} fails its checksum", _pack_of_page(job, reader, bad))
+            raise snap.corrupt(f"a page of {name} fails its checksum", _pack_of_page(job, reader, bad))
     return buf
 
 
@@ -261,12 +261,12 @@ def _read_blobs(snap, im: dict, loc: Locations, image_no: int) -> Iterator[bytes
             reader.cache.clear()       # data blobs are rarely shared inside one image
             n += len(data)
             if n > im["size"]:
-                raise snap._corrupt(f"image {name} longer than recorded")
+                raise snap.corrupt(f"image {name} longer than recorded")
             h.update(data)
             for o in range(0, len(data), READ_CHUNK):
                 yield data[o:o + READ_CHUNK]
         if n != im["size"] or h.hexdigest() != im["digest"]:
-            raise snap._corrupt(f"image {name} does not match its recorded size/checksum")
+            raise snap.corrupt(f"image {name} does not match its recorded size/checksum")
         end()
     finally:
         reader.close()

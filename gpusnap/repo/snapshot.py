@@ -90,7 +90,7 @@ class Snapshot:
         except KeyError:
             raise SnapshotNotFound(f"snapshot {self.path} has no image {filename}") from None
 
-    def _corrupt(self, what: str, pack: bytes | None = None) -> CorruptSnapshot:
+    def corrupt(self, what: str, pack: bytes | None = None) -> CorruptSnapshot:
         where = f" (pack {pack_path(self.repo.path, pack)})" if pack else ""
         return CorruptSnapshot(f"snapshot {self.path} is damaged: {what}{where}",
                                "run gpusnap verify to see what is affected; restore another snapshot")
@@ -109,10 +109,22 @@ class Snapshot:
                     h.update(b)
                     n += len(b)
         except OSError as e:
-            raise self._corrupt(f"page list {im['pagelist']} of {im['name']} unreadable: {e}") from None
+            raise self.corrupt(f"page list {im['pagelist']} of {im['name']} unreadable: {e}") from None
         if n != im["pagelist_size"] or h.hexdigest() != im["digest"]:
-            raise self._corrupt(f"page list {im['pagelist']} of {im['name']} does not match its checksum")
+            raise self.corrupt(f"page list {im['pagelist']} of {im['name']} does not match its checksum")
         return p
+
+    def pagelist_bytes(self, filename) -> bytes:
+        """The page list of a pages image, checked against the manifest (for export)."""
+        im = self.image(filename)
+        try:
+            with os.fdopen(fsutil.open_nofollow(self.path / im["pagelist"], os.O_RDONLY), "rb") as f:
+                data = f.read(im["pagelist_size"] + 1)
+        except OSError as e:
+            raise self.corrupt(f"page list {im['pagelist']} of {filename} unreadable: {e}") from None
+        if len(data) != im["pagelist_size"] or blake3.blake3(data).hexdigest() != im["digest"]:
+            raise self.corrupt(f"page list {im['pagelist']} of {filename} does not match its checksum")
+        return data
 
     def iter_page_refs(self, filename) -> Iterator[tuple]:
         """("zero", n) / ("pages", ids bytes) / ("tail", len, blob id) after checking the page list."""
@@ -122,16 +134,11 @@ class Snapshot:
             try:
                 yield from iter_pagelist(f.read, im["size"])
             except FormatError as e:
-                raise self._corrupt(f"page list of {filename}: {e}") from None
-
-    def referenced_ids(self) -> tuple[set, set]:
-        """(page ids, data blob ids) this snapshot needs."""
-        raw, data = self.referenced_page_bytes()
-        return {raw[i:i + PAGE_ID_LEN] for i in range(0, len(raw), PAGE_ID_LEN)}, data
+                raise self.corrupt(f"page list of {filename}: {e}") from None
 
     def referenced_page_bytes(self) -> tuple[bytes, set]:
         """(the page ids of every page record, concatenated (16 bytes each, repeats kept),
-        data blob ids): referenced_ids() without a Python object per page."""
+        data blob ids): no Python object per page."""
         parts: list[bytes] = []
         data: set = set()
         for name, im in self._images.items():
@@ -161,22 +168,22 @@ class Snapshot:
                     data = locations.build(self.path, self.manifest["images"], locations.index_resolver(idx))
                 except locations.MissingData as e:
                     extra = f"; damaged index files: {', '.join(sorted(idx.bad_files))}" if idx.bad_files else ""
-                    raise self._corrupt(f"pages/blobs are not in the repository index ({e}){extra}") from None
+                    raise self.corrupt(f"pages/blobs are not in the repository index ({e}){extra}") from None
                 except FormatError as e:
-                    raise self._corrupt(f"page list: {e}") from None
+                    raise self.corrupt(f"page list: {e}") from None
                 except OSError as e:
-                    raise self._corrupt(f"page list unreadable: {e}") from None
+                    raise self.corrupt(f"page list unreadable: {e}") from None
                 try:
                     built = locations.Locations.from_bytes(data, locations.image_digests(self.manifest))
                 except locations.LocationsInvalid as e:      # (a bug: build() wrote it)
-                    raise self._corrupt(f"locations built from the index unusable: {e}") from None
+                    raise self.corrupt(f"locations built from the index unusable: {e}") from None
                 for ph, end in built.iter_packs():
                     try:
                         size = os.stat(pack_path(self.repo.path, ph)).st_size
                     except FileNotFoundError:
-                        raise self._corrupt("pack missing", ph) from None
+                        raise self.corrupt("pack missing", ph) from None
                     if size < end:
-                        raise self._corrupt(f"pack truncated ({size} bytes, needs at least {end})", ph)
+                        raise self.corrupt(f"pack truncated ({size} bytes, needs at least {end})", ph)
                 self._built = built
             return self._built
 

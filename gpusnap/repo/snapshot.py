@@ -12,7 +12,7 @@ import blake3
 
 from gpusnap.errors import CorruptSnapshot, SnapshotNotFound
 from gpusnap.repo import fsutil, locations, reader
-from gpusnap.repo.format import PAGE_ID_LEN, READ_CHUNK, FormatError, iter_pagelist, parse_manifest
+from gpusnap.repo.format import READ_CHUNK, FormatError, iter_pagelist, parse_manifest
 from gpusnap.repo.store import pack_path
 
 

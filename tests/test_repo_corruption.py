@@ -154,3 +154,70 @@ def test_leftovers_are_not_problems(setup):
     (repo.path / "snapshots" / ".tmp-x-1-2").mkdir()
     rep = verify(repo)
     assert rep.ok and rep.notes
+
+
+def _blob_of(repo, snap, codec_none: bool):
+    """(pack path, record) of a pages blob of snap's pages-1.img stored raw / compressed."""
+    from gpusnap.repo.format import CODEC_NONE
+    from gpusnap.repo.store import pack_path
+    idx = repo.index()
+    table = idx.page_table()
+    for rec in snap.iter_page_refs("pages-1.img"):
+        if rec[0] == "pages":
+            for i in range(0, len(rec[1]), 16):
+                b = idx.blobs[table.get(rec[1][i:i + 16]) >> 8]
+                if (b.codec == CODEC_NONE) == codec_none:
+                    return pack_path(repo.path, b.pack), b
+    raise AssertionError("no such blob")
+
+
+@pytest.mark.parametrize("codec_none", [True, False], ids=["raw", "compressed"])
+@pytest.mark.parametrize("with_locations", [True, False], ids=["locations", "from-index"])
+def test_one_read_path_names_image_and_pack(setup, tmp_path, monkeypatch, codec_none, with_locations):
+    """A flipped byte in a page is refused the same way whether the runs come from the
+    snapshot's locations file or from one built from the index, by the sequential reader and
+    by the parallel materializer alike: CorruptSnapshot naming the image and the pack."""
+    import threading
+
+    from gpusnap.repo import materialize
+
+    monkeypatch.setattr(materialize, "JOB_BYTES", 16 * PAGE)     # small jobs: the parallel path
+    repo, s1, s2, img1, img2 = setup
+    assert materialize.parallel_ok(s1, "pages-1.img")
+    pp, b = _blob_of(repo, s1, codec_none)
+    if not with_locations:
+        os.unlink(s1.path / "locations")
+    _flip(pp, b.offset + 16 + b.stored_len // 2)
+    s = Repository.open(repo.path).snapshot(s1.path.name)
+    assert (s.locations() is not None) == with_locations
+    with pytest.raises(CorruptSnapshot, match="pages-1.img") as e:
+        read_all(s, "pages-1.img")
+    assert pp.name in str(e.value)
+    out = tmp_path / "images"
+    out.mkdir(mode=0o700)
+    with pytest.raises(CorruptSnapshot, match="pages-1.img") as e:
+        materialize.write_images(s, out, 2, threading.Event(), [0])
+    assert pp.name in str(e.value)
+    # the other snapshot shares no page with it and still reads
+    assert read_all(Repository.open(repo.path).snapshot(s2.path.name), "pages-1.img") == img2
+
+
+def test_read_through_the_index_equals_the_file(setup, tmp_path, monkeypatch):
+    """Without its locations file a snapshot reads, and materializes in parallel, to the same
+    bytes through locations built from the index."""
+    import threading
+
+    from gpusnap.repo import materialize
+
+    monkeypatch.setattr(materialize, "JOB_BYTES", 16 * PAGE)     # small jobs: the parallel path
+    repo, s1, s2, img1, img2 = setup
+    os.unlink(s1.path / "locations")
+    s = Repository.open(repo.path).snapshot(s1.path.name)
+    assert s.locations() is None and s.reading_locations() is not None
+    assert read_all(s, "pages-1.img") == img1
+    out = tmp_path / "images"
+    out.mkdir(mode=0o700)
+    materialize.write_images(s, out, 2, threading.Event(), [0])
+    assert (out / "pages-1.img").read_bytes() == img1
+    assert b"".join(materialize.iter_image_parallel(s, "pages-1.img", 2)) == img1
+    assert (out / "core-1.img").read_bytes() == b"core" * 300

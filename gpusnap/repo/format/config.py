@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import re
 
-from gpusnap.repo.format.common import *  # noqa: F403 (constants and FormatError)
-from gpusnap.repo.format.common import FormatError
+from gpusnap.repo.format.common import FORMAT_VERSION, MAX_CONFIG, PAGE_SIZE, FormatError
 
 
 def make_config(repo_id: str, created: float) -> dict:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import blake3
 
-from gpusnap.repo.format.common import *  # noqa: F403 (constants and FormatError)
-from gpusnap.repo.format.common import Blob, FormatError
+from gpusnap.repo.format.common import (BLOB_HEADER, BLOB_ID_LEN, FORMAT_VERSION, INDEX_HEADER, INDEX_MAGIC, INDEX_RECORD, KIND_PAGES,
+                                       MAX_PACK_SIZE, PACK_HASH_LEN, PACK_HEADER, PAGE_ID_LEN, Blob,
+                                       FormatError)
 from gpusnap.repo.format.pack import check_blob_fields
 
 

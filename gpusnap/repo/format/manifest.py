@@ -6,8 +6,8 @@ import json
 
 import blake3
 
-from gpusnap.repo.format.common import *  # noqa: F403 (constants and FormatError)
-from gpusnap.repo.format.common import FormatError
+from gpusnap.repo.format.common import (FORMAT_VERSION, HEX64, MANIFEST_TRAILER_LEN, MANIFEST_TRAILER_PREFIX, MAX_MANIFEST, PAGELIST_NAME,
+                                       SNAPSHOT_NAME, FormatError)
 
 
 def encode_manifest(body: dict) -> tuple[bytes, str]:

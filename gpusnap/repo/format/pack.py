@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import blake3
 
-from gpusnap.repo.format.common import *  # noqa: F403 (constants and FormatError)
-from gpusnap.repo.format.common import FormatError
+from gpusnap.repo.format.common import (BLOB_HEADER, BLOB_MAGIC, CODECS, CODEC_NONE, FORMAT_VERSION, KINDS, KIND_PAGES, MAX_BLOB_RAW,
+                                       MAX_GROUP_PAGES, PACK_HEADER, PACK_MAGIC, PACK_NAME_MAGIC,
+                                       PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_SIZE, FormatError)
 
 
 def encode_pack_header() -> bytes:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from gpusnap.repo.format.common import *  # noqa: F403 (constants and FormatError)
-from gpusnap.repo.format.common import FormatError
+from gpusnap.repo.format.common import (BLOB_ID_LEN, PAGE_ID_LEN, PAGE_SIZE, PL_PAGES, PL_RECORD, PL_TAIL, PL_ZERO, FormatError)
 
 
 def encode_pl_zero(count: int) -> bytes:

@@ -422,31 +422,13 @@ def prune(
     if all_ and keep_last is None:
         keep_last = 0
         forget_mod.check_retention(keep_last, name, all_, "prune")
-    repository = _open_repo(repo, write=not dry_run)
-    with repository.writer_lock(), repository.readers_lock(exclusive=not dry_run):
-        snaps = repository.snapshots()
-        if name is not None and keep_last is not None and not any(s.name == name for s in snaps):
-            from gpusnap.errors import SnapshotNotFound
-            raise SnapshotNotFound(f"no snapshot named {name!r} in repository {repository.path}",
-                                   hint="list them with: gpusnap ls")
-        if keep_last is None:
-            plan = prune_mod.PrunePlan(keep=[s.id for s in snaps], delete=[])
-        else:
-            plan = prune_mod.plan_prune(snaps, keep_last=keep_last, name=name)
-        result = prune_mod.execute_prune(repository, plan, dry_run=dry_run)
-        if not dry_run:
-            forget_mod.sweep_logs(repository)
-    data = result.to_dict() if hasattr(result, "to_dict") else {"result": str(result)}
+    result = prune_mod.run(_open_repo(repo, write=not dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
+    data = result.to_dict()
     if json_:
         _emit_json(data)
         return
-    verb = "would delete" if data.get("dry_run") else "deleted"
-    for n in data.get("snapshots_deleted", []):
-        out.print(f"{verb} snapshot {n}", markup=False)
-    out.print(f"kept {len(data.get('snapshots_kept', []))} snapshot(s); packs {verb}: "
-              f"{data.get('packs_deleted', 0)}, rewritten: {data.get('packs_rewritten', 0)}; "
-              f"{'would free' if data.get('dry_run') else 'freed'} {_human(data.get('bytes_freed', 0))}",
-              markup=False)
+    for line in result.lines():
+        out.print(line, markup=False)
     for why in data.get("unreadable", []):
         err.print(f"gpusnap: warning: left alone: {why}", style="yellow", markup=False)
     if data.get("data_kept"):

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from gpusnap.repo import Repository
-from gpusnap.repo.maint.prune import PrunePlan, execute_prune, plan_prune, snapshots_info
+from gpusnap.repo.maint.prune import Selection, execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 
@@ -21,7 +21,7 @@ def test_plan_keep_last_per_name():
     assert p.delete == ["a1"] and sorted(p.keep) == ["a2", "a3", "b1", "b2"]
     assert plan_prune(s, 10).delete == []
     assert sorted(plan_prune(s, 0, name="b").delete) == ["b1", "b2"]
-    assert plan_prune([], 3) == PrunePlan()
+    assert plan_prune([], 3) == Selection()
     # input order does not matter; ties broken by id
     assert sorted(plan_prune(list(reversed(s)), 1).delete) == ["a1", "a2", "b1"]
     t = info(("x2", "x", 5), ("x1", "x", 5))

@@ -132,26 +132,22 @@ def select(repo, refs: list[str], name: str | None = None, keep_last: int | None
 
 def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
            all_: bool = False, dry_run: bool = False, prune: bool = False) -> ForgetResult:
-    """Select, then remove under the writer lock and the exclusive readers lock (a restore
-    may be reading a snapshot about to go); with `prune`, free the data nothing needs."""
+    """Select, then remove under prune's locks (a restore may be reading a snapshot about to
+    go); with `prune`, the removal is part of one prune plan that also frees the data
+    nothing needs (with dry_run: exactly what it would do)."""
     from gpusnap.repo.maint import prune as prune_mod
 
-    with repo.writer_lock(), repo.readers_lock(exclusive=not dry_run):
+    with prune_mod.locked(repo, dry_run):
         doomed, kept = select(repo, refs, name=name, keep_last=keep_last, all_=all_)
         res = ForgetResult(dry_run=dry_run, kept=[s.path.name for s in kept],
                            forgotten=[{"dir": s.path.name, "id": s.id, "name": s.name, "created": s.created}
                                       for s in doomed])
-        if not dry_run:
+        if prune:
+            res.prune = prune_mod.apply(repo, doomed, dry_run=dry_run).to_dict()
+        elif not dry_run:
             for s in doomed:
                 repo.remove_snapshot(s)
             sweep_logs(repo)
-        if prune:
-            if dry_run:
-                # what prune would free once these are gone: plan their deletion, change nothing
-                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[s.id for s in doomed if s.id])
-            else:
-                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[])
-            res.prune = prune_mod.execute_prune(repo, plan, dry_run=dry_run).to_dict()
     return res
 
 

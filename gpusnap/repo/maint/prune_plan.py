@@ -120,7 +120,6 @@ class PrunePlan:
     """Everything a prune will do, decided before anything changes."""
     remove: list = field(default_factory=list)        # snapshot dir names to delete
     keep: list = field(default_factory=list)          # snapshot dir names that stay
-    remove_ids: list = field(default_factory=list)
     packs: list[PackDecision] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
     data_kept: str | None = None        # why no data is deleted (a snapshot that cannot be read)
@@ -143,20 +142,6 @@ class PrunePlan:
         return {"snapshots_remove": self.remove, "snapshots_keep": self.keep,
                 "packs": [d.to_dict() for d in self.packs], "totals": self.totals(),
                 "unreadable": self.unreadable, "data_kept": self.data_kept, "leftovers": self.leftovers}
-
-    def lines(self) -> list[str]:
-        from gpusnap.render import human_bytes
-
-        out = [f"delete snapshot {n}" for n in self.remove]
-        for d in self.packs:
-            if d.action != "keep":
-                out.append(f"{d.action} pack {d.pack.hex()[:16]} ({d.why}): {human_bytes(d.size)}, "
-                           f"used {human_bytes(d.used)}")
-        t = self.totals()
-        out.append(f"packs: keep {t['packs_keep']}, rewrite {t['packs_rewrite']} ({human_bytes(t['to_rewrite'])}), "
-                   f"delete {t['packs_delete']}; used {human_bytes(t['used'])}, unused {human_bytes(t['unused'])}; "
-                   f"to free {human_bytes(t['to_free'])}")
-        return out
 
 
 class _UsedSlots:
@@ -258,7 +243,7 @@ def plan(repo, remove=(), max_unused: float = MAX_UNUSED) -> PrunePlan:
     gone = [q.name for q in broken if q.name in want] + [s.path.name for s in doomed]
     broken = {q: why for q, why in broken.items() if q.name not in gone}
     survivors = [s for s in snaps if s.path.name not in gone]
-    p = PrunePlan(remove=gone, keep=[s.path.name for s in survivors], remove_ids=[s.id for s in doomed])
+    p = PrunePlan(remove=gone, keep=[s.path.name for s in survivors])
     # An unreadable entry never blocks the retention of the others: it is reported and left
     # alone. A damaged snapshot directory may still need data nobody can list, so then no data
     # is deleted; entries that are not snapshot directories at all need none.

@@ -89,8 +89,10 @@ def _snapshot_dir(repo, ref: str):
             return None
     except OSError:
         return None
-    # only a directory gpusnap trusts (not a symlink, not another user's): see _snapshot_entries
-    return sd / cand.name if sd / cand.name in repo._snapshot_dirs() else None
+    # only a snapshot directory gpusnap trusts (not a symlink, not another user's) whose
+    # manifest cannot be read: broken_snapshots() less the entries that are no snapshot at all
+    unreadable = set(repo.broken_snapshots()) - set(repo.unusable_entries())
+    return sd / cand.name if sd / cand.name in unreadable else None
 
 
 def select(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,

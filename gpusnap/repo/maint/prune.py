@@ -16,17 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import stat
 from typing import Callable
 
 from gpusnap.errors import CorruptSnapshot, RepositoryError, SnapshotNotFound
-from gpusnap.repo import fsutil, locations
+from gpusnap.repo import fsutil, locations, native
 from gpusnap.repo.codec import compress
 from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, blob_id
-from gpusnap.repo.maint.prune_plan import (MAX_UNUSED, SMALL_PACK, PackDecision, PrunePlan, Selection,  # noqa: F401
-                                           index_names, index_of, plan, plan_packs, plan_prune)
+from gpusnap.repo.maint.prune_plan import (FAILED_LOGS_KEPT, MAX_UNUSED, SMALL_PACK, PackDecision,  # noqa: F401
+                                           PrunePlan, Selection, doomed_logs, index_names, index_of, plan,
+                                           plan_packs, plan_prune)
 from gpusnap.repo.store import BlobReader, PackWriter, PendingBlob, RepoIndex, pack_path, write_index_file
 
 Fault = Callable[[str], None]
@@ -273,8 +273,6 @@ def _delete_packs(repo, p: PrunePlan, fault: Fault) -> int:
 def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:
     """A blob to copy, checked against its ids with the repository's checksum functions
     (the native batch page verifier; format.blob_id)."""
-    from gpusnap.repo import native
-
     b = idx.blobs[bno]
     try:
         raw = reader.read_raw(b)
@@ -319,40 +317,6 @@ def _remove_leftovers(root, leftovers: list[str]) -> int:
         finally:
             os.close(dfd)
     return n
-
-
-FAILED_LOGS_KEPT = 20
-_LOG_OF_SNAPSHOT = re.compile(r"(?P<dir>.+)-(dump|restore)(-[0-9]+)?\.log")
-
-
-def doomed_logs(root, gone: set[str] = frozenset()) -> list[str]:
-    """The logs in REPO/logs/ that go: those of a snapshot whose directory is gone (or in
-    `gone`), and the logs of failed runs (failed-*) beyond the newest FAILED_LOGS_KEPT."""
-    try:
-        dfd = fsutil.open_dir(root / "logs")
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    try:
-        present = set(os.listdir(root / "snapshots")) - set(gone)
-        failed = []
-        doomed = []
-        for name in sorted(os.listdir(dfd)):
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
-                continue
-            if name.startswith("failed-"):
-                failed.append((st.st_mtime, name))
-                continue
-            m = _LOG_OF_SNAPSHOT.fullmatch(name)
-            if m and m.group("dir") not in present:
-                doomed.append(name)
-        failed.sort(reverse=True)
-        return doomed + [n for _, n in failed[FAILED_LOGS_KEPT:]]
-    finally:
-        os.close(dfd)
 
 
 def prune_logs(root) -> int:

@@ -9,10 +9,13 @@ apply it (gpusnap/repo/maint/prune.py executes a PrunePlan and nothing else).
 from __future__ import annotations
 
 import os
+import re
+import stat
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from gpusnap.errors import RepositoryError
+from gpusnap.repo import fsutil
 from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_DATA
 from gpusnap.repo.store import DEFAULT_PACK_TARGET, RepoIndex, pack_sizes
 
@@ -226,6 +229,40 @@ def _leftovers(root, gone: set[str]) -> list[str]:
             os.close(dfd)
         out += [f"{sub}/{n}" for n in names if sub == "tmp" or n.startswith((".tmp-", ".del-"))]
     return out + [f"logs/{n}" for n in doomed_logs(root, gone)]
+
+
+FAILED_LOGS_KEPT = 20
+_LOG_OF_SNAPSHOT = re.compile(r"(?P<dir>.+)-(dump|restore)(-[0-9]+)?\.log")
+
+
+def doomed_logs(root, gone: set[str] = frozenset()) -> list[str]:
+    """The logs in REPO/logs/ that go: those of a snapshot whose directory is gone (or in
+    `gone`), and the logs of failed runs (failed-*) beyond the newest FAILED_LOGS_KEPT."""
+    try:
+        dfd = fsutil.open_dir(root / "logs")
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    try:
+        present = set(os.listdir(root / "snapshots")) - set(gone)
+        failed = []
+        doomed = []
+        for name in sorted(os.listdir(dfd)):
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+                continue
+            if name.startswith("failed-"):
+                failed.append((st.st_mtime, name))
+                continue
+            m = _LOG_OF_SNAPSHOT.fullmatch(name)
+            if m and m.group("dir") not in present:
+                doomed.append(name)
+        failed.sort(reverse=True)
+        return doomed + [n for _, n in failed[FAILED_LOGS_KEPT:]]
+    finally:
+        os.close(dfd)
 
 
 def plan(repo, remove=(), max_unused: float = MAX_UNUSED) -> PrunePlan:

@@ -50,14 +50,6 @@ class PruneResult(dict):
     def to_dict(self) -> dict:
         return dict(self)
 
-    def lines(self) -> list[str]:
-        verb = "would delete" if self.get("dry_run") else "deleted"
-        out = [f"{verb} snapshot {n}" for n in self.get("snapshots_deleted", [])]
-        out.append(f"kept {len(self.get('snapshots_kept', []))} snapshot(s); packs {verb}: "
-                   f"{self.get('packs_deleted', 0)}, rewritten: {self.get('packs_rewritten', 0)}; "
-                   f"{'would free' if self.get('dry_run') else 'freed'} {self.get('bytes_freed', 0)} bytes")
-        return out
-
 
 def _field(s, k):
     return s[k] if isinstance(s, Mapping) else getattr(s, k)

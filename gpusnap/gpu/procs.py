@@ -4,6 +4,7 @@ A process "uses" a GPU when it holds /dev/nvidiaN open (or mapped); N is the dev
 which /proc/driver/nvidia/gpus/<bus>/information maps to the GPU's UUID and PCI bus id.
 The driver probe (gpusnap.gpu.driver) adds the index nvidia-smi shows and the CUDA
 checkpoint state; without a driver those stay unknown and everything else still works.
+The tables of `gpusnap ps` and of a snapshot's GPUs are made in render (machine, snapshots).
 """
 
 from __future__ import annotations

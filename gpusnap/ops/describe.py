@@ -4,7 +4,8 @@ open files (size and mode at dump time, and whether the file on disk still match
 GPU facts recorded at dump, and the repository's page statistics and sizes.
 
 CRIU's images are decoded with pycriu from the snapshot itself, so nothing in them is trusted:
-a malformed image is reported as unreadable rather than crashing the command.
+a malformed image is reported as unreadable rather than crashing the command. The report is
+data (what `inspect --json` prints); render.snapshots.inspect makes the text.
 """
 
 from __future__ import annotations

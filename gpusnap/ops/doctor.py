@@ -28,6 +28,7 @@ from gpusnap.errors import GpuUnsupportedProcess
 from gpusnap.system import paths, preflight
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
+from gpusnap.render import human_bytes
 
 STATUSES = ("ok", "info", "warn", "fail")
 CAP_SYS_RESOURCE = preflight.CAP_SYS_RESOURCE
@@ -240,7 +241,7 @@ def _check_driver(r: DoctorReport, probe: gdriver.DriverProbe) -> None:
               "processes cannot be snapshotted", "update the NVIDIA driver to r570 (CUDA 12.8) or newer")
     if probe.gpus:
         r.add("GPUs", "ok", "; ".join(
-            f"#{g.index} {g.name} {(g.memory_bytes or 0) / 2**30:.0f} GiB {g.uuid}" for g in probe.gpus))
+            f"#{g.index} {g.name} {human_bytes(g.memory_bytes)} {g.uuid}" for g in probe.gpus))
     elif not probe.reason:
         r.add("GPUs", "warn", "the driver lists no GPU", "check nvidia-smi")
     mps = [p for p in _pids_named(("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import grp
 import json
 import os
 import pwd
@@ -370,17 +371,23 @@ def test_own_ancestor_is_refused():
 # where doctor fails a check, dump refuses with the exit code doctor names, with the same
 # message and hint, before it touches the job.
 
-def _gpusnap(*args, env: dict[str, str], drop: tuple[str, ...] = (), user: str | None = None):
+def _gpusnap(*args, env: dict[str, str], drop: tuple[str, ...] = (), user: str | None = None,
+             caps: str | None = None):
+    """gpusnap ARGS with env; as `user` (runuser), or as nobody with only the capabilities
+    `caps` ('+checkpoint_restore,...': setpriv)."""
     from conftest import GPUSNAP, ROOT
 
     full = {k: v for k, v in os.environ.items() if k not in drop} | env
     prefix = ["runuser", "-u", user, "--", "env", *(f"{k}={v}" for k, v in full.items())] if user else []
+    if caps is not None:
+        prefix = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", f"--inh-caps={caps}",
+                  f"--ambient-caps={caps}"]
     return subprocess.run([*prefix, *GPUSNAP, *map(str, args)], capture_output=True, text=True,
                           env=full, cwd=ROOT, timeout=300)
 
 
-def _doctor_check(name: str, env: dict[str, str], user: str | None = None) -> dict:
-    res = _gpusnap("doctor", "--json", env=env, user=user)
+def _doctor_check(name: str, env: dict[str, str], user: str | None = None, caps: str | None = None) -> dict:
+    res = _gpusnap("doctor", "--json", env=env, user=user, caps=caps)
     checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
     assert res.returncode == (1 if checks[name]["status"] == "fail" else res.returncode)
     return checks[name]
@@ -505,3 +512,37 @@ def test_doctor_and_dump_take_the_same_process_tree(tmp_path):
     finally:
         kill_pids(gsproc.tree(p.pid)[::-1])
         p.wait()
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop to chosen capabilities")
+@pytest.mark.parametrize("caps,ready", [("+checkpoint_restore", False),
+                                        ("+checkpoint_restore,+sys_ptrace", True)])
+def test_doctor_and_dump_agree_on_capabilities_without_root(caps, ready):
+    """Not root: CAP_CHECKPOINT_RESTORE alone is not enough for either command; with
+    CAP_SYS_PTRACE too, doctor warns (CRIU's non-root mode) and dump does not refuse for
+    privileges (it goes on, here to a repository it may not create)."""
+    try:
+        pwd.getpwnam("nobody"), grp.getgrnam("nogroup")
+    except KeyError:
+        pytest.skip("no user nobody / group nogroup")
+    from gpusnap.errors import NotRoot
+
+    job = subprocess.Popen(["sleep", "120"], user="nobody", stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        check = _doctor_check("privileges", {}, caps=caps)
+        res = _gpusnap("dump", job.pid, "--repo", "/var/lib/gpusnap-nobody-cannot/repo", "--json", env={},
+                       caps=caps)
+        if ready:
+            assert check["status"] == "warn" and check["exit_code"] is None, check
+            from gpusnap.errors import RepositoryError
+
+            assert res.returncode == RepositoryError.exit_code, (res.stdout, res.stderr)   # past preflight
+        else:
+            assert check["exit_code"] == NotRoot.exit_code, check
+            _refused_alike(check, res)
+        assert gsproc.read_stat(job.pid).state == "S"
+    finally:
+        job.kill()
+        job.wait()

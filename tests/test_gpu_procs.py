@@ -7,12 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from gpusnap.gpu import procs
+from gpusnap.render import machine as render_machine
+from gpusnap.render.output import Output
+from gpusnap.render.snapshots import recorded_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +120,7 @@ def test_listing_to_dict_and_render():
     json.dumps(d)
     assert set(d) == {"driver", "processes"}
     con = Console(record=True, width=120)
-    procs.render(listing, con)
+    render_machine.gpu_processes(listing, Output(out=con))
     assert con.export_text().strip()
 
 
@@ -131,7 +133,7 @@ def test_describe_and_render_recorded():
     assert d["gpus"][0]["used"] and d["processes"] == [{"pid": 7, "gpus": ["GPU-a"]}]
     assert procs.describe_recorded(None) is None
     con = Console(record=True, width=120)
-    procs.render_recorded({"driver": drv, "processes": {"7": ["GPU-a"]}}, con)
-    procs.render_recorded(None, con)
+    recorded_gpus(d, con)
+    recorded_gpus(procs.describe_recorded(None), con)
     text = con.export_text()
     assert "GPU-a" in text and "570.1" in text and "CPU-only" in text

@@ -6,6 +6,7 @@ import pytest
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.prune import Selection, execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.maint.verify import verify
+from gpusnap.render.maint import prune_lines, verify_lines, verify_summary
 from repo_helpers import PAGE, dump, read_all, text_page
 
 
@@ -144,10 +145,11 @@ def test_plan_accepts_snapshot_objects_and_cli_helpers(tmp_path):
         res = execute_prune(repo, plan, dry_run=False)
     assert plan.remove == [h[0].id for h in hist[:2]]
     assert res.to_dict()["snapshots_deleted"] == [h[0].path.name for h in hist[:2]]
-    assert any("deleted snapshot" in line for line in res.lines())
+    assert any("deleted snapshot" in line for line in prune_lines(res))
     rep = verify(repo)
-    assert rep.ok and "all good" in rep.summary() and rep.lines()
-    from gpusnap.repo.maint.usage import inspect_snapshot, render
+    assert rep.ok and "all good" in verify_summary(rep) and verify_lines(rep)
+    from gpusnap.render.snapshots import snapshot_stats as render
+    from gpusnap.repo.maint.usage import inspect_snapshot
     r = inspect_snapshot(repo, repo.snapshots()[0])
     assert r["pages_total"] == 270 and r["bytes_unique"] > 0
 

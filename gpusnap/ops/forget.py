@@ -34,22 +34,6 @@ class ForgetResult:
         return {"dry_run": self.dry_run, "snapshots_forgotten": self.forgotten,
                 "snapshots_kept": self.kept, "prune": self.prune}
 
-    def lines(self) -> list[str]:
-        from gpusnap.render import human_bytes
-
-        verb = "would forget" if self.dry_run else "forgot"
-        out = [f"{verb} {f['dir']}" for f in self.forgotten]
-        if not self.forgotten:
-            out.append("nothing to forget")
-        out.append(f"{len(self.kept)} snapshot(s) kept")
-        if self.prune is not None:
-            p = self.prune
-            out.append(f"{'would free' if self.dry_run else 'freed'} {human_bytes(p.get('bytes_freed', 0))} "
-                       f"({p.get('packs_deleted', 0)} packs deleted, {p.get('packs_rewritten', 0)} rewritten)")
-        elif self.forgotten and not self.dry_run:
-            out.append("their data stays until `gpusnap prune` (or use `forget --prune`)")
-        return out
-
 
 def check_retention(keep_last: int | None, name: str | None, all_: bool, what: str) -> None:
     """The guard shared by prune and forget: a retention that keeps nothing must say so."""

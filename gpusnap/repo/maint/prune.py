@@ -65,28 +65,6 @@ class PruneResult(dict):
     def to_dict(self) -> dict:
         return dict(self)
 
-    def lines(self) -> list[str]:
-        from gpusnap.render import human_bytes
-
-        if self.get("dry_run"):
-            p = self["plan"]
-            out = [f"would delete snapshot {n}" for n in p["snapshots_remove"]]
-            for d in p["packs"]:
-                if d["action"] != "keep":
-                    out.append(f"would {d['action']} pack {d['pack'][:16]} ({d['why']}): {human_bytes(d['size'])}, "
-                               f"used {human_bytes(d['used'])}")
-            t = p["totals"]
-            out.append(f"kept {len(p['snapshots_keep'])} snapshot(s); packs: keep {t['packs_keep']}, rewrite "
-                       f"{t['packs_rewrite']} ({human_bytes(t['to_rewrite'])} to copy), delete {t['packs_delete']}; "
-                       f"used {human_bytes(t['used'])}, unused {human_bytes(t['unused'])}; "
-                       f"would free {human_bytes(t['to_free'])}")
-            return out
-        out = [f"deleted snapshot {n}" for n in self.get("snapshots_deleted", [])]
-        out.append(f"kept {len(self.get('snapshots_kept', []))} snapshot(s); packs deleted: "
-                   f"{self.get('packs_deleted', 0)}, rewritten: {self.get('packs_rewritten', 0)}; "
-                   f"freed {human_bytes(self.get('bytes_freed', 0))}")
-        return out
-
 
 # -- entry points ---------------------------------------------------------------------------------
 

@@ -63,27 +63,6 @@ class RepairReport:
         d["ok"] = self.ok
         return d
 
-    def lines(self) -> list[str]:
-        would = "would " if self.dry_run else ""
-        out = list(self.problems)
-        if self.changed:
-            out.append(f"{would}write index/{self.index_written}: {self.blobs_indexed} blob(s) "
-                       f"({self.blobs_recovered} not indexed before)")
-            out += [f"{would}remove index/{n} (superseded)" for n in self.index_removed]
-            out += [f"{would}move index/{n} to {QUARANTINE}/ (damaged or naming missing data)"
-                    for n in self.index_quarantined]
-            if self.records_dropped:
-                out.append(f"{self.records_dropped} index record(s) name data that is in no pack")
-        else:
-            out.append("the index agrees with the packs: nothing to repair")
-        out += [f"snapshot {n} is damaged: {why}" for n, why in sorted(self.snapshots_damaged.items())]
-        out.append(f"{self.packs_scanned} pack(s) scanned ({self.packs_confirmed} confirmed by name, "
-                   f"{self.packs_rehashed} read back), {self.blobs_damaged} damaged blob(s); "
-                   + (f"damaged snapshots: {', '.join(sorted(self.snapshots_damaged))}" if self.snapshots_damaged
-                      else "every snapshot has all its data"))
-        return out
-
-
 # (pack, offset, kind, codec, n_pages, raw_len, stored_len, ids): one index record, as a key
 def _key(ph, r) -> tuple:
     return (ph, r.offset, r.kind, r.codec, r.n_pages, r.raw_len, r.stored_len, bytes(r.ids))

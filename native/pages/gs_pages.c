@@ -27,7 +27,8 @@
 
 _Static_assert(GS_CHUNKS == 4, "a page is 4 BLAKE3 chunks");
 
-GS_EXPORT int gs_abi_version(void) { return 2; }
+/* 3: every gs_* function of native/pages in one library (gpusnap/repo/native.py ABI_VERSION) */
+GS_EXPORT int gs_abi_version(void) { return 3; }
 
 static bool page_is_zero(const uint8_t *p) {
   static const uint8_t zero[GS_PAGE];

@@ -231,7 +231,7 @@ def _check_driver(r: DoctorReport, probe: gdriver.DriverProbe) -> None:
             r.add("NVIDIA driver", "info", f"{gdriver.NO_DRIVER}: CPU-only dumps and restores "
                   f"work; GPU jobs cannot be snapshotted here ({probe.reason})")
         return
-    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'} (via {probe.backend})"
+    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'}"
     if probe.reason:
         r.add("NVIDIA driver", "warn", f"{ver}: {probe.reason}", "check nvidia-smi")
     else:

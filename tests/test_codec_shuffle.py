@@ -275,3 +275,13 @@ def test_repository_roundtrip(tmp_path, compress):
                 codecs.add(h.codec)
                 pos += 16 + h.stored_len
     assert codecs & {CODEC_SHUF4_ZSTD, CODEC_SHUF2_ZSTD}
+
+
+def test_choices_are_every_codec_and_auto():
+    """The one list `dump --compress` and the completions take: every stored codec, and auto."""
+    assert C.CHOICES[0] == "auto" and C.CHOICES[-1] == "none"
+    assert sorted(C.codec_id(n) for n in C.CHOICES) == sorted([C.CODEC_AUTO, *CODECS])
+    data = _fp32(4096)
+    for n in C.CHOICES:
+        c, p = C.compress(data, C.codec_id(n))
+        assert C.decompress(p, c, len(data)) == data

@@ -7,7 +7,7 @@
  *
  *   procs/<pid>       declares a CUDA process: "tid=<tid> state=<state>
  *                     [peer=<pid>]" (state: running|locked|checkpointed|
- *                     failed; a bare "<tid>" means running). <tid> must be a
+ *                     failed; without state= running). <tid> must be a
  *                     real thread of <pid>: it stands for the CUDA restore
  *                     thread. With a peer (an NCCL rank of the same job):
  *                     its lock fails (CUDA_ERROR_TIMEOUT, note=peer-frozen)
@@ -294,8 +294,6 @@ static int read_proc(int pid, struct proc *p)
 			p->tid = atoi(tok + 4);
 		else if (!strncmp(tok, "peer=", 5))
 			p->peer = atoi(tok + 5);
-		else if (isdigit((unsigned char)tok[0]))
-			p->tid = atoi(tok);
 		else if (!strcmp(tok, "state=running"))
 			p->state = CU_PROCESS_STATE_RUNNING;
 		else if (!strcmp(tok, "state=locked"))

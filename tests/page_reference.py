@@ -32,11 +32,6 @@ def scan(buf, npages: int) -> tuple[bytearray, bytearray, int]:
     return kinds, ids, nd
 
 
-def hash_pages(buf, npages: int) -> bytes:
-    mv = memoryview(buf)
-    return b"".join(blake3.blake3(mv[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]).digest(ID_LEN) for i in range(npages))
-
-
 def verify(buf, npages: int, ids, kinds=None) -> int:
     if len(buf) < npages * PAGE_SIZE or len(ids) < npages * ID_LEN or (kinds is not None and len(kinds) < npages):
         raise ValueError("buffer, ids or kinds shorter than npages")

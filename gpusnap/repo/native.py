@@ -4,7 +4,6 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
 
     scan(buf, npages)         -> (kinds, ids, ndata): kinds[i] 0 = zero page, 1 = data page;
                                  ids[16*i:16*i+16] = blake3-128 of data page i (zeros for zero pages)
-    hash_pages(buf, npages)   -> ids: blake3-128 of every page, zero pages too
     verify(buf, npages, ids, kinds=None)
                               -> index of the first page whose blake3-128 is not its id, or -1;
                                  pages with kinds[i] == 0 are not checked
@@ -46,11 +45,9 @@ _SIGNATURES = {
     "gs_selftest": ([], ctypes.c_int),
     "gs_scan": ([_vp, _sz, _vp, _vp], _sz),
     "gs_verify": ([_vp, _sz, _vp, _vp], ctypes.c_long),
-    "gs_hash_pages": ([_vp, _sz, _vp], None),
     "gs_shuffle": ([_vp, _sz, _ui, _vp, _ui], ctypes.c_int),
     "gs_unshuffle": ([_vp, _sz, _ui, _vp, _ui], ctypes.c_int),
     "gs_plane_bits": ([_vp, _sz, _ui, _sz, _sz, _vp], ctypes.c_int),
-    "gs_shuffle_simd": ([], ctypes.c_int),
     "gs_table_new": ([_sz], _vp),
     "gs_table_free": ([_vp], None),
     "gs_table_len": ([_vp], _sz),
@@ -141,19 +138,6 @@ def scan(buf, npages: int) -> tuple[bytearray, bytearray, int]:
     return kinds, ids, nd
 
 
-def hash_pages(buf, npages: int) -> bytes:
-    lib = _lib or load()
-    if len(buf) < npages * PAGE_SIZE:
-        raise ValueError("buffer shorter than npages pages")
-    ids = bytearray(npages * ID_LEN)
-    if npages:
-        a, keep = _addr(buf)
-        ic = (ctypes.c_char * len(ids)).from_buffer(ids)
-        lib.gs_hash_pages(a, npages, ic)
-        del keep, ic
-    return bytes(ids)
-
-
 def verify(buf, npages: int, ids, kinds=None) -> int:
     lib = _lib or load()
     if len(buf) < npages * PAGE_SIZE or len(ids) < npages * ID_LEN or (kinds is not None and len(kinds) < npages):
@@ -170,11 +154,6 @@ def verify(buf, npages: int, ids, kinds=None) -> int:
 
 # -- byte shuffle for the float-aware codecs (gpusnap/repo/codec.py) -------------------------
 _U32x4 = ctypes.c_uint32 * 4    # (creating a ctypes array type per call costs ~10 us)
-
-
-def shuffle_simd() -> bool:
-    """True when the native shuffle runs its AVX2 code."""
-    return bool((_lib or load()).gs_shuffle_simd())
 
 
 def _shuf(fn_name: str, data, k: int, flags: int) -> bytes:

@@ -102,8 +102,8 @@ GS_EXPORT size_t gs_scan(const uint8_t *buf, size_t npages, uint8_t *kinds, uint
   return ndata;
 }
 
-/* ids of npages pages (zero pages hashed like any other). */
-GS_EXPORT void gs_hash_pages(const uint8_t *buf, size_t npages, uint8_t *ids) {
+/* ids of npages pages (zero pages hashed like any other): the batched hash, for the self test. */
+static void gs_hash_pages(const uint8_t *buf, size_t npages, uint8_t *ids) {
   const uint8_t *lane[GS_LANES];
   for (size_t i = 0; i < npages; i += GS_LANES) {
     size_t n = npages - i < GS_LANES ? npages - i : GS_LANES;
@@ -143,9 +143,8 @@ GS_EXPORT long gs_verify(const uint8_t *buf, size_t npages, const uint8_t *ids, 
   return -1;
 }
 
-/* Full blake3 (32 bytes) of len bytes: the reference implementation, for the self test
- * and for callers that want a large-buffer hash without the GIL. */
-GS_EXPORT void gs_blake3(const uint8_t *buf, size_t len, uint8_t *out32) {
+/* Full blake3 (32 bytes) of len bytes: the reference implementation, for the self test. */
+static void gs_blake3(const uint8_t *buf, size_t len, uint8_t *out32) {
   blake3_hasher h;
   blake3_hasher_init(&h);
   blake3_hasher_update(&h, buf, len);

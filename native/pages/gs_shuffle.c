@@ -178,15 +178,6 @@ static int have_avx2(void) {
 }
 #endif
 
-/* 1 when the AVX2 code is used (by gs_shuffle/gs_unshuffle without GS_SHUF_PORTABLE). */
-GS_EXPORT int gs_shuffle_simd(void) {
-#if GS_HAVE_AVX2
-  return have_avx2();
-#else
-  return 0;
-#endif
-}
-
 /* src and dst: n bytes each, not overlapping. k: 2 or 4. Returns 0, or -1 for a bad k. */
 GS_EXPORT int gs_shuffle(const uint8_t *src, size_t n, unsigned k, uint8_t *dst, unsigned flags) {
   if (k != 2 && k != 4)

@@ -2,6 +2,11 @@
  * gpusnap test double: a fake libcuda.so.1 implementing the driver's process
  * checkpoint API on a machine without a GPU.
  *
+ * (One file of ~1000 lines on purpose: it is one small shared library, and its
+ * parts, the state files, the failure injection, the state machine and the
+ * entry points, are read together whenever a test needs the driver to behave
+ * in a new way.)
+ *
  * All state lives in files under $FAKE_CUDA_DIR, so that the test, `criu dump`
  * and a later `criu restore` share it:
  *

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from plugin_helpers import (CUDA_ERROR_TIMEOUT, CUDA_ERROR_UNKNOWN, FAKE_LIB_DIR_R550, FakeCuda, Job, criu_dump, criu_restore,
-                            ensure_built, hook_timings, pid_alive, read_report, require_environment,
+from plugin_helpers import (CUDA_ERROR_TIMEOUT, CUDA_ERROR_UNKNOWN, FAKE_LIB_DIR_R550, FakeCuda, Job, criu_dump,
+                            criu_restore, ensure_built, hook_timings, pid_alive, read_report, require_environment,
                             thread_state, tracer_pid, wait_for)
 from jobs.cuda_like import expected_digest
 

@@ -138,6 +138,18 @@ def test_library_of_another_abi_is_refused(tmp_path):
     assert r.stdout.startswith("27 ") and "ABI version 2" in r.stdout and "make setup" in r.stdout
 
 
+def test_cli_without_the_library_exits_27(tmp_path):
+    """What a user sees: `gpusnap verify` of a good repository, run without the library."""
+    from gpusnap.repo import Repository
+    repo = Repository.open(tmp_path / "r", create=True)
+    dump(repo, {"pages-1.img": os.urandom(8 * PAGE)})
+    r = subprocess.run([sys.executable, "-m", "gpusnap", "verify", "--repo", str(repo.path)], cwd=ROOT,
+                       env=dict(os.environ, GPUSNAP_NATIVE_LIB=str(tmp_path / "none.so")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 27, r.stdout + r.stderr
+    assert "native page library" in r.stderr and "make setup" in r.stderr
+
+
 def test_the_checkout_library_loads():
     r = _load_in_child("")
     assert r.stdout.startswith("loaded ") and r.stdout.strip().endswith("libgpusnap_pages.so"), r.stdout + r.stderr

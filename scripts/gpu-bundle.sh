@@ -6,7 +6,7 @@
 #                         it works whatever glibc the target has
 #   gpu-bundle/plugins/   the built CUDA plugin (build/plugins/gpusnap_cuda.so)
 #   gpu-bundle/wheels/    gpusnap's Python dependencies for CPython 3.11-3.13 (cuda-python is
-#                         left out: gpusnap.gpu.driver falls back to ctypes over libcuda.so.1)
+#                         left out for size, yet gpusnap.gpu needs it: install it on the target)
 #   gpu-bundle/python/    Debian's pycriu (pure Python)
 #   gpu-bundle/MANIFEST   what is in it
 # Needs network (apt, pip) and root for apt-get download; run from the repository, after

@@ -22,10 +22,10 @@ from gpusnap.system import paths, preflight
 from gpusnap.system import proc as gsproc
 from gpusnap.criu import runner
 from gpusnap.ops.doctor import run_doctor
-from gpusnap.gpu import driver as gdriver
 from gpusnap.render.machine import doctor_table, doctor_text
+from gpusnap.gpu import probe as gprobe
 
-NO_DRIVER = not gdriver.probe_inprocess().available
+NO_DRIVER = not gprobe.probe_inprocess().available
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from gpusnap.gpu import procs
 from gpusnap.render import machine as render_machine
 from gpusnap.render.output import Output
 from gpusnap.render.snapshots import recorded_gpus
+from plugin_helpers import FAKE_LIB_DIR, ensure_built
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,14 +74,10 @@ def test_plain_process_is_not_a_gpu_process():
 
 
 @pytest.fixture()
-def libcuda_process(tmp_path):
-    """A real process that has a libcuda.so.1 (tests/data/mini_libcuda.c) mapped."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("no C compiler")
-    lib = tmp_path / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/data/mini_libcuda.c"),
-                    "-ldl"], check=True)
+def libcuda_process():
+    """A real process that has a libcuda.so.1 (the fake driver, tests/fake_cuda) mapped."""
+    ensure_built()
+    lib = FAKE_LIB_DIR / "libcuda.so.1"
     p = subprocess.Popen([sys.executable, "-c",
                           f"import ctypes,sys,time; ctypes.CDLL({str(lib)!r}); print('ok', flush=True); "
                           "time.sleep(60)"], stdout=subprocess.PIPE, text=True)

@@ -189,6 +189,19 @@ def _check_dirty_tracking(r: DoctorReport, criu: str | None, root_like: bool) ->
         r.add("soft-dirty tracking", "info", f"{msg}; {why}")
 
 
+def _check_page_library(r: DoctorReport) -> None:
+    """The native page library every dump, restore and verify needs (loaded as they load it)."""
+    from gpusnap.errors import NativeLibraryMissing
+    from gpusnap.repo import native
+
+    try:
+        native.load()
+    except NativeLibraryMissing as e:
+        r.add("page library", "fail", e.message, e.hint, exit_code=e.exit_code)
+        return
+    r.add("page library", "ok", str(native.lib_path))
+
+
 def _check_plugin(r: DoctorReport) -> None:
     d = paths.plugin_dir()
     p = d / paths.PLUGIN_NAME
@@ -228,7 +241,7 @@ def _check_driver(r: DoctorReport, probe: gdriver.DriverProbe) -> None:
             r.add("NVIDIA driver", "info", f"{gdriver.NO_DRIVER}: CPU-only dumps and restores "
                   f"work; GPU jobs cannot be snapshotted here ({probe.reason})")
         return
-    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'} (via {probe.backend})"
+    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'}"
     if probe.reason:
         r.add("NVIDIA driver", "warn", f"{ver}: {probe.reason}", "check nvidia-smi")
     else:
@@ -358,6 +371,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     if criu:
         _check_criu_check(r, criu[0], root_like)
     _check_dirty_tracking(r, criu and criu[0], root_like)
+    _check_page_library(r)
     _check_plugin(r)
     probe = gdriver.probe_cached()
     r.driver = probe.to_dict()

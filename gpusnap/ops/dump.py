@@ -28,11 +28,11 @@ from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
+from gpusnap.repo.codec import CHOICES as COMPRESSORS
 from gpusnap.repo.pipeline import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
-COMPRESSORS = ("auto", "lz4", "zstd", "none")
 NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 # (bytes so far, expected total, phase): phase "frozen" while the job stands frozen and CRIU's

@@ -390,7 +390,7 @@ class RepoIndex:
         return self._page_loc
 
     def page_table(self):
-        """The page locations as a pagetable.PageTable (native when the library is there)."""
+        """The page locations as a pagetable.PageTable."""
         if self._page_table is None:
             from gpusnap.repo.pipeline.pagetable import PageTable
             t = PageTable(hint=sum(b.n_pages for b in self.blobs if b.kind == KIND_PAGES))

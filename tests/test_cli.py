@@ -157,3 +157,16 @@ def test_start_up_check_sees_a_heavy_import():
     """The check above can fail: a command that uses the repository does load it."""
     loaded = _loaded_after(["ls", "--repo", "/nonexistent/gpusnap-test-repo", "--json"])
     assert "gpusnap.ops.listing" in loaded
+
+
+def test_dump_help_offers_every_codec():
+    """The --compress metavar is written out (the CLI must not import the codecs to start):
+    it must name exactly the codecs dump accepts."""
+    import typer.main
+
+    from gpusnap.cli import app
+    from gpusnap.repo.codec import CHOICES
+
+    cmd = typer.main.get_command(app).commands["dump"]
+    opt = next(p for p in cmd.params if "--compress" in getattr(p, "opts", ()))
+    assert opt.metavar == "|".join(CHOICES)

@@ -27,7 +27,7 @@ def dump(
     repo: Optional[Path] = RepoOpt,
     name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
     exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
-    compress: str = typer.Option("auto", "--compress", metavar="auto|lz4|zstd|none",
+    compress: str = typer.Option("auto", "--compress", metavar="auto|lz4|zstd|shuffle4-zstd|shuffle2-zstd|none",  # = codec.CHOICES (a test checks)
                                  help="Codec for new pages (auto: lz4, or byte-shuffled zstd for float data)."),
     keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
                                             help="Afterwards, keep only the newest N snapshots of this name."),

@@ -4,9 +4,11 @@
 #                         from this machine's Debian packages with dpkg-deb -x
 #   gpu-bundle/bin/criu   a wrapper that runs that CRIU through the bundled dynamic loader, so
 #                         it works whatever glibc the target has
-#   gpu-bundle/plugins/   the built CUDA plugin (build/plugins/gpusnap_cuda.so)
-#   gpu-bundle/wheels/    gpusnap's Python dependencies for CPython 3.11-3.13 (cuda-python is
-#                         left out for size, yet gpusnap.gpu needs it: install it on the target)
+#   gpu-bundle/plugins/   the CUDA plugin, freshly built (build/plugins/gpusnap_cuda.so), and
+#                         NATIVE.sha256: the digest of the native sources it was built from
+#   gpu-bundle/lib/       the page library (build/lib/libgpusnap_pages.so)
+#   gpu-bundle/wheels/    gpusnap's Python dependencies, cuda-bindings (the one CUDA backend) and
+#                         cuda-pathfinder included, for the CPython versions $GPUSNAP_BUNDLE_PYTHONS
 #   gpu-bundle/python/    Debian's pycriu (pure Python)
 #   gpu-bundle/MANIFEST   what is in it
 # Needs network (apt, pip) and root for apt-get download; run from the repository, after
@@ -16,7 +18,17 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 B=${GPUSNAP_BUNDLE:-$here/gpu-bundle}
-PY_VERSIONS=${GPUSNAP_BUNDLE_PYTHONS:-"3.11 3.12 3.13"}   # gpusnap needs Python >= 3.11
+# Each CPython version costs ~14 MiB of binary wheels (7 of them cuda-bindings), next to ~22 MiB
+# shared (CRIU, glibc, pure-Python wheels): three versions make ~64 MiB, over the limit, so the
+# default is the two a PyTorch machine most likely runs (3.11: pytorch/pytorch images, Debian 12;
+# 3.12: NGC images, Ubuntu 24.04). For another, name it: GPUSNAP_BUNDLE_PYTHONS="3.12 3.13".
+# gpu-e2e.sh stops at once, naming the bundle's versions, on a Python the bundle has no wheels for.
+PY_VERSIONS=${GPUSNAP_BUNDLE_PYTHONS:-"3.11 3.12"}   # gpusnap needs Python >= 3.11
+# cuda-python as pyproject.toml pins it (>=12.8) brings cuda-bindings, cuda-pathfinder and cuda-core;
+# gpusnap imports only cuda.bindings.driver and cuda.pathfinder, so cuda-core (6.5 MB a version,
+# and numpy with it) stays out. 12.x, not 13.x: cuda-bindings 13 needs an r580+ driver, 12.9 runs
+# on r570 (the first with the checkpoint API gpu-e2e.sh accepts) and on every newer one.
+CUDA_BINDINGS=${GPUSNAP_BUNDLE_CUDA_BINDINGS:-"cuda-bindings>=12.8,<13"}
 LIMIT_MB=56
 
 say() { printf '\033[1m[bundle]\033[0m %s\n' "$*"; }
@@ -25,8 +37,11 @@ die() { printf '\033[31m[bundle] error:\033[0m %s\n' "$*" >&2; exit 1; }
 criu_bin=$(command -v criu || true)
 [ -n "$criu_bin" ] || die "criu is not installed here (run scripts/setup.sh first)"
 criu_bin=$(readlink -f "$criu_bin")
-[ -f build/plugins/gpusnap_cuda.so ] || die "build/plugins/gpusnap_cuda.so is missing (cmake --build build)"
 [ -x .venv/bin/pip ] || die ".venv is missing (run scripts/setup.sh)"
+[ -f build/CMakeCache.txt ] || die "build/ is not configured (run scripts/setup.sh)"
+# the plugin and page library of this checkout, not whatever build/ last held
+cmake --build build --target gpusnap_cuda gpusnap_pages >/dev/null \
+  || die "cmake --build build --target gpusnap_cuda gpusnap_pages failed"
 
 rm -rf "$B"
 mkdir -p "$B"/{debs,root,bin,plugins,wheels,python}
@@ -87,11 +102,18 @@ EOF
 chmod +x "$B/bin/criu"
 "$B/bin/criu" --version >/dev/null || die "the bundled criu does not start"
 
-# ---------------------------------------------------------------- plugin
+# ---------------------------------------------------------------- plugin, page library
 cp build/plugins/gpusnap_cuda.so "$B/plugins/"
-# the native page scanner (optional: gpusnap falls back to Python without it)
 mkdir -p "$B/lib"
-[ -f build/lib/libgpusnap_pages.so ] && cp build/lib/libgpusnap_pages.so "$B/lib/"
+cp build/lib/libgpusnap_pages.so "$B/lib/"   # gpusnap needs it (no Python fallback)
+# what they were built from: gpu-e2e.sh compares it with the checkout it runs in (native_digest
+# is the same function there)
+native_digest() {
+  find native \( -path native/tests -o -path native/gate -o -path native/criu_shim \) -prune -o \
+       -type f \( -name '*.c' -o -name '*.h' -o -name exports.map \) -print | LC_ALL=C sort \
+    | xargs cat | sha256sum | cut -d' ' -f1
+}
+native_digest >"$B/plugins/NATIVE.sha256"
 
 # ---------------------------------------------------------------- Python
 # pycriu of the same CRIU build: next to a setup-built CRIU, else the one .venv carries
@@ -100,8 +122,9 @@ pycriu=$(.venv/bin/python -c 'import os, pycriu; print(os.path.dirname(pycriu.__
 [ -n "$pycriu" ] && [ -d "$pycriu" ] || die "pycriu not found (run scripts/setup.sh)"
 cp -r "$pycriu" "$B/python/"
 find "$B/python" -name __pycache__ -prune -exec rm -rf {} +
-# the runtime dependencies of gpusnap, minus cuda-python (about 12 MB a Python version) and
-# numpy (the GPU machine's PyTorch brings its own, and three copies would not fit)
+# the runtime dependencies of gpusnap with cuda-bindings in place of cuda-python (see
+# CUDA_BINDINGS above), minus numpy (16 MB a version; the GPU machine's PyTorch environment brings
+# its own, and gpu-e2e.sh stops at once where it does not)
 mapfile -t reqs < <(.venv/bin/python - <<'EOF'
 import re, tomllib
 deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
@@ -110,6 +133,7 @@ for d in deps:
         print(d)
 EOF
 )
+reqs+=("$CUDA_BINDINGS")
 say "downloading wheels for Python $PY_VERSIONS: ${reqs[*]}"
 pip_log=$(mktemp)
 trap 'rm -f "$pip_log"' EXIT
@@ -118,17 +142,25 @@ for v in $PY_VERSIONS; do
     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 --implementation cp \
     --python-version "$v" -d "$B/wheels" "${reqs[@]}" >"$pip_log" 2>&1 \
     || { cat "$pip_log" >&2; die "pip download for Python $v failed"; }
+  tag=cp${v/./}
+  ls "$B/wheels"/cuda_bindings-*-"$tag"-*.whl >/dev/null 2>&1 || die "no cuda-bindings wheel for Python $v"
 done
+ls "$B/wheels"/cuda_pathfinder-*.whl >/dev/null 2>&1 || die "no cuda-pathfinder wheel"
+! ls "$B/wheels"/cuda_core-*.whl "$B/wheels"/numpy-*.whl >/dev/null 2>&1 \
+  || die "cuda-core or numpy came into the wheels (a dependency changed?): they do not fit"
 
 # ---------------------------------------------------------------- record, size
 {
   echo "gpusnap GPU bundle, made $(date -u +%FT%TZ) on $(hostname) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "criu: $("$B/bin/criu" --version | tr '\n' ' ')"
-  echo "plugin: $(sha256sum "$B/plugins/gpusnap_cuda.so" | cut -d' ' -f1) (gpu-e2e.sh refuses a plugin older than the checkout)"
+  echo "plugin: $(sha256sum "$B/plugins/gpusnap_cuda.so" | cut -d' ' -f1)"
+  echo "native sources: $(cat "$B/plugins/NATIVE.sha256") (gpu-e2e.sh refuses a bundle built from other ones)"
+  echo "pythons: $PY_VERSIONS"
   echo "packages: ${pkgs[*]}"
   echo "wheels:"; (cd "$B/wheels" && ls -1)
 } >"$B/MANIFEST"
 size_mb=$(du -sm "$B" | cut -f1)
 say "gpu-bundle: ${size_mb} MiB ($(du -sh "$B/root" | cut -f1) CRIU+libs, $(du -sh "$B/wheels" | cut -f1) wheels)"
-[ "$size_mb" -le "$LIMIT_MB" ] || die "the bundle is ${size_mb} MiB, more than ${LIMIT_MB} MiB"
+[ "$size_mb" -le "$LIMIT_MB" ] \
+  || die "the bundle is ${size_mb} MiB, more than ${LIMIT_MB} MiB (fewer GPUSNAP_BUNDLE_PYTHONS than '$PY_VERSIONS')"
 say "ready: $B"

@@ -40,8 +40,9 @@ criu_bin=$(readlink -f "$criu_bin")
 [ -x .venv/bin/pip ] || die ".venv is missing (run scripts/setup.sh)"
 [ -f build/CMakeCache.txt ] || die "build/ is not configured (run scripts/setup.sh)"
 # the plugin and page library of this checkout, not whatever build/ last held
-cmake --build build --target gpusnap_cuda gpusnap_pages >/dev/null \
-  || die "cmake --build build --target gpusnap_cuda gpusnap_pages failed"
+# (and the fake driver, for the check of the wheels below)
+cmake --build build --target gpusnap_cuda gpusnap_pages fake_cuda >/dev/null \
+  || die "cmake --build build --target gpusnap_cuda gpusnap_pages fake_cuda failed"
 
 rm -rf "$B"
 mkdir -p "$B"/{debs,root,bin,plugins,wheels,python}
@@ -149,13 +150,51 @@ ls "$B/wheels"/cuda_pathfinder-*.whl >/dev/null 2>&1 || die "no cuda-pathfinder 
 ! ls "$B/wheels"/cuda_core-*.whl "$B/wheels"/numpy-*.whl >/dev/null 2>&1 \
   || die "cuda-core or numpy came into the wheels (a dependency changed?): they do not fit"
 
+# ---------------------------------------------------------------- check the CUDA backend
+# For each bundled version with an interpreter here: the wheels unpacked as gpu-e2e.sh does (into
+# a bare directory, no pip), a clean environment, gpusnap's driver probe against the project's fake
+# driver (build/fake_cuda): it must find the fake's GPU and its checkpoint API through the bundled
+# cuda-bindings. Not a real driver, but the import, libcuda's loading and every call the probe
+# makes are the ones the GPU machine runs.
+checked=()
+for v in $PY_VERSIONS; do
+  py=$(command -v "python$v" 2>/dev/null) && py=$("$py" -c 'import sys; print(sys.executable)' 2>/dev/null) \
+    || { say "Python $v: no interpreter here, its wheels are not checked"; continue; }
+  d=$(mktemp -d)
+  "$py" - "$B/wheels" "$d" <<'EOF'
+import os, re, sys, zipfile
+tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+for f in os.listdir(sys.argv[1]):
+    m = re.match(r"[^-]+-[^-]+-([^-]+)-([^-]+)-[^-]+\.whl$", f)
+    if m and (m[1] == tag or m[2] in ("abi3", "none")):
+        zipfile.ZipFile(os.path.join(sys.argv[1], f)).extractall(sys.argv[2])
+EOF
+  out=$(env -i PATH=/usr/bin:/bin PYTHONPATH="$d:$here" LD_LIBRARY_PATH="$here/build/fake_cuda" \
+        "$py" -s - "$d" 2>&1 <<'EOF'
+import sys
+import cuda.bindings as b
+import gpusnap.gpu.probe as p
+d = p.probe_inprocess().to_dict()
+assert b.__file__.startswith(sys.argv[1]), b.__file__
+assert d["available"] and d["checkpoint_api"] and [g["name"] for g in d["gpus"]] == ["Fake CUDA GPU"], d
+g = d["gpus"][0]
+print("cuda-bindings %s: CUDA %s, checkpoint API, %s %s" % (b.__version__, d["cuda_version"], g["name"], g["uuid"]))
+EOF
+  ) \
+    || { rm -rf "$d"; die "Python $v: the bundled CUDA backend does not work: $(tail -n 3 <<<"$out")"; }
+  rm -rf "$d"
+  say "Python $v ($py): driver probe on the fake driver: $out"
+  checked+=("$v")
+done
+[ "${#checked[@]}" -gt 0 ] || say "warning: no bundled Python version is installed here: the CUDA wheels are unchecked"
+
 # ---------------------------------------------------------------- record, size
 {
   echo "gpusnap GPU bundle, made $(date -u +%FT%TZ) on $(hostname) from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo "criu: $("$B/bin/criu" --version | tr '\n' ' ')"
   echo "plugin: $(sha256sum "$B/plugins/gpusnap_cuda.so" | cut -d' ' -f1)"
   echo "native sources: $(cat "$B/plugins/NATIVE.sha256") (gpu-e2e.sh refuses a bundle built from other ones)"
-  echo "pythons: $PY_VERSIONS"
+  echo "pythons: $PY_VERSIONS (checked on the fake driver here: ${checked[*]:-none})"
   echo "packages: ${pkgs[*]}"
   echo "wheels:"; (cd "$B/wheels" && ls -1)
 } >"$B/MANIFEST"

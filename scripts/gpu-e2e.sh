@@ -11,7 +11,8 @@
 # the thread states of the job are captured before anything is killed.
 #
 # For a lent GPU machine without network: CRIU, its libraries, the plugin and the Python
-# wheels come from gpu-bundle/ (scripts/gpu-bundle.sh). PyTorch must be on the machine.
+# wheels (cuda-bindings, gpusnap's CUDA backend, included) come from gpu-bundle/
+# (scripts/gpu-bundle.sh). PyTorch and numpy must be on the machine.
 # Run as root from the repository:
 #
 #   scripts/gpu-e2e.sh                           # the GPU run

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import typer.main
 
-CODECS = ["auto", "lz4", "zstd", "shuffle4-zstd", "shuffle2-zstd", "none"]
+from gpusnap.repo.codec import CHOICES as CODECS  # the one list of --compress values
+
 DEFAULT_REPO = "/var/lib/gpusnap"
 # what the value of an option is (every other option that takes a value: free text)
 OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file"}

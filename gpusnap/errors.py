@@ -190,6 +190,13 @@ class BadExportFile(GpusnapError):
     exit_code = 32
     title = "bad export file"
 
+
+class NativeLibraryMissing(GpusnapError):
+    """gpusnap's native page library (build/lib/libgpusnap_pages.so) is missing or of another ABI."""
+
+    exit_code = 27
+    title = "native library missing"
+
 def all_error_classes() -> list[type[GpusnapError]]:
     """Every error class, base first, in exit-code order (for docs and tests)."""
     seen: list[type[GpusnapError]] = []

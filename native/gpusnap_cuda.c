@@ -946,16 +946,18 @@ CR_PLUGIN_REGISTER_HOOK(CR_PLUGIN_HOOK__RESUME_DEVICES_LATE, gs_resume_devices_l
 
 /* ---- init / exit ---------------------------------------------------------- */
 
+/*
+ * Every entry point through cuGetProcAddress_v2 (CUDA 12.0, r525): each driver with the checkpoint
+ * API (12.8, r570) has it, so a driver without it is one that cannot checkpoint either.
+ */
 static void *resolve(gs_cuGetProcAddress_v2_t gpa, const char *name)
 {
 	CUdriverProcAddressQueryResult qr = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
 	void *fn = NULL;
 
-	if (gpa && gpa(name, &fn, GS_CUDA_API_VERSION, 0, &qr) == CUDA_SUCCESS && qr == CU_GET_PROC_ADDRESS_SUCCESS &&
-	    fn)
-		goto out;
-	fn = dlsym(drv.handle, name);
-out:
+	if (gpa == NULL || gpa(name, &fn, GS_CUDA_API_VERSION, 0, &qr) != CUDA_SUCCESS ||
+	    qr != CU_GET_PROC_ADDRESS_SUCCESS)
+		fn = NULL;
 	return fn;
 }
 

@@ -2,14 +2,14 @@
 """Micro-benchmark of gpusnap's page pipeline (gpusnap/repo): write and restore speed, sizes.
 
 Usage: python scripts/bench_pipeline.py [--mib 128] [--dir /tmp] [--groups 1,16,64] [--threads 2]
-                                       [--impl native,python] [--reps 5]
+                                       [--reps 5]
 
 Each data set is written as one pages-*.img (in 1 MiB chunks, as the streamer would), into
 a fresh repository, then read back with Snapshot.read_image. Prints MB/s (1 MB = 1e6 bytes)
 and stored bytes / raw bytes (everything the dump added: packs, index, page lists, manifest).
 Times are the median of --reps runs (the machine may be shared); "CPU us/page" is user+system
 CPU of the whole process (all threads) per 4 KiB page of the first dump, median.
---impl: the page hot loop, native (build/lib/libgpusnap_pages.so) or the pure-Python fallback.
+The page hot loop is the native library (build/lib/libgpusnap_pages.so), the only one gpusnap has.
 """
 
 from __future__ import annotations
@@ -123,54 +123,47 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sets", default="random,zero-heavy,fp32")
     ap.add_argument("--reps", type=int, default=5, help="median of N (the box may be shared)")
-    ap.add_argument("--impl", default="native" if native.available() else "python",
-                    help="comma list of native,python (page hot loop implementation)")
     a = ap.parse_args()
     n = a.mib << 20
     gens = {"random": gen_random, "zero-heavy": gen_zero_heavy, "fp32": gen_fp32}
     base = Path(tempfile.mkdtemp(prefix="gsbench-", dir=a.dir))
     try:
         print(f"# {a.mib} MiB per data set, 1 MB = 1e6 B; stored = packs+index+page lists+manifest")
-        if "native" in a.impl.split(",") and not native.available():
-            sys.exit(f"native library not available: {native.why_unavailable()}")
-        print(f"# native library: {native.lib_path or 'none'}")
+        native.load()
+        print(f"# native library: {native.lib_path}")
         print(f"{'impl':<7}{'data':<11}{'codec':<6}{'group':>6}{'thr':>4} {'write MB/s':>11}{'stored/raw':>11}"
               f"{'restore MB/s':>13}{'  2nd dump MB/s':>15}{'2nd stored/raw':>15}{'CPU us/page':>12}")
         sets = [(s, gens[s](n)) for s in a.sets.split(",")]
-        for impl in a.impl.split(","):
-          if impl == "python":
-              native.scan, native.verify = native.scan_python, native.verify_python
-          else:
-              native.scan, native.verify = native.scan_native, native.verify_native
-          for setname, data in sets:
-            for codec in a.codecs.split(","):
-                for g in (int(x) for x in a.groups.split(",")):
-                    for thr in sorted({1, a.threads}):
-                        if thr > 1:
-                            k = n // thr // PAGE * PAGE
-                            images = {f"pages-{i + 1}.img": data[i * k:(i + 1) * k] for i in range(thr)}
-                        else:
-                            images = {"pages-1.img": data}
-                        raw = sum(len(v) for v in images.values())
-                        runs = []
-                        for rep in range(a.reps):
-                            rp = base / f"r-{setname}-{codec}-{g}-{thr}-{rep}"
-                            repo = Repository.open(rp, create=True)
-                            dt, st, snap = write_snapshot(repo, "b", images, codec, g, thr)
-                            rt, got = read_snapshot(snap, thr)
-                            assert got == raw, (got, raw)
-                            dt2, st2, _ = write_snapshot(repo, "b", images, codec, g, thr)
-                            shutil.rmtree(rp)
-                            runs.append((dt, st, rt, dt2, st2))
-                        med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
-                        dt, rt, dt2 = med(0), med(2), med(3)
-                        st, st2 = runs[-1][1], runs[-1][4]
-                        cpu = sorted(r[1]["cpu_s"] for r in runs)[len(runs) // 2]
-                        pages = raw / PAGE
-                        print(f"{impl:<7}{setname:<11}{codec:<6}{g:>6}{thr:>4} {raw / dt / 1e6:>11.0f}"
-                              f"{st['bytes_stored'] / raw:>11.4f}{raw / rt / 1e6:>13.0f}"
-                              f"{raw / dt2 / 1e6:>15.0f}{st2['bytes_stored'] / raw:>15.4f}"
-                              f"{cpu / pages * 1e6:>12.2f}", flush=True)
+        impl = "native"
+        for setname, data in sets:
+          for codec in a.codecs.split(","):
+              for g in (int(x) for x in a.groups.split(",")):
+                  for thr in sorted({1, a.threads}):
+                      if thr > 1:
+                          k = n // thr // PAGE * PAGE
+                          images = {f"pages-{i + 1}.img": data[i * k:(i + 1) * k] for i in range(thr)}
+                      else:
+                          images = {"pages-1.img": data}
+                      raw = sum(len(v) for v in images.values())
+                      runs = []
+                      for rep in range(a.reps):
+                          rp = base / f"r-{setname}-{codec}-{g}-{thr}-{rep}"
+                          repo = Repository.open(rp, create=True)
+                          dt, st, snap = write_snapshot(repo, "b", images, codec, g, thr)
+                          rt, got = read_snapshot(snap, thr)
+                          assert got == raw, (got, raw)
+                          dt2, st2, _ = write_snapshot(repo, "b", images, codec, g, thr)
+                          shutil.rmtree(rp)
+                          runs.append((dt, st, rt, dt2, st2))
+                      med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
+                      dt, rt, dt2 = med(0), med(2), med(3)
+                      st, st2 = runs[-1][1], runs[-1][4]
+                      cpu = sorted(r[1]["cpu_s"] for r in runs)[len(runs) // 2]
+                      pages = raw / PAGE
+                      print(f"{impl:<7}{setname:<11}{codec:<6}{g:>6}{thr:>4} {raw / dt / 1e6:>11.0f}"
+                            f"{st['bytes_stored'] / raw:>11.4f}{raw / rt / 1e6:>13.0f}"
+                            f"{raw / dt2 / 1e6:>15.0f}{st2['bytes_stored'] / raw:>15.4f}"
+                            f"{cpu / pages * 1e6:>12.2f}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -11,7 +11,8 @@
 # the thread states of the job are captured before anything is killed.
 #
 # For a lent GPU machine without network: CRIU, its libraries, the plugin and the Python
-# wheels come from gpu-bundle/ (scripts/gpu-bundle.sh). PyTorch must be on the machine.
+# wheels (cuda-bindings, gpusnap's CUDA backend, included) come from gpu-bundle/
+# (scripts/gpu-bundle.sh). PyTorch and numpy must be on the machine.
 # Run as root from the repository:
 #
 #   scripts/gpu-e2e.sh                           # the GPU run
@@ -151,27 +152,38 @@ if [ -d "$B/wheels" ]; then
   fi
   site=$work/site
   mkdir -p "$site"
-  # unpack the wheels that fit this interpreter (no pip, no index: plain zip extraction)
-  "$VPY" - "$B/wheels" "$site" <<'EOF'
+  # unpack the wheels that fit this interpreter (no pip, no index: plain zip extraction); a
+  # package the bundle has only for other Python versions (cuda-bindings, blake3...) stops here
+  unpacked=$("$VPY" - "$B/wheels" "$site" 2>&1 <<'EOF'
 import os, re, sys, zipfile
 wheels, site = sys.argv[1], sys.argv[2]
 tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
-best = {}
+best, other = {}, {}
 for f in sorted(os.listdir(wheels)):
     m = re.match(r"([^-]+)-([^-]+)-([^-]+)-([^-]+)-([^-]+)\.whl$", f)
     if not m:
         continue
     name, ver, py, abi, plat = m.groups()
     if not (py == tag or abi == "abi3" or abi == "none"):
+        other.setdefault(name.lower().replace("_", "-"), set()).add(py)
         continue
     key = name.lower().replace("_", "-")
     parse = lambda v: tuple(int(x) if x.isdigit() else 0 for x in re.split(r"[.+-]", v))
     if key not in best or parse(ver) > parse(best[key][0]):
         best[key] = (ver, f)
+missing = sorted(set(other) - set(best))
+if missing:
+    has = sorted({f"{p[2]}.{p[3:]}" for v in other.values() for p in v if p.startswith("cp")})
+    print(f"the bundle has no {', '.join(missing)} wheel for Python {sys.version_info[0]}.{sys.version_info[1]}"
+          f" (it has {', '.join(has)}): remake it with GPUSNAP_BUNDLE_PYTHONS naming this version,"
+          " or set PYTHON= to one of those")
+    sys.exit(3)
 for key, (ver, f) in sorted(best.items()):
     zipfile.ZipFile(os.path.join(wheels, f)).extractall(site)
 print("wheels:", ", ".join(f"{k} {v[0]}" for k, v in sorted(best.items())))
 EOF
+  ) || die 2 "$(tail -n1 <<<"$unpacked")"
+  say "$unpacked"
   export PYTHONPATH="$here:$site:$B/python${PYTHONPATH:+:$PYTHONPATH}"
 elif [ -x "$here/.venv/bin/python" ]; then
   say "no bundle at $B: using the development .venv"
@@ -183,6 +195,32 @@ fi
 gpusnap() { "$VPY" -m gpusnap "$@"; }
 "$VPY" -c 'import gpusnap.cli, lz4, zstandard, blake3, typer, rich' \
   || die 2 "gpusnap's Python dependencies do not import with $VPY"
+# numpy is not in the bundle (PyTorch's environment brings it) but every dump needs it (the
+# page locations are computed with it at commit)
+"$VPY" -c 'import numpy' 2>/dev/null \
+  || die 2 "numpy does not import with $VPY (the bundle leaves it to the machine's PyTorch environment): install numpy there"
+# the one CUDA backend of gpusnap: without it gpusnap sees no driver and dumps no GPU state
+cuda_py=$("$VPY" -c 'import cuda.bindings.driver, cuda.pathfinder, cuda.bindings as b; print(b.__version__, b.__file__)' 2>&1) \
+  || die 2 "import cuda.bindings.driver fails with $VPY${site:+ and $site}: $(tail -n1 <<<"$cuda_py")"
+say "cuda-bindings: $cuda_py"
+"$VPY" -m gpusnap.gpu.probe >"$logs/probe.json" 2>&1 || die 2 "python -m gpusnap.gpu.probe failed: $(tail -n1 "$logs/probe.json")"
+probe=$("$VPY" - "$logs/probe.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+ok = d["available"] and d["checkpoint_api"] and d["gpus"]
+what = []
+if d["available"]:
+    what.append("CUDA %s, checkpoint API %s, %d GPU(s): %s" % (
+        d["cuda_version"], "yes" if d["checkpoint_api"] else "no", len(d["gpus"]),
+        ", ".join(g["name"] for g in d["gpus"]) or "none"))
+if d["reason"]:
+    what.append("(%s)" % d["reason"])
+print("ok" if ok else "no", " ".join(what))
+EOF
+) || die 2 "the driver probe gave no JSON: $(tail -n1 "$logs/probe.json")"
+say "driver probe (cuda-bindings): ${probe#* }"
+[ "$DEVICE" != cuda ] || [ "${probe%% *}" = ok ] \
+  || die 2 "gpusnap's driver probe does not see a usable GPU with the checkpoint API:${probe#no}"
 
 # ---------------------------------------------------------------- CRIU and the plugin
 sys_criu=$(command -v criu || true)
@@ -205,8 +243,18 @@ elif [ "$DEVICE" = cuda ]; then
   die 2 "the CUDA plugin gpusnap_cuda.so is in neither $B/plugins nor build/plugins"
 fi
 say "plugin dir: ${GPUSNAP_PLUGIN_DIR:-none}"
-if [ -n "${GPUSNAP_PLUGIN_DIR:-}" ] && ! grep -q "did not return within" "$GPUSNAP_PLUGIN_DIR/gpusnap_cuda.so"; then
-  die 2 "$GPUSNAP_PLUGIN_DIR/gpusnap_cuda.so predates this checkout (no bounded driver calls): rerun scripts/gpu-bundle.sh"
+# gpu-bundle/ is git-ignored and travels to the GPU machine beside the checkout, so a bundle made
+# before the native code last changed would test an old plugin against new Python: refuse it. The
+# digest is the one gpu-bundle.sh records (the same function); build/ on that machine, if any,
+# is the caller's own.
+native_digest() {
+  find native \( -path native/tests -o -path native/gate -o -path native/criu_shim \) -prune -o \
+       -type f \( -name '*.c' -o -name '*.h' -o -name exports.map \) -print | LC_ALL=C sort \
+    | xargs cat | sha256sum | cut -d' ' -f1
+}
+if [ "${GPUSNAP_PLUGIN_DIR:-}" = "$B/plugins" ] \
+   && [ "$(cat "$B/plugins/NATIVE.sha256" 2>/dev/null)" != "$(native_digest)" ]; then
+  die 2 "$B was built from other native sources than this checkout's: rerun scripts/gpu-bundle.sh"
 fi
 [ -f "$B/lib/libgpusnap_pages.so" ] && export GPUSNAP_NATIVE_LIB=$B/lib/libgpusnap_pages.so
 

@@ -24,6 +24,7 @@ BUILD = ROOT / "build"
 PLUGIN_DIR = BUILD / "plugins"
 PLUGIN = PLUGIN_DIR / "gpusnap_cuda.so"
 FAKE_LIB_DIR = BUILD / "fake_cuda"
+FAKE_LIB_DIR_R550 = BUILD / "fake_cuda_r550"      # the same fake as a driver without the checkpoint API
 JOB = ROOT / "tests" / "jobs" / "cuda_like.py"
 JOB_PY = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
@@ -53,12 +54,12 @@ def ensure_built() -> None:
     if _built:
         return
     if shutil.which("cmake") is None:
-        if PLUGIN.exists() and (FAKE_LIB_DIR / "libcuda.so.1").exists():
+        if PLUGIN.exists() and all((d / "libcuda.so.1").exists() for d in (FAKE_LIB_DIR, FAKE_LIB_DIR_R550)):
             _built = True
             return
         pytest.skip("cmake missing and build/ not built")
     for cmd in (["cmake", "-S", str(ROOT), "-B", str(BUILD)],
-                ["cmake", "--build", str(BUILD), "--target", "gpusnap_cuda", "fake_cuda"]):
+                ["cmake", "--build", str(BUILD), "--target", "gpusnap_cuda", "fake_cuda", "fake_cuda_r550"]):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}"
     _built = True

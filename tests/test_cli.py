@@ -1,10 +1,8 @@
 """The command line as scripts use it: help, --json on every read command, PID selection."""
 
-import json
-
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
+from conftest import run_gpusnap, run_json
 from gpusnap.errors import ProcessNotFound, UsageError
 
 
@@ -78,7 +76,6 @@ def test_inspect_shows_what_a_restore_depends_on(tmp_path):
     terminal rendering), cwd, open files with mode and size and whether they still match the
     disk, a listening socket."""
     import os
-    import socket
     import subprocess
     import sys
     import time
@@ -124,3 +121,52 @@ def test_inspect_shows_what_a_restore_depends_on(tmp_path):
     finally:
         job.kill()
         job.wait()
+
+
+HEAVY = ("numpy", "blake3", "zstandard", "lz4", "cuda", "pycriu", "gpusnap.repo", "gpusnap.gpu", "gpusnap.ops")
+
+
+def _loaded_after(argv: list[str] | None) -> set[str]:
+    """The modules a fresh interpreter holds after importing the CLI (and running argv)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport gpusnap.cli\n"
+            f"argv = {argv!r}\n"
+            "if argv is not None:\n"
+            "    try:\n        gpusnap.cli.main(argv)\n    except SystemExit:\n        pass\n"
+            "print(' '.join(sorted(sys.modules)), file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stderr.split("\n")[-2].split())
+
+
+@pytest.mark.parametrize("argv", [None, ["--version"], ["restore", "--help"], ["dump", "--help"]])
+def test_start_up_loads_no_repository_numpy_or_cuda(argv):
+    """Every dump and restore pays the CLI's start-up: importing it (and --help, --version)
+    loads typer and gpusnap's errors, not the repository layers, numpy, blake3, zstandard,
+    lz4 or CUDA (each command imports those it uses)."""
+    loaded = _loaded_after(argv)
+    heavy = sorted(m for m in loaded if any(m == h or m.startswith(h + ".") for h in HEAVY))
+    assert heavy == [], heavy
+    if argv in (None, ["--version"]):
+        assert not any(m == "rich" or m.startswith("rich.") for m in loaded)   # no console built
+
+
+def test_start_up_check_sees_a_heavy_import():
+    """The check above can fail: a command that uses the repository does load it."""
+    loaded = _loaded_after(["ls", "--repo", "/nonexistent/gpusnap-test-repo", "--json"])
+    assert "gpusnap.ops.listing" in loaded
+
+
+def test_dump_help_offers_every_codec():
+    """The --compress metavar is written out (the CLI must not import the codecs to start):
+    it must name exactly the codecs dump accepts."""
+    import typer.main
+
+    from gpusnap.cli import app
+    from gpusnap.repo.codec import CHOICES
+
+    cmd = typer.main.get_command(app).commands["dump"]
+    opt = next(p for p in cmd.params if "--compress" in getattr(p, "opts", ()))
+    assert opt.metavar == "|".join(CHOICES)

@@ -1,6 +1,7 @@
 """Byte-shuffle codecs (codec 3 shuffle4-zstd, 4 shuffle2-zstd; native/pages/gs_shuffle.c via
 gpusnap/repo/native.py) and the per-group "auto" choice: round trips for every length (also
-non-multiples of the element size), native AVX2 == native portable == pure Python, payload
+non-multiples of the element size), native AVX2 == native portable == the pure-Python
+reference (tests/page_reference.py), payload
 layout as docs/format.md §3 describes it, malformed payloads -> FormatError (never a crash),
 and what auto picks for float, random, text and zero-heavy data."""
 
@@ -13,14 +14,13 @@ import struct
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import page_reference as ref
 from gpusnap.repo import codec as C, native
 from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODECS, FormatError, check_blob_fields, KIND_DATA, parse_blob_header
 from repo_helpers import PAGE, dump, read_all
 
 np = pytest.importorskip("numpy")
 
-needs_native = pytest.mark.skipif(not native.shuffle_available(),
-                                  reason=f"native shuffle not loaded: {native.why_unavailable()}")
 FUZZ = settings(max_examples=300, deadline=None)
 LENGTHS = list(range(0, 140)) + [255, 256, 257, 1023, 4095, 4096, 4097, 65533, 65534, 65535, 65536, 65537]
 
@@ -41,44 +41,40 @@ def _ref_shuffle(b, k):
 
 # -- the shuffle itself -------------------------------------------------------------------------
 @pytest.mark.parametrize("k", [2, 4])
-def test_python_shuffle_matches_definition(k):
+def test_reference_shuffle_matches_definition(k):
     r = random.Random(k)
     for n in range(0, 70):
         b = bytes(r.getrandbits(8) for _ in range(n))
-        assert native.shuffle_python(b, k) == _ref_shuffle(b, k)
-        assert native.unshuffle_python(_ref_shuffle(b, k), k) == b
+        assert ref.shuffle(b, k) == _ref_shuffle(b, k)
+        assert ref.unshuffle(_ref_shuffle(b, k), k) == b
 
 
-@needs_native
 @pytest.mark.parametrize("k", [2, 4])
-def test_native_equals_python_all_lengths(k):
+def test_native_equals_reference_all_lengths(k):
     r = random.Random(7 + k)
     for n in LENGTHS:
         b = r.randbytes(n)
-        want = native.shuffle_python(b, k)
-        assert native.shuffle_native(b, k) == want, n
-        assert native.shuffle_native(b, k, native.SHUFFLE_PORTABLE) == want, n
-        assert native.unshuffle_native(want, k) == b, n
-        assert native.unshuffle_native(want, k, native.SHUFFLE_PORTABLE) == b, n
-        assert native.unshuffle_python(want, k) == b, n
+        want = ref.shuffle(b, k)
+        assert native.shuffle(b, k) == want, n
+        assert native.shuffle(b, k, native.SHUFFLE_PORTABLE) == want, n
+        assert native.unshuffle(want, k) == b, n
+        assert native.unshuffle(want, k, native.SHUFFLE_PORTABLE) == b, n
+        assert ref.unshuffle(want, k) == b, n
 
 
-@needs_native
 def test_native_accepts_buffers_and_rejects_bad_k():
     b = os.urandom(1000)
-    assert native.shuffle_native(bytearray(b), 4) == native.shuffle_native(memoryview(b), 4) == native.shuffle_python(b, 4)
+    assert native.shuffle(bytearray(b), 4) == native.shuffle(memoryview(b), 4) == ref.shuffle(b, 4)
     for k in (0, 1, 3, 8):
         with pytest.raises(ValueError):
-            native.shuffle_native(b, k)
+            native.shuffle(b, k)
         with pytest.raises(ValueError):
-            native.shuffle_python(b, k)
+            ref.shuffle(b, k)
 
 
-@pytest.mark.parametrize("impl", ["native", "python"])
+@pytest.mark.parametrize("impl", ["native", "reference"])
 def test_plane_bits(impl):
-    if impl == "native" and not native.shuffle_available():
-        pytest.skip("no native library")
-    f = native.plane_bits_native if impl == "native" else native.plane_bits_python
+    f = native.plane_bits if impl == "native" else ref.plane_bits
     assert f(bytes(4096), 1024, 4, 1, 1024) == [0, 0, 0, 0]
     assert f(b"", 0, 3, 1, 0) == [8000, 8000, 8000]
     rb = f(os.urandom(1 << 16), 1 << 14, 4, 1, 1 << 14)
@@ -91,14 +87,13 @@ def test_plane_bits(impl):
         f(bytes(100), 1, 1, 0, 10)
 
 
-@needs_native
-def test_plane_bits_native_equals_python():
+def test_plane_bits_native_equals_reference():
     r = random.Random(3)
     datas = [os.urandom(65536), _fp32(16384), bytes(r.choices(b"abcab  \0", k=9999)), _bf16(20000)]
     for d in datas:
         for args in [(len(d) // 4, 4, 1, len(d) // 4), (1, 4, 32, (len(d) // 4 - 1) // 8 + 1),
                      (1, 2, 6, 1000), (0, 1, 1, len(d)), (len(d) // 4, 4, 7, 100)]:
-            assert native.plane_bits_native(d, *args) == native.plane_bits_python(d, *args), args
+            assert native.plane_bits(d, *args) == ref.plane_bits(d, *args), args
 
 
 # -- codec round trips ----------------------------------------------------------------------------
@@ -134,7 +129,7 @@ def test_payload_layout_is_documented_one():
     p = C.encode_shuffled(data, 4)
     lens = struct.unpack_from("<4I", p)
     assert len(p) == 16 + sum(lens) + 3 and p.endswith(b"xyz")
-    sh = native.shuffle_python(data, 4)
+    sh = ref.shuffle(data, 4)
     pos = 16
     for i, ln in enumerate(lens):
         seg = p[pos:pos + ln]
@@ -149,15 +144,15 @@ def test_payload_layout_is_documented_one():
     assert lens[3] < 1000 and lens[0] == 1000            # exponent plane compressed, low mantissa raw
 
 
-@pytest.mark.parametrize("impl", ["native", "python"])
-def test_native_and_python_payloads_identical(monkeypatch, impl):
-    """The fallback gives the same stored bytes (the plane estimate and shuffle agree)."""
+@pytest.mark.parametrize("impl", ["native", "reference"])
+def test_native_and_reference_payloads_identical(monkeypatch, impl):
+    """The reference gives the same stored bytes (the plane estimate and shuffle agree)."""
     data = _fp32(16384, seed=4) + _bf16(5000, seed=5)[:4097]
     want = C.compress(data, C.CODEC_AUTO)
-    if impl == "python":
-        monkeypatch.setattr(native, "shuffle", native.shuffle_python)
-        monkeypatch.setattr(native, "unshuffle", native.unshuffle_python)
-        monkeypatch.setattr(native, "plane_bits", native.plane_bits_python)
+    if impl == "reference":
+        monkeypatch.setattr(native, "shuffle", ref.shuffle)
+        monkeypatch.setattr(native, "unshuffle", ref.unshuffle)
+        monkeypatch.setattr(native, "plane_bits", ref.plane_bits)
     assert C.compress(data, C.CODEC_AUTO) == want
     assert C.decompress(want[1], want[0], len(data)) == data
 
@@ -280,3 +275,13 @@ def test_repository_roundtrip(tmp_path, compress):
                 codecs.add(h.codec)
                 pos += 16 + h.stored_len
     assert codecs & {CODEC_SHUF4_ZSTD, CODEC_SHUF2_ZSTD}
+
+
+def test_choices_are_every_codec_and_auto():
+    """The one list `dump --compress` and the completions take: every stored codec, and auto."""
+    assert C.CHOICES[0] == "auto" and C.CHOICES[-1] == "none"
+    assert sorted(C.codec_id(n) for n in C.CHOICES) == sorted([C.CODEC_AUTO, *CODECS])
+    data = _fp32(4096)
+    for n in C.CHOICES:
+        c, p = C.compress(data, C.codec_id(n))
+        assert C.decompress(p, c, len(data)) == data

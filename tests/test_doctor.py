@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import grp
 import json
 import os
 import pwd
@@ -21,9 +22,10 @@ from gpusnap.system import paths, preflight
 from gpusnap.system import proc as gsproc
 from gpusnap.criu import runner
 from gpusnap.ops.doctor import run_doctor
-from gpusnap.gpu import driver as gdriver
+from gpusnap.render.machine import doctor_table, doctor_text
+from gpusnap.gpu import probe as gprobe
 
-NO_DRIVER = not gdriver.probe_inprocess().available
+NO_DRIVER = not gprobe.probe_inprocess().available
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
 
 
@@ -105,9 +107,9 @@ def test_report_is_json_and_renders(system_report):
     assert all(c["status"] in doctor.STATUSES for c in d["checks"])
     from rich.console import Console
     con = Console(record=True, width=160)
-    con.print(system_report.render())
+    con.print(doctor_table(system_report))
     assert "criu" in con.export_text()
-    assert "criu" in system_report.format_text()
+    assert "criu" in doctor_text(system_report)
 
 
 def test_criu_version_ok(system_report):
@@ -195,7 +197,7 @@ def test_plain_job_has_nothing_in_the_way():
         r = run_doctor(p.pid)
         job = [c for c in r.checks if c.name in ("process", "TCP", "unix sockets", "terminal",
                                                   "GPU", "uid", "ptrace", "self", "session")]
-        assert {c.name: c.status for c in job} == {"process": "ok", "GPU": "ok"}, r.format_text()
+        assert {c.name: c.status for c in job} == {"process": "ok", "GPU": "ok"}, doctor_text(r)
         assert "CPU-only" in r.by_name("GPU")[0].detail
     finally:
         p.kill()
@@ -216,7 +218,7 @@ def test_session_leader_outside_the_pid_namespace_is_flagged():
             time.sleep(0.02)
         target = kids[0]
         r = run_doctor(target)
-        assert statuses(r, "session") == ["fail"] and not r.ok, r.format_text()
+        assert statuses(r, "session") == ["fail"] and not r.ok, doctor_text(r)
     finally:
         if target:
             os.kill(target, 9)
@@ -239,7 +241,7 @@ def test_tcp_connection_is_flagged():
         r = run_doctor(p.pid)
         c = r.by_name("TCP")
         # dumped with --tcp-established automatically (the network lock is available here)
-        assert c and c[0].status == "info", r.format_text()
+        assert c and c[0].status == "info", doctor_text(r)
         assert f"127.0.0.1:{port}" in c[0].detail and "ESTABLISHED" in c[0].detail
         assert "--tcp-established" in c[0].detail and "--tcp-close" in c[0].fix
         assert "--tcp-established" in r.plan["dump_options"]
@@ -303,7 +305,7 @@ def test_external_unix_socket_is_flagged(tmp_path):
         conn, _ = srv.accept()
         r = run_doctor(p.pid)
         c = r.by_name("unix sockets")
-        assert c and c[0].status == "fail", r.format_text()
+        assert c and c[0].status == "fail", doctor_text(r)
         assert f"pid {os.getpid()}" in c[0].detail   # the test process holds the peer
         conn.close()
     finally:
@@ -321,7 +323,7 @@ def test_socketpair_inside_the_tree_is_fine():
     try:
         assert p.stdout.readline().strip() == "ok"
         r = run_doctor(p.pid)
-        assert not r.by_name("unix sockets"), r.format_text()
+        assert not r.by_name("unix sockets"), doctor_text(r)
     finally:
         os.killpg(p.pid, 9)
         p.wait()
@@ -362,3 +364,185 @@ def test_mps_environment_is_flagged_for_cuda_jobs_only():
 def test_own_ancestor_is_refused():
     r = run_doctor(os.getppid())
     assert statuses(r, "self") == ["fail"]
+
+
+# ---------------------------------------------------------------- doctor and dump agree
+# Each rule below is decided once (system.preflight, criu.runner) and read by both commands:
+# where doctor fails a check, dump refuses with the exit code doctor names, with the same
+# message and hint, before it touches the job.
+
+def _gpusnap(*args, env: dict[str, str], drop: tuple[str, ...] = (), user: str | None = None,
+             caps: str | None = None):
+    """gpusnap ARGS with env; as `user` (runuser), or as nobody with only the capabilities
+    `caps` ('+checkpoint_restore,...': setpriv)."""
+    from conftest import GPUSNAP, ROOT
+
+    full = {k: v for k, v in os.environ.items() if k not in drop} | env
+    prefix = ["runuser", "-u", user, "--", "env", *(f"{k}={v}" for k, v in full.items())] if user else []
+    if caps is not None:
+        prefix = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", f"--inh-caps={caps}",
+                  f"--ambient-caps={caps}"]
+    return subprocess.run([*prefix, *GPUSNAP, *map(str, args)], capture_output=True, text=True,
+                          env=full, cwd=ROOT, timeout=300)
+
+
+def _doctor_check(name: str, env: dict[str, str], user: str | None = None, caps: str | None = None) -> dict:
+    res = _gpusnap("doctor", "--json", env=env, user=user, caps=caps)
+    checks = {c["name"]: c for c in json.loads(res.stdout)["checks"]}
+    assert res.returncode == (1 if checks[name]["status"] == "fail" else res.returncode)
+    return checks[name]
+
+
+def _refused_alike(check: dict, res: subprocess.CompletedProcess) -> None:
+    """dump refused for exactly the reason, and with the exit code, doctor gave."""
+    assert check["status"] == "fail" and check["exit_code"], check
+    assert res.returncode == check["exit_code"], (res.stdout, res.stderr)
+    err = json.loads(res.stdout)
+    assert (err["message"], err.get("hint")) == (check["detail"], check["fix"])
+
+
+@pytest.fixture
+def idle_job():
+    p = subprocess.Popen(["sleep", "120"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         start_new_session=True)
+    yield p
+    p.kill()
+    p.wait()
+
+
+def _untouched(p: subprocess.Popen, repo: Path) -> None:
+    assert gsproc.read_stat(p.pid).state == "S"          # running (sleeping), never stopped
+    assert not list((repo / "snapshots").glob("*")) if (repo / "snapshots").exists() else True
+
+
+@needs_root
+@pytest.mark.parametrize("script", ["old", "no-version", "missing"])
+def test_doctor_and_dump_agree_on_the_criu_of_GPUSNAP_CRIU(tmp_path, idle_job, script):
+    """$GPUSNAP_CRIU names the CRIU both use: a too-old one, one that says no version, one
+    that is not there. Doctor fails its check; dump refuses with that check's code."""
+    fake = tmp_path / "criu"
+    if script == "old":
+        fake.write_text("#!/bin/sh\necho 'Version: 3.17'\n")
+    elif script == "no-version":
+        fake.write_text("#!/bin/sh\necho 'criu, somehow'\n")
+    if fake.exists():
+        fake.chmod(0o755)
+    env = {"GPUSNAP_CRIU": str(fake)}
+    check = _doctor_check("criu", env)
+    from gpusnap.errors import CriuUnavailable
+
+    assert check["exit_code"] == CriuUnavailable.exit_code and str(fake) in check["detail"]
+    if script == "old":
+        assert "3.17" in check["detail"] and "too old" in check["detail"]
+    res = _gpusnap("dump", idle_job.pid, "--repo", tmp_path / "repo", "--json", env=env)
+    _refused_alike(check, res)
+    _untouched(idle_job, tmp_path / "repo")
+
+
+def test_doctor_finds_criu_where_dump_does_without_sbin_on_path():
+    """cron's PATH lacks the sbin directories: doctor still reports the CRIU that dump runs
+    (criu.runner.criu_path, not a PATH lookup of its own)."""
+    env = {"PATH": "/usr/bin:/bin"}
+    from conftest import PY
+
+    where = _gpusnap_py("from gpusnap.criu import runner; print(runner.criu_path())", env, PY)
+    if where == "None":
+        pytest.skip("no CRIU installed")
+    check = _doctor_check("criu", {**env, "GPUSNAP_CRIU": ""})
+    assert check["status"] == "ok" and check["detail"].endswith(f"({where})"), check
+
+
+def _gpusnap_py(code: str, env: dict[str, str], py: str) -> str:
+    full = {k: v for k, v in os.environ.items() if k != "GPUSNAP_CRIU"} | env
+    return subprocess.run([py, "-c", code], capture_output=True, text=True, env=full, check=True).stdout.strip()
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("runuser") is None, reason="needs runuser to run as another user")
+def test_doctor_and_dump_agree_on_privileges(tmp_path):
+    """As a user without root or CRIU's capabilities, doctor says 'fail' for privileges and
+    dump refuses with that exit code (not 'ready' where dump refuses)."""
+    try:
+        nobody = pwd.getpwnam("nobody").pw_uid
+    except KeyError:
+        pytest.skip("no user nobody")
+    job = subprocess.Popen(["sleep", "120"], user=nobody, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        check = _doctor_check("privileges", {}, user="nobody")
+        from gpusnap.errors import NotRoot
+
+        assert check["exit_code"] == NotRoot.exit_code
+        res = _gpusnap("dump", job.pid, "--repo", "/tmp/gpusnap-nobody-cannot-write/repo", "--json",
+                       env={}, user="nobody")
+        _refused_alike(check, res)
+        assert gsproc.read_stat(job.pid).state == "S"
+    finally:
+        job.kill()
+        job.wait()
+
+
+@needs_root
+@pytest.mark.criu
+def test_doctor_and_dump_take_the_same_process_tree(tmp_path):
+    """Children forked by a worker thread, and a grandchild: doctor's tree (plan.pids) is the
+    tree the dump takes (the processes the snapshot records)."""
+    from conftest import kill_pids, run_json
+
+    code = ("import os,subprocess,sys,threading,time\n"
+            "kids=[]\n"
+            "def worker():\n"
+            "    kids.append(subprocess.Popen(['sh','-c','sleep 300 & wait']))\n"
+            "t=threading.Thread(target=worker); t.start(); t.join()\n"
+            "kids.append(subprocess.Popen(['sleep','300']))\n"
+            "print('ready',flush=True); time.sleep(300)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        for _ in range(100):       # the grandchild `sleep` of `sh -c` appears a moment later
+            if len(gsproc.tree(p.pid)) == 4:
+                break
+            time.sleep(0.05)
+        doc = run_json("doctor", p.pid)
+        assert len(doc["plan"]["pids"]) == 4, doc["plan"]
+        d = run_json("dump", p.pid, "--repo", tmp_path / "repo")
+        recorded = {x["pid"] for x in run_json("inspect", d["snapshot"])["processes"]}
+        assert recorded == set(doc["plan"]["pids"])
+    finally:
+        kill_pids(gsproc.tree(p.pid)[::-1])
+        p.wait()
+
+
+@needs_root
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv to drop to chosen capabilities")
+@pytest.mark.parametrize("caps,ready", [("+checkpoint_restore", False),
+                                        ("+checkpoint_restore,+sys_ptrace", True)])
+def test_doctor_and_dump_agree_on_capabilities_without_root(caps, ready):
+    """Not root: CAP_CHECKPOINT_RESTORE alone is not enough for either command; with
+    CAP_SYS_PTRACE too, doctor warns (CRIU's non-root mode) and dump does not refuse for
+    privileges (it goes on, here to a repository it may not create)."""
+    try:
+        pwd.getpwnam("nobody"), grp.getgrnam("nogroup")
+    except KeyError:
+        pytest.skip("no user nobody / group nogroup")
+    from gpusnap.errors import NotRoot
+
+    job = subprocess.Popen(["sleep", "120"], user="nobody", stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        check = _doctor_check("privileges", {}, caps=caps)
+        res = _gpusnap("dump", job.pid, "--repo", "/var/lib/gpusnap-nobody-cannot/repo", "--json", env={},
+                       caps=caps)
+        if ready:
+            assert check["status"] == "warn" and check["exit_code"] is None, check
+            from gpusnap.errors import RepositoryError
+
+            assert res.returncode == RepositoryError.exit_code, (res.stdout, res.stderr)   # past preflight
+        else:
+            assert check["exit_code"] == NotRoot.exit_code, check
+            _refused_alike(check, res)
+        assert gsproc.read_stat(job.pid).state == "S"
+    finally:
+        job.kill()
+        job.wait()

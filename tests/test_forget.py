@@ -213,3 +213,23 @@ def test_an_unreadable_snapshot_can_be_forgotten_by_its_directory(tmp_path):
     assert run_json("prune", "--repo", repo.path)["bytes_freed"] > 0
     assert verify(Repository.open(repo.path)).ok
     assert [n for n, _ in _names(repo.path)] == ["b"]
+
+
+def test_forget_prune_dry_run_is_the_plan_it_runs(tmp_path):
+    """forget --prune is one prune plan (the snapshots to drop, an unreadable one named by its
+    directory included, and the packs to free); its dry run prints that plan, which then runs."""
+    repo, images = _repo(tmp_path, names=("a", "a", "b"))
+    broken = images[1][0].path
+    m = broken / "manifest"
+    m.write_bytes(m.read_bytes()[:-1] + b"\0")
+    dry = run_json("forget", broken.name, images[0][0].path.name, "--prune", "--dry-run", "--repo", repo.path)
+    assert broken.exists() and len(_names(repo.path)) == 2
+    plan = dry["prune"]["plan"]
+    assert sorted(plan["snapshots_remove"]) == sorted([broken.name, images[0][0].path.name])
+    assert plan["data_kept"] is None and dry["prune"]["bytes_freed"] > 0
+    assert any(d["action"] != "keep" for d in plan["packs"])
+    real = run_json("forget", broken.name, images[0][0].path.name, "--prune", "--repo", repo.path)
+    assert real["prune"]["plan"] == plan and not broken.exists()
+    assert [n for n, _ in _names(repo.path)] == ["b"]
+    r = Repository.open(repo.path)
+    assert verify(r).ok and read_all(r.snapshots()[0], "pages-1.img") == images[2][1]

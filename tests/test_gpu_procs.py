@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from gpusnap.gpu import procs
+from gpusnap.render import machine as render_machine
+from gpusnap.render.output import Output
+from gpusnap.render.snapshots import recorded_gpus
+from plugin_helpers import FAKE_LIB_DIR, ensure_built
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,14 +74,10 @@ def test_plain_process_is_not_a_gpu_process():
 
 
 @pytest.fixture()
-def libcuda_process(tmp_path):
-    """A real process that has a libcuda.so.1 (tests/data/mini_libcuda.c) mapped."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        pytest.skip("no C compiler")
-    lib = tmp_path / "libcuda.so.1"
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests/data/mini_libcuda.c"),
-                    "-ldl"], check=True)
+def libcuda_process():
+    """A real process that has a libcuda.so.1 (the fake driver, tests/fake_cuda) mapped."""
+    ensure_built()
+    lib = FAKE_LIB_DIR / "libcuda.so.1"
     p = subprocess.Popen([sys.executable, "-c",
                           f"import ctypes,sys,time; ctypes.CDLL({str(lib)!r}); print('ok', flush=True); "
                           "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
@@ -118,7 +116,7 @@ def test_listing_to_dict_and_render():
     json.dumps(d)
     assert set(d) == {"driver", "processes"}
     con = Console(record=True, width=120)
-    procs.render(listing, con)
+    render_machine.gpu_processes(listing, Output(out=con))
     assert con.export_text().strip()
 
 
@@ -131,7 +129,7 @@ def test_describe_and_render_recorded():
     assert d["gpus"][0]["used"] and d["processes"] == [{"pid": 7, "gpus": ["GPU-a"]}]
     assert procs.describe_recorded(None) is None
     con = Console(record=True, width=120)
-    procs.render_recorded({"driver": drv, "processes": {"7": ["GPU-a"]}}, con)
-    procs.render_recorded(None, con)
+    recorded_gpus(d, con)
+    recorded_gpus(procs.describe_recorded(None), con)
     text = con.export_text()
     assert "GPU-a" in text and "570.1" in text and "CPU-only" in text

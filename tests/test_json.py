@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap
-from gpusnap.errors import AccessDenied, BadExportFile, CorruptSnapshot, NotRoot, ProcessNotFound, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
+from gpusnap.errors import AccessDenied, BadExportFile, CorruptSnapshot, DamageRemains, NotRoot, ProcessNotFound, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
 from gpusnap.repo import Repository
 from repo_helpers import PAGE, dump
 
@@ -102,6 +102,14 @@ def test_read_commands(world):
 def test_verify_on_a_damaged_repository_is_one_object(world):
     obj = check(CorruptSnapshot.exit_code, "verify", "--repo", world["damaged"])
     assert obj["ok"] is False and obj["error"] == CorruptSnapshot.title and obj["problems"]
+
+
+def test_repair_that_leaves_damage_is_one_object_with_the_error(world, tmp_path):
+    """Like verify: the report, with the keys of the error that sets the exit code."""
+    copy = tmp_path / "damaged"
+    shutil.copytree(world["damaged"], copy)
+    obj = check(DamageRemains.exit_code, "repair", "--read-data", "--repo", copy)
+    assert obj["ok"] is False and obj["error"] == DamageRemains.title and obj["snapshots_damaged"]
 
 
 def test_change_commands(world, tmp_path):

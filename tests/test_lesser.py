@@ -12,6 +12,7 @@ from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.maint.verify import verify
+from gpusnap.render.maint import verify_summary
 from repo_helpers import PAGE, dump, read_all
 
 
@@ -78,7 +79,7 @@ def test_damaged_index_file_is_an_index_problem_not_a_snapshot_one(tmp_path, dam
     rep = verify(repo)
     assert not rep.ok and rep.affected_snapshots == []
     assert {p.scope for p in rep.problems} == {"index"}
-    assert "index is damaged" in rep.summary() and "no snapshot is affected" in rep.summary()
+    assert "index is damaged" in verify_summary(rep) and "no snapshot is affected" in verify_summary(rep)
     for s, img in zip(repo.snapshots(), imgs):                       # and each one does restore
         assert read_all(s, "pages-1.img") == img
 

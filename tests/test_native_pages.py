@@ -1,21 +1,27 @@
 """The native page hot loop (native/pages/gs_pages.c via gpusnap/repo/native.py) against the
-pure-Python reference: identical kinds and page ids, verify finds damaged pages, and the
-writer/reader give the same snapshot either way."""
+pure-Python reference (tests/page_reference.py): identical kinds and page ids, verify finds
+damaged pages, the writer gives the same snapshot with either, and a missing or foreign
+library is one clear error."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import blake3
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import page_reference as ref
 from gpusnap.repo import native
 from repo_helpers import PAGE, dump, read_all
 
-needs_native = pytest.mark.skipif(not native.available(),
-                                  reason=f"libgpusnap_pages.so not loaded: {native.why_unavailable()}")
+ROOT = Path(__file__).resolve().parents[1]
 
 _page = st.one_of(
     st.just(bytes(PAGE)),                                                   # zero page
@@ -36,27 +42,25 @@ def _ref_ids(buf, n):
     return kinds, ids
 
 
-def test_python_fallback_matches_blake3():
+def test_reference_matches_blake3():
     buf = os.urandom(3 * PAGE) + bytes(PAGE) + os.urandom(PAGE)
-    kinds, ids, nd = native.scan_python(buf, 5)
+    kinds, ids, nd = ref.scan(buf, 5)
     assert (kinds, ids) == _ref_ids(buf, 5) and nd == 4
-    assert native.verify_python(buf, 5, bytes(ids), kinds) == -1
+    assert ref.verify(buf, 5, bytes(ids), kinds) == -1
 
 
-@needs_native
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_page, min_size=0, max_size=70))
-def test_scan_native_equals_python(pages):
+def test_scan_native_equals_reference(pages):
     buf = b"".join(pages)
     n = len(pages)
-    a = native.scan_native(buf, n)
-    b = native.scan_python(buf, n)
+    a = native.scan(buf, n)
+    b = ref.scan(buf, n)
     assert a == b
     assert (a[0], a[1]) == _ref_ids(buf, n)
-    assert native.verify_native(buf, n, bytes(a[1]), a[0]) == -1
+    assert native.verify(buf, n, bytes(a[1]), a[0]) == -1
 
 
-@needs_native
 @pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 31, 33, 256, 300])
 def test_scan_random_zero_mixed(n):
     rnd = random.Random(n)
@@ -64,55 +68,97 @@ def test_scan_random_zero_mixed(n):
     zero = bytes(n * PAGE)
     mixed = b"".join(bytes(PAGE) if rnd.random() < 0.5 else os.urandom(PAGE) for _ in range(n))
     for buf in (rand, zero, mixed):
-        assert native.scan_native(buf, n) == native.scan_python(buf, n)
+        assert native.scan(buf, n) == ref.scan(buf, n)
     # ids of all pages (zero pages too) agree with verify
     ids = bytearray(16 * n)
     for i in range(n):
         ids[16 * i:16 * i + 16] = blake3.blake3(mixed[i * PAGE:(i + 1) * PAGE]).digest(16)
-    assert native.verify_native(mixed, n, bytes(ids)) == -1
+    assert native.verify(mixed, n, bytes(ids)) == -1
 
 
-@pytest.mark.parametrize("impl", ["native", "python"])
+@pytest.mark.parametrize("impl", ["native", "reference"])
 def test_verify_catches_flipped_byte(impl):
-    if impl == "native" and not native.available():
-        pytest.skip("libgpusnap_pages.so not loaded")
-    verify = native.verify_native if impl == "native" else native.verify_python
+    verify = native.verify if impl == "native" else ref.verify
     n = 40
     buf = bytearray(os.urandom(n * PAGE))
-    kinds, ids, _ = native.scan_python(bytes(buf), n)
+    kinds, ids, _ = ref.scan(bytes(buf), n)
     ids = bytes(ids)
     assert verify(bytes(buf), n, ids) == -1
     for page, off in [(0, 0), (17, 4095), (33, 1000), (39, 2048)]:
         bad = bytearray(buf)
         bad[page * PAGE + off] ^= 0x10
         assert verify(bytes(bad), n, ids) == page
-        assert native.verify_python(bytes(bad), n, ids) == page
+        assert ref.verify(bytes(bad), n, ids) == page
         k = bytearray(kinds)
         k[page] = 0                      # a page marked zero is not checked
         assert verify(bytes(bad), n, ids, k) == -1
 
 
-@needs_native
 def test_scan_accepts_bytearray_and_memoryview():
     buf = os.urandom(5 * PAGE)
-    want = native.scan_python(buf, 5)
-    assert native.scan_native(bytearray(buf), 5) == want
-    assert native.scan_native(memoryview(buf), 5) == want
+    want = ref.scan(buf, 5)
+    assert native.scan(bytearray(buf), 5) == want
+    assert native.scan(memoryview(buf), 5) == want
+    assert native.scan(buf, 0) == (bytearray(), bytearray(), 0)
 
 
-@needs_native
-def test_selftest_and_length_checks():
-    assert native._lib.gs_selftest() == 0
+def test_length_checks():
     with pytest.raises(ValueError):
-        native.scan_native(bytes(PAGE), 2)
+        native.scan(bytes(PAGE), 2)
     with pytest.raises(ValueError):
-        native.verify_native(bytes(2 * PAGE), 2, bytes(16))
+        native.verify(bytes(2 * PAGE), 2, bytes(16))
 
 
-@needs_native
-def test_writer_native_and_python_write_identical_snapshots(tmp_path, monkeypatch):
-    """Same images through both paths: same page lists, same packs (names are content
-    hashes), and each reads back with the other path's verify."""
+def _load_in_child(lib: str) -> subprocess.CompletedProcess:
+    code = ("from gpusnap.repo import native\n"
+            "from gpusnap.errors import NativeLibraryMissing\n"
+            "try:\n    native.scan(bytes(4096), 1)\n"
+            "except NativeLibraryMissing as e:\n    print(e.exit_code, e, '|', e.hint)\n"
+            "else:\n    print('loaded', native.lib_path)\n")
+    return subprocess.run([sys.executable, "-c", code], env=dict(os.environ, GPUSNAP_NATIVE_LIB=lib),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_missing_library_is_one_clear_error(tmp_path):
+    r = _load_in_child(str(tmp_path / "libgpusnap_pages.so"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("27 ") and "not found" in r.stdout and "make setup" in r.stdout
+
+
+def test_library_of_another_abi_is_refused(tmp_path):
+    """A build of another version of the C code (here: ABI 2) is refused, not half used."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    src = tmp_path / "old.c"
+    src.write_text("int gs_abi_version(void) { return 2; }\n")
+    lib = tmp_path / "libgpusnap_pages.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    r = _load_in_child(str(lib))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("27 ") and "ABI version 2" in r.stdout and "make setup" in r.stdout
+
+
+def test_cli_without_the_library_exits_27(tmp_path):
+    """What a user sees: `gpusnap verify` of a good repository, run without the library."""
+    from gpusnap.repo import Repository
+    repo = Repository.open(tmp_path / "r", create=True)
+    dump(repo, {"pages-1.img": os.urandom(8 * PAGE)})
+    r = subprocess.run([sys.executable, "-m", "gpusnap", "verify", "--repo", str(repo.path)], cwd=ROOT,
+                       env=dict(os.environ, GPUSNAP_NATIVE_LIB=str(tmp_path / "none.so")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 27, r.stdout + r.stderr
+    assert "native page library" in r.stderr and "make setup" in r.stderr
+
+
+def test_the_checkout_library_loads():
+    r = _load_in_child("")
+    assert r.stdout.startswith("loaded ") and r.stdout.strip().endswith("libgpusnap_pages.so"), r.stdout + r.stderr
+
+
+def test_writer_native_and_reference_write_identical_snapshots(tmp_path, monkeypatch):
+    """Same images through the native page functions and through the reference: same page
+    lists, same packs (names are content hashes), and each reads back."""
     from gpusnap.repo import Repository, repository
     from gpusnap.repo.pipeline import sinks
     rnd = random.Random(5)
@@ -122,10 +168,10 @@ def test_writer_native_and_python_write_identical_snapshots(tmp_path, monkeypatc
               "pages-2.img": base[PAGE * 3:PAGE * 90], "core-1.img": b"core" * 99}
     out = {}
     monkeypatch.setattr(sinks, "COMPRESS_WORKERS", 1)   # several would order blobs by chance
-    for mode in ("native", "python"):
-        if mode == "python":
-            monkeypatch.setattr(native, "scan", native.scan_python)
-            monkeypatch.setattr(native, "verify", native.verify_python)
+    for mode in ("native", "reference"):
+        if mode == "reference":
+            monkeypatch.setattr(native, "scan", ref.scan)
+            monkeypatch.setattr(native, "verify", ref.verify)
         repo = Repository.open(tmp_path / mode, create=True)
         snap, st1 = dump(repo, images, name="a", chunk=300000)
         for fn, data in images.items():
@@ -133,4 +179,20 @@ def test_writer_native_and_python_write_identical_snapshots(tmp_path, monkeypatc
         out[mode] = ([(im["name"], im["digest"], im.get("pages_dedup")) for im in snap.manifest["images"]],
                      sorted(p.name for p in (repo.path / "packs").rglob("*") if p.is_file()),
                      {k: v for k, v in st1.items() if k not in ("bytes_stored",)})
-    assert out["native"] == out["python"]
+    assert out["native"] == out["reference"]
+
+
+def test_doctor_reports_a_missing_library(tmp_path):
+    """doctor fails the 'page library' check (with dump's exit code) where every command would
+    stop with exit 27, and reports the library it found otherwise."""
+    def page_check(env):
+        r = subprocess.run([sys.executable, "-m", "gpusnap", "doctor", "--json"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=120)
+        checks = [c for c in json.loads(r.stdout)["checks"] if c["name"] == "page library"]
+        assert len(checks) == 1, r.stdout + r.stderr
+        return r.returncode, checks[0]
+
+    rc, c = page_check(dict(os.environ, GPUSNAP_NATIVE_LIB=str(tmp_path / "none.so")))
+    assert rc != 0 and c["status"] == "fail" and c["exit_code"] == 27 and "make setup" in c["fix"]
+    rc, c = page_check(dict(os.environ))
+    assert c["status"] == "ok" and c["detail"].endswith("libgpusnap_pages.so")

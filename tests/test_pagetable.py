@@ -1,6 +1,6 @@
 """The dump's page tables (gpusnap/repo/pipeline/pagetable.py, native/pages/gs_table.c): the native
-table behaves exactly like the dict reference, stays exact as it grows, claims each new id
-exactly once across threads, and rejects malformed input."""
+table behaves exactly like the dict reference (tests/page_reference.py), stays exact as it
+grows, claims each new id exactly once across threads, and rejects malformed input."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ import threading
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import page_reference as ref
 from gpusnap.repo import Repository
-from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.pagetable import PageTable, claim
 from repo_helpers import PAGE, dump
-
-needs_native = pytest.mark.skipif(not pagetable.native_available(), reason="native page table not built")
 
 # a small id alphabet, so that runs overlap and ids repeat
 _ids = st.lists(st.integers(0, 40).map(lambda i: i.to_bytes(2, "little") * 8), min_size=0, max_size=30)
@@ -24,7 +22,7 @@ _ops = st.lists(st.tuples(st.sampled_from(["run", "runs", "claim"]), _ids, st.in
                           st.lists(st.booleans(), min_size=30, max_size=30)), max_size=12)
 
 
-def _apply(tables, ops):
+def _apply(tables, ops, claim):
     """Run ops on (known, claimed) tables; -> everything observable."""
     known, claimed = tables
     seen = []
@@ -44,20 +42,17 @@ def _apply(tables, ops):
     return seen
 
 
-@needs_native
 @settings(max_examples=200, deadline=None)
 @given(_ops)
 def test_native_matches_the_dict_reference(ops):
-    native_t = (PageTable(native_=True), PageTable(native_=True))
-    dict_t = (PageTable(native_=False), PageTable(native_=False))
-    assert _apply(native_t, ops) == _apply(dict_t, ops)
+    native_t = (PageTable(), PageTable())
+    dict_t = (ref.DictPageTable(), ref.DictPageTable())
+    assert _apply(native_t, ops, claim) == _apply(dict_t, ops, ref.claim)
 
 
-@pytest.mark.parametrize("native_", [True, False])
-def test_first_location_wins_and_absent_is_minus_one(native_):
-    if native_ and not pagetable.native_available():
-        pytest.skip("native page table not built")
-    t = PageTable(native_=native_)
+@pytest.mark.parametrize("table", [PageTable, ref.DictPageTable])
+def test_first_location_wins_and_absent_is_minus_one(table):
+    t = table()
     a, b, c = os.urandom(16), os.urandom(16), os.urandom(16)
     assert t.add_run(a + b, 100) == 2
     assert t.add_run(b + c, 200) == 1              # b keeps 101
@@ -66,11 +61,10 @@ def test_first_location_wins_and_absent_is_minus_one(native_):
     assert b in t and len(t) == 3
 
 
-@needs_native
 def test_growth_keeps_every_entry():
     rnd = random.Random(7)
     ids = rnd.randbytes(16 * 300_000)
-    t = PageTable(native_=True)                    # starts small: grows many times
+    t = PageTable()                               # starts small: grows many times
     for lo in range(0, 300_000, 1000):
         t.add_run(ids[lo * 16:(lo + 1000) * 16], lo << 8)
     got = t.get_many(ids)
@@ -79,13 +73,12 @@ def test_growth_keeps_every_entry():
     assert 24 * 300_000 < t.nbytes() <= 24 * 4 * 300_000   # 24-byte slots, at most 3/4 full
 
 
-@needs_native
 def test_concurrent_claims_take_each_id_once():
     rnd = random.Random(3)
     pool = [rnd.randbytes(16) for _ in range(20_000)]
-    known = PageTable(native_=True)
+    known = PageTable()
     known.add_run(b"".join(pool[:5000]), 0)        # a quarter is already in the repository
-    claimed = PageTable(native_=True)
+    claimed = PageTable()
     results: list[list[bytes]] = [[] for _ in range(4)]
 
     def worker(k):
@@ -107,11 +100,9 @@ def test_concurrent_claims_take_each_id_once():
     assert len(claimed) == len(won)
 
 
-@pytest.mark.parametrize("native_", [True, False])
-def test_malformed_input_is_refused(native_):
-    if native_ and not pagetable.native_available():
-        pytest.skip("native page table not built")
-    t = PageTable(native_=native_)
+@pytest.mark.parametrize("table,claim", [(PageTable, claim), (ref.DictPageTable, ref.claim)])
+def test_malformed_input_is_refused(table, claim):
+    t = table()
     with pytest.raises(ValueError):
         t.add_run(b"x" * 17, 0)
     with pytest.raises(ValueError):

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from plugin_helpers import (CUDA_ERROR_TIMEOUT, CUDA_ERROR_UNKNOWN, FakeCuda, Job, criu_dump, criu_restore,
-                            ensure_built, hook_timings, pid_alive, read_report, require_environment,
+from plugin_helpers import (CUDA_ERROR_TIMEOUT, CUDA_ERROR_UNKNOWN, FAKE_LIB_DIR_R550, FakeCuda, Job, criu_dump,
+                            criu_restore, ensure_built, hook_timings, pid_alive, read_report, require_environment,
                             thread_state, tracer_pid, wait_for)
 from jobs.cuda_like import expected_digest
 
@@ -143,6 +143,25 @@ def test_leave_running_dump_kill_then_restore(tmp_path, fake, jobs):
     assert r.rc == 0, r.log[-3000:]
     assert fake.transitions() == ["restore", "unlock"]
     assert [c.fields["gpus"] for c in fake.calls() if c.short == "restore"] == ["-"]
+    assert_running_free(job)
+    assert_result(job)
+
+
+def test_driver_without_checkpoint_api_dumps_cpu_only(tmp_path, fake, jobs):
+    """A driver older than the checkpoint API (the fake built as CUDA 12.4): the plugin
+    disables itself, and the dump and restore are CPU-only and still correct."""
+    job = start(jobs, tmp_path / "job")
+    job.declare_cuda(fake)
+    env = env_for(fake, tmp_path) | {"LD_LIBRARY_PATH": str(FAKE_LIB_DIR_R550)}
+    img = tmp_path / "img"
+    r = criu_dump(job.pid, img, env, leave_running=False)
+    assert r.rc == 0, r.log[-3000:]
+    assert any("lacks the checkpoint API" in ln for ln in r.plugin_lines()), r.plugin_lines()
+    assert [c for c in fake.calls() if c.call != "cuInit"] == [] and fake.state(job.pid) == "running"
+    job.reap()
+    r = criu_restore(img, env)
+    assert r.rc == 0, r.log[-3000:]
+    assert [c for c in fake.calls() if c.call != "cuInit"] == []
     assert_running_free(job)
     assert_result(job)
 

@@ -123,3 +123,34 @@ def test_prune_merges_small_packs_and_repacks_garbage(tmp_path):
     assert verify(repo).ok
     for s, img in zip(repo.snapshots(), imgs[-3:]):
         assert read_all(s, "pages-1.img") == img
+
+
+@pytest.mark.criu
+def test_retention_prune_and_forget_refuse_a_reader_the_same_way(sample_job, repo):
+    """One lock policy (prune.locked): with a restore reading, a dump's --keep-last, `prune`
+    and `forget --prune` all refuse with the same error, and delete nothing; a dry run of
+    prune (the readers lock shared) goes on."""
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
+    job.wait_steps(3)
+    for _ in range(3):
+        assert _dump(job, repo, "r", "--quiet").returncode == 0
+    fd = os.open(repo / "locks" / "readers", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        d = _dump(job, repo, "r", "--keep-last", "1", "--json")
+        assert d.returncode == 21, d.stderr
+        dumped = json.loads(d.stdout)
+        refusals = [run_gpusnap(*cmd, "--repo", repo, "--json")
+                    for cmd in (("prune", "--keep-last", "1", "--name", "r"),
+                                ("forget", "--keep-last", "1", "--name", "r", "--prune"))]
+        for p in refusals:
+            assert p.returncode == 10, (p.returncode, p.stderr)
+            assert dumped["prune_error"] == json.loads(p.stdout)["message"]
+        assert len(run_json("ls", "--repo", repo)["snapshots"]) == 4
+        dry = run_json("prune", "--keep-last", "1", "--name", "r", "--dry-run", "--repo", repo)
+    finally:
+        os.close(fd)
+    assert len(dry["snapshots_deleted"]) == 3
+    assert _dump(job, repo, "r", "--keep-last", "1", "--quiet").returncode == 0
+    assert len(run_json("ls", "--repo", repo)["snapshots"]) == 1
+    assert job.alive() and run_gpusnap("verify", "--repo", repo).returncode == 0

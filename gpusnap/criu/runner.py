@@ -291,28 +291,13 @@ def explain_restore(lines: list[str]) -> str:
     return explain(lines) or RESTORE_FALLBACK
 
 
-CAP_SYS_PTRACE = 19
-CAP_CHECKPOINT_RESTORE = 40
-
-
-def effective_caps() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return int(line.split()[1], 16)
-    except OSError:
-        pass
-    return 0
-
-
 def require_privileges(action: str) -> None:
-    """CRIU needs root, or CAP_CHECKPOINT_RESTORE with CAP_SYS_PTRACE, for a dump or restore."""
+    """CRIU needs root, or CAP_CHECKPOINT_RESTORE with CAP_SYS_PTRACE, for a dump or restore:
+    the rule of system.preflight.privileges, which `dump` and `doctor` apply too."""
     from gpusnap.errors import NotRoot
+    from gpusnap.system import preflight
 
-    if os.geteuid() == 0:
-        return
-    caps = effective_caps()
-    if caps >> CAP_CHECKPOINT_RESTORE & 1 and caps >> CAP_SYS_PTRACE & 1:
+    if preflight.privileges().status != "fail":
         return
     raise NotRoot(f"gpusnap {action} must run as root (CRIU needs it to {action} processes)",
                   hint=f"run `sudo gpusnap {action} ...`, or give gpusnap CAP_CHECKPOINT_RESTORE and "

@@ -4,6 +4,7 @@ A process "uses" a GPU when it holds /dev/nvidiaN open (or mapped); N is the dev
 which /proc/driver/nvidia/gpus/<bus>/information maps to the GPU's UUID and PCI bus id.
 The driver probe (gpusnap.gpu.driver) adds the index nvidia-smi shows and the CUDA
 checkpoint state; without a driver those stay unknown and everything else still works.
+The tables of `gpusnap ps` and of a snapshot's GPUs are made in render (machine, snapshots).
 """
 
 from __future__ import annotations
@@ -257,37 +258,6 @@ class GpuProcessList(list):
         }
 
 
-def _fmt_bytes(n: int | None) -> str:
-    from gpusnap.render import human_bytes
-
-    return human_bytes(n)
-
-
-def render(listing: "GpuProcessList | list[GpuProcess]", console: Any) -> None:
-    """Print `gpusnap ps` to a rich Console."""
-    from rich.table import Table
-
-    drv = getattr(listing, "driver", None)
-    if drv is not None:
-        console.print(drv.summary() if drv.available else f"[yellow]{drv.summary()}[/]")
-    if not listing:
-        console.print("no process uses an NVIDIA GPU")
-        return
-    t = Table(show_header=True, header_style="bold")
-    for col in ("PID", "user", "GPUs", "GPU memory", "CUDA state", "notes", "command"):
-        t.add_column(col, overflow="fold")
-    for g in listing:
-        gpus = ", ".join(f"#{x['index']}" if x.get("index") is not None else f"/dev/nvidia{x['minor']}"
-                         for x in g.gpus) or ("(driver only)" if g.uses_gpu else "-")
-        notes = [n for n, on in (("MIG", g.mig), ("NCCL", g.nccl), ("NVML", g.nvml)) if on]
-        if g.libcuda and not g.uses_gpu:
-            notes.append("libcuda loaded, no device open")
-        state = g.state or ("-" if not g.uses_gpu else "unknown")
-        t.add_row(str(g.pid), g.user or "?", gpus, _fmt_bytes(g.memory_bytes), state,
-                  ", ".join(notes), (g.cmdline or g.comm)[:80])
-    console.print(t)
-
-
 def gpu_processes(*, with_state: bool = True, include_self: bool = False,
                   pids: Iterable[int] | None = None) -> GpuProcessList:
     """Processes holding NVIDIA device files (or mapping libcuda), for `gpusnap ps`.
@@ -384,25 +354,6 @@ def describe_recorded(recorded: dict[str, Any] | None) -> dict[str, Any] | None:
                  | {"used": bool(g.get("used")) or g.get("uuid") in used} for g in gpus],
         "processes": [{"pid": p.get("pid"), "gpus": list(p.get("gpus") or [])} for p in procs_],
     }
-
-
-def render_recorded(recorded: dict[str, Any] | None, console: Any) -> None:
-    """Print a snapshot's GPU section (for `gpusnap inspect`) to a rich Console."""
-    from rich.table import Table
-
-    d = describe_recorded(recorded)
-    if d is None:
-        console.print("GPU: none recorded (a CPU-only snapshot, or dumped without an NVIDIA driver)")
-        return
-    console.print(f"GPU: NVIDIA driver {d['driver_version'] or '?'}, CUDA {d['cuda_version'] or '?'}")
-    t = Table(show_header=True, header_style="bold")
-    for col in ("#", "GPU", "memory", "UUID", "used by"):
-        t.add_column(col)
-    for g in d["gpus"]:
-        by = [str(p["pid"]) for p in d["processes"] if g["uuid"] in p["gpus"]]
-        t.add_row(str(g["index"]), g["name"] or "?", _fmt_bytes(g["memory_bytes"]), g["uuid"] or "?",
-                  ", ".join(by) or "-")
-    console.print(t)
 
 
 # ---------------------------------------------------------------- device files without a CUDA context

@@ -4,7 +4,8 @@ open files (size and mode at dump time, and whether the file on disk still match
 GPU facts recorded at dump, and the repository's page statistics and sizes.
 
 CRIU's images are decoded with pycriu from the snapshot itself, so nothing in them is trusted:
-a malformed image is reported as unreadable rather than crashing the command.
+a malformed image is reported as unreadable rather than crashing the command. The report is
+data (what `inspect --json` prints); render.snapshots.inspect makes the text.
 """
 
 from __future__ import annotations
@@ -217,53 +218,3 @@ def describe(repository, snap) -> dict[str, Any]:
     report["sockets"] = sockets
     report["files_changed"] = [f["path"] for f in report["files"] if f.get("now_status") in ("missing", "differs")]
     return report
-
-
-def render(report: dict[str, Any], console, images: bool = False) -> None:
-    """The human view. Everything from the snapshot goes through rich Text, never markup:
-    a command line like `train.py --layers [idx]` must print as it is."""
-    from rich.table import Table
-    from rich.text import Text
-
-    from gpusnap.gpu import procs as gpu_procs
-    from gpusnap.render import human_bytes, plain
-    from gpusnap.repo.maint import usage as repo_inspect
-
-    repo_inspect.render(report, console, images=images)
-    table = Table(title="processes", box=None, title_justify="left")
-    for col in ("pid", "ppid", "command", "threads", "memory", "GPU", "cwd"):
-        table.add_column(col, justify="right" if col in ("pid", "ppid", "threads", "memory") else "left")
-    for p in report.get("processes", []):
-        cmd = " ".join(p["cmdline"]) if p.get("cmdline") else p["comm"]
-        table.add_row(str(p["pid"]), str(p["ppid"]), plain(cmd), str(p["threads"]),
-                      human_bytes(p["memory_bytes"]), "CUDA" if p["cuda"] else "", plain(p.get("cwd") or ""))
-    console.print(table)
-    files = report.get("files", [])
-    if files:
-        ft = Table(title="open files", box=None, title_justify="left")
-        for col in ("path", "mode", "access", "size", "on disk now"):
-            ft.add_column(col, justify="right" if col == "size" else "left")
-        for f in files:
-            status = f.get("now_status", "")
-            style = {"ok": "green", "missing": "red", "differs": "red"}.get(status, "yellow")
-            ft.add_row(plain(f["path"]), f.get("mode") or "", f.get("access", ""),
-                       human_bytes(f["size"]) if f.get("size") is not None else "-",
-                       Text(f"{status} {f.get('now_detail', '')}".strip(), style=style))
-        console.print(ft)
-    socks = report.get("sockets", [])
-    if socks:
-        st = Table(title="sockets", box=None, title_justify="left")
-        for col in ("pid", "fd", "family", "address", "peer"):
-            st.add_column(col)
-        for s in socks:
-            st.add_row(str(s["pid"]), str(s["fd"]), s.get("family", ""), plain(s.get("address", "")),
-                       plain(s.get("peer_address", s.get("peer", ""))))
-        console.print(st)
-    if report.get("gpu"):
-        gpu_procs.render_recorded(report["gpu"], console)
-    else:
-        console.print("GPU: none recorded (a CPU-only job)")
-    changed = report.get("files_changed") or []
-    if changed:
-        console.print(Text(f"restore will fail until these files are as they were at the dump: "
-                           f"{', '.join(changed)}", style="bold red"))

@@ -1,26 +1,34 @@
 """`gpusnap doctor [PID]`: is this machine ready to snapshot, and what would stop a dump of PID.
 
-Every check is a Check(name, status, detail, fix) with status one of
+Every check is a Check(name, status, detail, fix, exit_code) with status one of
   ok    fine
   info  worth knowing, changes nothing (a terminal: gpusnap uses --shell-job)
   warn  works, but something is missing or risky
   fail  a dump (or a GPU dump) will not work until this is fixed
 Nothing here raises for an ordinary machine state; a machine without an NVIDIA driver gets
 a clean "no NVIDIA driver".
+
+Doctor decides nothing that `gpusnap dump` decides on its own: CRIU (which one, its version),
+privileges, the process tree and every per-job rule are system.preflight's findings, the
+same objects dump raises from, so a failing check carries the exit code the dump ends with.
+The text is made in render.machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from gpusnap.system import paths, preflight
 from gpusnap.criu import runner
+from gpusnap.errors import GpuUnsupportedProcess
+from gpusnap.system import paths, preflight
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
+from gpusnap.render import human_bytes
 
 STATUSES = ("ok", "info", "warn", "fail")
 CAP_SYS_RESOURCE = preflight.CAP_SYS_RESOURCE
@@ -33,6 +41,7 @@ class Check:
     status: str          # ok | info | warn | fail
     detail: str
     fix: str | None = None
+    exit_code: int | None = None   # a failure `gpusnap dump` refuses on: the code it exits with
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,11 +54,17 @@ class DoctorReport:
     driver: dict[str, Any] | None = None   # DriverProbe.to_dict()
     plan: dict[str, Any] | None = None     # PID given: the CRIU options a dump would use
 
-    def add(self, name: str, status: str, detail: str, fix: str | None = None) -> Check:
+    def add(self, name: str, status: str, detail: str, fix: str | None = None,
+            exit_code: int | None = None) -> Check:
         assert status in STATUSES, status
-        c = Check(name, status, detail, fix)
+        c = Check(name, status, detail, fix, exit_code)
         self.checks.append(c)
         return c
+
+    def add_finding(self, f: preflight.Finding) -> Check:
+        """A preflight finding as it is, with the exit code of the error dump raises for it."""
+        code = f.error.exit_code if f.status == "fail" and f.error is not None else None
+        return self.add(f.name, f.status, f.detail, f.fix, code)
 
     @property
     def worst(self) -> str:
@@ -67,48 +82,30 @@ class DoctorReport:
         return {"ok": self.ok, "worst": self.worst, "pid": self.pid,
                 "checks": [c.to_dict() for c in self.checks], "driver": self.driver, "plan": self.plan}
 
-    def render(self) -> Any:
-        """A rich Table (imported lazily)."""
-        from rich.table import Table
-        from rich.text import Text
-
-        style = {"ok": "green", "info": "cyan", "warn": "yellow", "fail": "bold red"}
-        title = "gpusnap doctor" + (f" — PID {self.pid}" if self.pid is not None else "")
-        t = Table(title=title, show_lines=False, expand=False)
-        t.add_column("", no_wrap=True)
-        t.add_column("check", no_wrap=True)
-        t.add_column("detail", overflow="fold")
-        t.add_column("fix", style="dim", overflow="fold")
-        for c in self.checks:
-            t.add_row(Text(c.status, style=style[c.status]), c.name, c.detail, c.fix or "")
-        return t
-
-    def format_text(self) -> str:
-        lines = []
-        for c in self.checks:
-            lines.append(f"[{c.status:>4}] {c.name}: {c.detail}")
-            if c.fix:
-                lines.append(f"       fix: {c.fix}")
-        return "\n".join(lines)
-
-
-def render(report: DoctorReport, console: Any) -> None:
-    """Print a report to a rich Console (what `gpusnap doctor` shows)."""
-    console.print(report.render())
-    counts = {s: sum(1 for c in report.checks if c.status == s) for s in STATUSES}
-    verdict = ("[bold red]a dump will fail until the 'fail' items are fixed[/]" if not report.ok
-               else "[green]ready[/]" if counts["warn"] == 0 else "[yellow]ready, with warnings[/]")
-    console.print(f"{verdict} ({counts['ok']} ok, {counts['info']} info, {counts['warn']} warn, "
-                  f"{counts['fail']} fail)")
-
 
 # ---------------------------------------------------------------- small readers
-# /proc and capability readers are the preflight's (shared with `gpusnap dump`).
+# capabilities are read as the preflight reads them (shared with `gpusnap dump`)
 
-_read = preflight._read
-_run = preflight._run
 cap_eff = preflight.cap_eff
 has_cap = preflight.has_cap
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of a diagnostic command; never raises."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return 124, f"timed out after {timeout:.0f} s"
+    except OSError as e:
+        return 127, str(e)
+    return r.returncode, (r.stdout or "") + (r.stderr or "")
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -127,7 +124,7 @@ def _check_criu(r: DoctorReport) -> tuple[str, tuple[int, ...]] | None:
     """The CRIU gpusnap will run, through the same finding `gpusnap dump` acts on, and whether
     it works with this kernel. (path, version) when usable."""
     f = preflight.criu()
-    r.add(f.name, f.status, f.detail, f.fix)
+    r.add_finding(f)
     if f.status == "fail":
         return None
     info = runner.criu_info()
@@ -163,7 +160,7 @@ def _check_criu_check(r: DoctorReport, criu: str, root_like: bool) -> None:
 def _check_privileges(r: DoctorReport) -> bool:
     caps = cap_eff()
     f = preflight.privileges()  # the same finding `gpusnap dump` acts on
-    r.add(f.name, f.status, f.detail, f.fix)
+    r.add_finding(f)
     root_like = f.status != "fail"
     sysres = has_cap(CAP_SYS_RESOURCE, caps)
     if sysres:
@@ -190,6 +187,19 @@ def _check_dirty_tracking(r: DoctorReport, criu: str | None, root_like: bool) ->
         msg = next((ln.strip() for ln in out.splitlines() if "dirty" in ln.lower()), "not available")
         msg = re.sub(r"^\w+\s*\([^)]*\):\s*", "", msg)
         r.add("soft-dirty tracking", "info", f"{msg}; {why}")
+
+
+def _check_page_library(r: DoctorReport) -> None:
+    """The native page library every dump, restore and verify needs (loaded as they load it)."""
+    from gpusnap.errors import NativeLibraryMissing
+    from gpusnap.repo import native
+
+    try:
+        native.load()
+    except NativeLibraryMissing as e:
+        r.add("page library", "fail", e.message, e.hint, exit_code=e.exit_code)
+        return
+    r.add("page library", "ok", str(native.lib_path))
 
 
 def _check_plugin(r: DoctorReport) -> None:
@@ -231,7 +241,7 @@ def _check_driver(r: DoctorReport, probe: gdriver.DriverProbe) -> None:
             r.add("NVIDIA driver", "info", f"{gdriver.NO_DRIVER}: CPU-only dumps and restores "
                   f"work; GPU jobs cannot be snapshotted here ({probe.reason})")
         return
-    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'} (via {probe.backend})"
+    ver = f"driver {probe.driver_version or '?'}, CUDA {probe.cuda_version or '?'}"
     if probe.reason:
         r.add("NVIDIA driver", "warn", f"{ver}: {probe.reason}", "check nvidia-smi")
     else:
@@ -244,7 +254,7 @@ def _check_driver(r: DoctorReport, probe: gdriver.DriverProbe) -> None:
               "processes cannot be snapshotted", "update the NVIDIA driver to r570 (CUDA 12.8) or newer")
     if probe.gpus:
         r.add("GPUs", "ok", "; ".join(
-            f"#{g.index} {g.name} {(g.memory_bytes or 0) / 2**30:.0f} GiB {g.uuid}" for g in probe.gpus))
+            f"#{g.index} {g.name} {human_bytes(g.memory_bytes)} {g.uuid}" for g in probe.gpus))
     elif not probe.reason:
         r.add("GPUs", "warn", "the driver lists no GPU", "check nvidia-smi")
     mps = [p for p in _pids_named(("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"))]
@@ -269,7 +279,7 @@ def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe) -> None:
     """The preflight `gpusnap dump` runs, finding by finding, then the GPU checks."""
     plan = preflight.check(pid, system=False)
     for f in plan.findings:
-        r.add(f.name, f.status, f.detail, f.fix)
+        r.add_finding(f)
     r.plan = {"pids": plan.pids, "dump_options": plan.dump_options, "restore_flags": plan.restore_flags,
               "tcp": plan.tcp, "listening": plan.listening, "locks": plan.locks}
     if plan.pids:
@@ -307,9 +317,10 @@ def _check_gpu_job(r: DoctorReport, tree: list[int], probe: gdriver.DriverProbe)
             r.add("GPU", "ok", f"CUDA process(es) {names}; states: "
                   + ", ".join(f"{p}={s or 'not CUDA-initialised'}" for p, s in states.items()))
         nocontext = gprocs.devices_without_context(tree)
-        if nocontext:  # the same check `gpusnap dump` refuses on (exit 24)
+        if nocontext:  # the same check `gpusnap dump` refuses on
             r.add("GPU", "fail", "NVIDIA device files without a CUDA context: "
-                  + gprocs.describe_without_context(nocontext), gprocs.NO_CONTEXT_HINT)
+                  + gprocs.describe_without_context(nocontext), gprocs.NO_CONTEXT_HINT,
+                  GpuUnsupportedProcess.exit_code)
         if not paths.plugin_path().is_file():
             r.add("GPU", "fail", f"the job uses a GPU but {paths.plugin_path()} is missing",
                   "build the plugin (cmake --build build) or set GPUSNAP_PLUGIN_DIR")
@@ -360,6 +371,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     if criu:
         _check_criu_check(r, criu[0], root_like)
     _check_dirty_tracking(r, criu and criu[0], root_like)
+    _check_page_library(r)
     _check_plugin(r)
     probe = gdriver.probe_cached()
     r.driver = probe.to_dict()

@@ -28,11 +28,11 @@ from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
+from gpusnap.repo.codec import CHOICES as COMPRESSORS
 from gpusnap.repo.pipeline import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
-COMPRESSORS = ("auto", "lz4", "zstd", "none")
 NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 # (bytes so far, expected total, phase): phase "frozen" while the job stands frozen and CRIU's
@@ -305,19 +305,12 @@ def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: s
 
 
 def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
-    """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock).
-    Returns (snapshot ids deleted, warnings: entries of snapshots/ that could not be read and
-    were skipped, data kept because of them). Raises on failure."""
+    """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock;
+    prune.retain takes the rest through prune's one lock policy). Returns (snapshot ids
+    deleted, warnings: unreadable entries skipped, data kept because of them). Raises on failure."""
     from gpusnap.repo.maint import prune as prune_mod
 
-    plan = prune_mod.plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
-    warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
-    if plan.delete:
-        with repo.readers_lock(exclusive=True):
-            res = prune_mod.execute_prune(repo, plan, dry_run=False)
-        if res.get("data_kept"):
-            warnings.append(res["data_kept"])
-    return list(plan.delete), warnings
+    return prune_mod.retain(repo, name, keep_last)
 
 
 def retention_error(result: "DumpResult") -> GpusnapError | None:

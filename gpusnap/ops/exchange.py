@@ -390,3 +390,17 @@ def import_snapshot(repo, path: str) -> dict:
     except FileNotFoundError:
         raise UsageError(f"export file {path} does not exist") from None
 
+
+
+def import_file(path: str, root) -> dict:
+    """`gpusnap import`: check that this user may read `path` ('-': stdin) and change the
+    repository at `root` (made when missing), then import_snapshot()."""
+    from pathlib import Path
+
+    from gpusnap.repo.repository import Repository
+    from gpusnap.system import access
+
+    if path != "-":
+        access.check_readable_file(Path(path), "export file")
+    access.check_repo(root, write=True)
+    return import_snapshot(lambda: Repository.open(root, create=True), path)

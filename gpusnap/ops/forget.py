@@ -34,22 +34,6 @@ class ForgetResult:
         return {"dry_run": self.dry_run, "snapshots_forgotten": self.forgotten,
                 "snapshots_kept": self.kept, "prune": self.prune}
 
-    def lines(self) -> list[str]:
-        from gpusnap.render import human_bytes
-
-        verb = "would forget" if self.dry_run else "forgot"
-        out = [f"{verb} {f['dir']}" for f in self.forgotten]
-        if not self.forgotten:
-            out.append("nothing to forget")
-        out.append(f"{len(self.kept)} snapshot(s) kept")
-        if self.prune is not None:
-            p = self.prune
-            out.append(f"{'would free' if self.dry_run else 'freed'} {human_bytes(p.get('bytes_freed', 0))} "
-                       f"({p.get('packs_deleted', 0)} packs deleted, {p.get('packs_rewritten', 0)} rewritten)")
-        elif self.forgotten and not self.dry_run:
-            out.append("their data stays until `gpusnap prune` (or use `forget --prune`)")
-        return out
-
 
 def check_retention(keep_last: int | None, name: str | None, all_: bool, what: str) -> None:
     """The guard shared by prune and forget: a retention that keeps nothing must say so."""
@@ -89,8 +73,10 @@ def _snapshot_dir(repo, ref: str):
             return None
     except OSError:
         return None
-    # only a directory gpusnap trusts (not a symlink, not another user's): see _snapshot_entries
-    return sd / cand.name if sd / cand.name in repo._snapshot_dirs() else None
+    # only a snapshot directory gpusnap trusts (not a symlink, not another user's) whose
+    # manifest cannot be read: broken_snapshots() less the entries that are no snapshot at all
+    unreadable = set(repo.broken_snapshots()) - set(repo.unusable_entries())
+    return sd / cand.name if sd / cand.name in unreadable else None
 
 
 def select(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
@@ -132,26 +118,22 @@ def select(repo, refs: list[str], name: str | None = None, keep_last: int | None
 
 def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
            all_: bool = False, dry_run: bool = False, prune: bool = False) -> ForgetResult:
-    """Select, then remove under the writer lock and the exclusive readers lock (a restore
-    may be reading a snapshot about to go); with `prune`, free the data nothing needs."""
+    """Select, then remove under prune's locks (a restore may be reading a snapshot about to
+    go); with `prune`, the removal is part of one prune plan that also frees the data
+    nothing needs (with dry_run: exactly what it would do)."""
     from gpusnap.repo.maint import prune as prune_mod
 
-    with repo.writer_lock(), repo.readers_lock(exclusive=not dry_run):
+    with prune_mod.locked(repo, dry_run):
         doomed, kept = select(repo, refs, name=name, keep_last=keep_last, all_=all_)
         res = ForgetResult(dry_run=dry_run, kept=[s.path.name for s in kept],
                            forgotten=[{"dir": s.path.name, "id": s.id, "name": s.name, "created": s.created}
                                       for s in doomed])
-        if not dry_run:
+        if prune:
+            res.prune = prune_mod.apply(repo, doomed, dry_run=dry_run).to_dict()
+        elif not dry_run:
             for s in doomed:
                 repo.remove_snapshot(s)
             sweep_logs(repo)
-        if prune:
-            if dry_run:
-                # what prune would free once these are gone: plan their deletion, change nothing
-                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[s.id for s in doomed if s.id])
-            else:
-                plan = prune_mod.PrunePlan(keep=[s.id for s in kept], delete=[])
-            res.prune = prune_mod.execute_prune(repo, plan, dry_run=dry_run).to_dict()
     return res
 
 

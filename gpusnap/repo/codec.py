@@ -28,6 +28,8 @@ ZSTD_LEVEL = 3
 
 CODEC_AUTO = -1                        # "auto": chosen per call; never stored
 NAMES = {**CODECS, CODEC_AUTO: "auto"}
+# what `dump --compress` (and its completions) accept, default first: the one list
+CHOICES = ("auto", *(NAMES[c] for c in sorted(CODECS) if c != CODEC_NONE), NAMES[CODEC_NONE])
 SHUFFLE_K = {CODEC_SHUF4_ZSTD: 4, CODEC_SHUF2_ZSTD: 2}
 
 # zstd for one byte plane: planes have almost no repeated strings, so the fastest match

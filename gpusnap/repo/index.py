@@ -73,7 +73,7 @@ class RepoIndex:
     _page_table: object = field(default=None, repr=False)
 
     def page_table(self):
-        """The page locations as a pagetable.PageTable (native when the library is there)."""
+        """The page locations as a pagetable.PageTable."""
         if self._page_table is None:
             from gpusnap.repo.pipeline.pagetable import PageTable
             t = PageTable(hint=sum(b.n_pages for b in self.blobs if b.kind == KIND_PAGES))

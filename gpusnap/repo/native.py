@@ -1,5 +1,6 @@
-"""The page pipeline's hot loop in native code (native/pages/gs_pages.c), with a pure-Python
-fallback that gives identical results.
+"""The page pipeline's hot loops in native code (native/pages/, libgpusnap_pages.so): the one
+implementation gpusnap runs. `make setup` builds it; without it (or with a build of another
+ABI) every function here raises NativeLibraryMissing, which says to run `make setup`.
 
     scan(buf, npages)         -> (kinds, ids, ndata): kinds[i] 0 = zero page, 1 = data page;
                                  ids[16*i:16*i+16] = blake3-128 of data page i (zeros for zero pages)
@@ -7,34 +8,55 @@ fallback that gives identical results.
                               -> index of the first page whose blake3-128 is not its id, or -1;
                                  pages with kinds[i] == 0 are not checked
     shuffle(data, k)          -> bytes: byte planes of k-byte elements (k = 2 or 4), the last
-                                 len % k bytes unchanged after them (native/pages/gs_shuffle.c)
+                                 len % k bytes unchanged after them
     unshuffle(data, k)        -> bytes: the inverse
     plane_bits(buf, plane_stride, nplanes, step, count)
                               -> sampled order-0 entropy (milli-bits per byte) of each plane:
                                  plane p's samples are buf[p*plane_stride + j*step], j < count
+    table_*                   the page-id table of a dump (gs_table.c, used by pipeline/pagetable.py)
 
-The library is found at $GPUSNAP_NATIVE_LIB, else <source root>/build/lib/libgpusnap_pages.so,
-else /usr/local/lib/gpusnap/libgpusnap_pages.so. GPUSNAP_NATIVE=0 forces the Python path.
-ctypes releases the GIL for the duration of each call, so pages images of different
-processes (and the stages of one image's pipeline) run on different cores.
+The library is found at $GPUSNAP_NATIVE_LIB (a build outside the checkout, as
+scripts/gpu-e2e.sh runs it), else <source root>/build/lib/libgpusnap_pages.so, else
+/usr/local/lib/gpusnap/libgpusnap_pages.so. ctypes releases the GIL for the duration of each
+call, so pages images of different processes (and the stages of one image's pipeline) run on
+different cores. The pure-Python reference of these functions lives in the tests
+(tests/page_reference.py), which compare the two.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
-import blake3
+from gpusnap.errors import NativeLibraryMissing
 
 PAGE_SIZE = 4096
 ID_LEN = 16
-_ZP = bytes(PAGE_SIZE)
+ABI_VERSION = 3                  # gs_abi_version() of the library this code binds
+SHUFFLE_PORTABLE = 1             # flags for shuffle/unshuffle: force the portable C code (tests)
 
 _LIB_NAME = "libgpusnap_pages.so"
 _lib = None
-_load_error: str | None = None
 lib_path: str | None = None
+
+_vp, _sz, _i64, _ui = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64, ctypes.c_uint
+# name: (argtypes, restype); the whole ABI this module relies on
+_SIGNATURES = {
+    "gs_selftest": ([], ctypes.c_int),
+    "gs_scan": ([_vp, _sz, _vp, _vp], _sz),
+    "gs_verify": ([_vp, _sz, _vp, _vp], ctypes.c_long),
+    "gs_shuffle": ([_vp, _sz, _ui, _vp, _ui], ctypes.c_int),
+    "gs_unshuffle": ([_vp, _sz, _ui, _vp, _ui], ctypes.c_int),
+    "gs_plane_bits": ([_vp, _sz, _ui, _sz, _sz, _vp], ctypes.c_int),
+    "gs_table_new": ([_sz], _vp),
+    "gs_table_free": ([_vp], None),
+    "gs_table_len": ([_vp], _sz),
+    "gs_table_bytes": ([_vp], _sz),
+    "gs_table_add_run": ([_vp, _vp, _sz, _i64], ctypes.c_long),
+    "gs_table_add_runs": ([_vp, _vp, _sz, _vp, _vp], ctypes.c_long),
+    "gs_table_get": ([_vp, _vp, _sz, _vp], None),
+    "gs_table_claim": ([_vp, _vp, _vp, _vp, _sz, _i64, _vp], ctypes.c_long),
+}
 
 
 def _candidates() -> list[str]:
@@ -43,60 +65,46 @@ def _candidates() -> list[str]:
         return [env]
     from gpusnap.system.paths import source_root
 
-    root = source_root()
-    return [str(root / "build" / "lib" / _LIB_NAME), f"/usr/local/lib/gpusnap/{_LIB_NAME}"]
+    return [str(source_root() / "build" / "lib" / _LIB_NAME), f"/usr/local/lib/gpusnap/{_LIB_NAME}"]
 
 
-def _load():
-    global _lib, _load_error, lib_path
-    if os.environ.get("GPUSNAP_NATIVE", "1") == "0":
-        _load_error = "disabled by GPUSNAP_NATIVE=0"
-        return
+def _open(path: str):
+    """The library at path, bound and checked; raises OSError or ValueError."""
+    lib = ctypes.CDLL(path)
+    try:
+        abi = lib.gs_abi_version()
+    except AttributeError:
+        raise ValueError("not a gpusnap page library (no gs_abi_version)") from None
+    if abi != ABI_VERSION:
+        raise ValueError(f"ABI version {abi}, this checkout needs {ABI_VERSION}")
+    for name, (args, res) in _SIGNATURES.items():
+        f = getattr(lib, name)            # present in every library of this ABI
+        f.argtypes, f.restype = args, res
+    if lib.gs_selftest() != 0:            # page ids are part of the format: they must be blake3
+        raise ValueError("self test failed (its page ids differ from blake3)")
+    return lib
+
+
+def load():
+    """The loaded library (loaded on first use). Raises NativeLibraryMissing."""
+    global _lib, lib_path
+    if _lib is not None:
+        return _lib
     errors = []
     for p in _candidates():
         if not os.path.exists(p):
             errors.append(f"{p}: not found")
             continue
         try:
-            lib = ctypes.CDLL(p)
-            if lib.gs_abi_version() != 2:
-                errors.append(f"{p}: ABI version {lib.gs_abi_version()}, expected 2")
-                continue
-            if lib.gs_selftest() != 0:
-                errors.append(f"{p}: self test failed (page ids differ from blake3)")
-                continue
-        except (OSError, AttributeError) as e:
+            lib = _open(p)
+        except (OSError, ValueError, AttributeError) as e:
             errors.append(f"{p}: {e}")
             continue
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        lib.gs_scan.argtypes = [vp, sz, vp, vp]
-        lib.gs_scan.restype = sz
-        lib.gs_verify.argtypes = [vp, sz, vp, vp]
-        lib.gs_verify.restype = ctypes.c_long
-        lib.gs_hash_pages.argtypes = [vp, sz, vp]
-        lib.gs_hash_pages.restype = None
-        if hasattr(lib, "gs_shuffle"):      # absent in libraries built before the shuffle codecs
-            ui = ctypes.c_uint
-            lib.gs_shuffle.argtypes = lib.gs_unshuffle.argtypes = [vp, sz, ui, vp, ui]
-            lib.gs_shuffle.restype = lib.gs_unshuffle.restype = ctypes.c_int
-            lib.gs_plane_bits.argtypes = [vp, sz, ui, sz, sz, vp]
-            lib.gs_plane_bits.restype = ctypes.c_int
-            lib.gs_shuffle_simd.argtypes = []
-            lib.gs_shuffle_simd.restype = ctypes.c_int
         _lib, lib_path = lib, p
-        return
-    _load_error = "; ".join(errors)
-
-
-_load()
-
-
-def available() -> bool:
-    return _lib is not None
-
-
-def why_unavailable() -> str | None:
-    return None if _lib is not None else _load_error
+        return lib
+    raise NativeLibraryMissing(
+        "gpusnap's native page library is missing or was built for another version: " + "; ".join(errors),
+        hint="run `make setup` in the gpusnap checkout (it builds build/lib/libgpusnap_pages.so)")
 
 
 def _addr(buf) -> tuple[int, object]:
@@ -113,21 +121,25 @@ def _addr(buf) -> tuple[int, object]:
     return ctypes.addressof(c), c
 
 
-# -- native ---------------------------------------------------------------------------------
-def scan_native(buf, npages: int) -> tuple[bytearray, bytearray, int]:
+# -- pages ------------------------------------------------------------------------------------
+def scan(buf, npages: int) -> tuple[bytearray, bytearray, int]:
+    lib = _lib or load()
     if len(buf) < npages * PAGE_SIZE:
         raise ValueError("buffer shorter than npages pages")
     kinds = bytearray(npages)
     ids = bytearray(npages * ID_LEN)
+    if not npages:
+        return kinds, ids, 0
     a, keep = _addr(buf)
-    kc = (ctypes.c_char * npages).from_buffer(kinds) if npages else None
-    ic = (ctypes.c_char * (npages * ID_LEN)).from_buffer(ids) if npages else None
-    nd = _lib.gs_scan(a, npages, kc, ic) if npages else 0
+    kc = (ctypes.c_char * npages).from_buffer(kinds)
+    ic = (ctypes.c_char * (npages * ID_LEN)).from_buffer(ids)
+    nd = lib.gs_scan(a, npages, kc, ic)
     del keep, kc, ic
     return kinds, ids, nd
 
 
-def verify_native(buf, npages: int, ids, kinds=None) -> int:
+def verify(buf, npages: int, ids, kinds=None) -> int:
+    lib = _lib or load()
     if len(buf) < npages * PAGE_SIZE or len(ids) < npages * ID_LEN or (kinds is not None and len(kinds) < npages):
         raise ValueError("buffer, ids or kinds shorter than npages")
     if not npages:
@@ -135,67 +147,17 @@ def verify_native(buf, npages: int, ids, kinds=None) -> int:
     a, keep = _addr(buf)
     ia, ikeep = _addr(ids)
     ka, kkeep = _addr(kinds) if kinds is not None else (None, None)
-    r = _lib.gs_verify(a, npages, ia, ka)
+    r = lib.gs_verify(a, npages, ia, ka)
     del keep, ikeep, kkeep
     return r
 
 
-# -- pure Python (the reference) -----------------------------------------------------------------
-def scan_python(buf, npages: int) -> tuple[bytearray, bytearray, int]:
-    if len(buf) < npages * PAGE_SIZE:
-        raise ValueError("buffer shorter than npages pages")
-    b3 = blake3.blake3
-    if type(buf) is not bytes:
-        buf = bytes(memoryview(buf)[:npages * PAGE_SIZE])
-    startswith = buf.startswith
-    kinds = bytearray(npages)
-    ids = bytearray(npages * ID_LEN)
-    nd = 0
-    for i in range(npages):
-        o = i * PAGE_SIZE
-        if startswith(_ZP, o):
-            continue
-        kinds[i] = 1
-        nd += 1
-        ids[i * ID_LEN:(i + 1) * ID_LEN] = b3(buf[o:o + PAGE_SIZE]).digest(ID_LEN)
-    return kinds, ids, nd
-
-
-def verify_python(buf, npages: int, ids, kinds=None) -> int:
-    if len(buf) < npages * PAGE_SIZE or len(ids) < npages * ID_LEN or (kinds is not None and len(kinds) < npages):
-        raise ValueError("buffer, ids or kinds shorter than npages")
-    b3 = blake3.blake3
-    mv = memoryview(buf)
-    idv = memoryview(ids)
-    for i in range(npages):
-        if kinds is not None and not kinds[i]:
-            continue
-        if b3(mv[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]).digest(ID_LEN) != idv[i * ID_LEN:(i + 1) * ID_LEN]:
-            return i
-    return -1
-
-
-if _lib is not None:
-    scan, verify = scan_native, verify_native
-else:
-    scan, verify = scan_python, verify_python
-
-
 # -- byte shuffle for the float-aware codecs (gpusnap/repo/codec.py) -------------------------
-SHUFFLE_PORTABLE = 1     # flags for *_native: force the portable C code (tests)
 _U32x4 = ctypes.c_uint32 * 4    # (creating a ctypes array type per call costs ~10 us)
 
 
-def shuffle_available() -> bool:
-    return _lib is not None and hasattr(_lib, "gs_shuffle")
-
-
-def shuffle_simd() -> bool:
-    """True when the native shuffle runs its AVX2 code."""
-    return shuffle_available() and bool(_lib.gs_shuffle_simd())
-
-
-def _shuf_native(fn, data, k: int, flags: int) -> bytes:
+def _shuf(fn_name: str, data, k: int, flags: int) -> bytes:
+    lib = _lib or load()
     if k not in (2, 4):
         raise ValueError("element size must be 2 or 4")
     n = len(data)
@@ -204,82 +166,92 @@ def _shuf_native(fn, data, k: int, flags: int) -> bytes:
     out = bytearray(n)
     a, keep = _addr(data)
     oc = (ctypes.c_char * n).from_buffer(out)
-    fn(a, n, k, oc, flags)
+    getattr(lib, fn_name)(a, n, k, oc, flags)
     del keep, oc
     return bytes(out)
 
 
-def shuffle_native(data, k: int, flags: int = 0) -> bytes:
-    return _shuf_native(_lib.gs_shuffle, data, k, flags)
+def shuffle(data, k: int, flags: int = 0) -> bytes:
+    return _shuf("gs_shuffle", data, k, flags)
 
 
-def unshuffle_native(data, k: int, flags: int = 0) -> bytes:
-    return _shuf_native(_lib.gs_unshuffle, data, k, flags)
+def unshuffle(data, k: int, flags: int = 0) -> bytes:
+    return _shuf("gs_unshuffle", data, k, flags)
 
 
-def _check_planes(buf, plane_stride: int, nplanes: int, step: int, count: int) -> None:
+def check_planes(buf, plane_stride: int, nplanes: int, step: int, count: int) -> None:
+    """The arguments plane_bits accepts (ValueError otherwise)."""
     if step < 1 or plane_stride < 0 or nplanes < 0 or count < 0 or nplanes > 64:
         raise ValueError("bad plane_bits arguments")
     if count and nplanes and (nplanes - 1) * plane_stride + (count - 1) * step >= len(buf):
         raise ValueError("plane samples outside the buffer")
 
 
-def plane_bits_native(buf, plane_stride: int, nplanes: int, step: int, count: int) -> list[int]:
-    _check_planes(buf, plane_stride, nplanes, step, count)
-    out = (_U32x4 if nplanes <= 4 else ctypes.c_uint32 * nplanes)()
+def plane_bits(buf, plane_stride: int, nplanes: int, step: int, count: int) -> list[int]:
+    lib = _lib or load()
+    check_planes(buf, plane_stride, nplanes, step, count)
     if not count:
         return [8000] * nplanes
+    out = (_U32x4 if nplanes <= 4 else ctypes.c_uint32 * nplanes)()
     a, keep = _addr(buf)
-    _lib.gs_plane_bits(a, plane_stride, nplanes, step, count, out)
+    lib.gs_plane_bits(a, plane_stride, nplanes, step, count, out)
     del keep
     return list(out[:nplanes])
 
 
-def shuffle_python(data, k: int) -> bytes:
-    if k not in (2, 4):
-        raise ValueError("element size must be 2 or 4")
-    b = bytes(data)
-    end = len(b) // k * k
-    return b"".join([b[i:end:k] for i in range(k)]) + b[end:]
+# -- the page-id table (native/pages/gs_table.c): handles for pipeline/pagetable.py ----------
+def table_new(hint: int) -> int:
+    t = (_lib or load()).gs_table_new(hint)
+    if not t:
+        raise MemoryError("page table")
+    return t
 
 
-def unshuffle_python(data, k: int) -> bytes:
-    if k not in (2, 4):
-        raise ValueError("element size must be 2 or 4")
-    b = bytes(data)
-    m = len(b) // k
-    out = bytearray(len(b))
-    for i in range(k):
-        out[i:m * k:k] = b[i * m:(i + 1) * m]
-    out[m * k:] = b[m * k:]
-    return bytes(out)
+def table_free(t: int) -> None:
+    if _lib is not None:
+        _lib.gs_table_free(t)
 
 
-def plane_bits_python(buf, plane_stride: int, nplanes: int, step: int, count: int) -> list[int]:
-    """The formula of gs_plane_bits, step by step in the same order (same doubles)."""
-    import math
-    _check_planes(buf, plane_stride, nplanes, step, count)
-    mv = buf if isinstance(buf, bytes) else memoryview(buf).cast("B")
-    res = []
-    for p in range(nplanes):
-        if not count:
-            res.append(8000)
-            continue
-        o = p * plane_stride
-        s = bytes(mv[o:o + (count - 1) * step + 1:step])
-        hist = [0] * 256
-        for x in s:
-            hist[x] += 1
-        acc = 0.0
-        for c in hist:
-            if c > 1:
-                acc += float(c) * math.log2(float(c))
-        bits = math.log2(float(count)) - acc / float(count)
-        res.append(min(max(int(bits * 1000.0), 0), 8000))
-    return res
+def table_len(t: int) -> int:
+    return _lib.gs_table_len(t)
 
 
-if shuffle_available():
-    shuffle, unshuffle, plane_bits = shuffle_native, unshuffle_native, plane_bits_native
-else:
-    shuffle, unshuffle, plane_bits = shuffle_python, unshuffle_python, plane_bits_python
+def table_bytes(t: int) -> int:
+    return _lib.gs_table_bytes(t)
+
+
+def _checked(r: int) -> int:
+    if r < 0:
+        raise MemoryError("page table")
+    return r
+
+
+def table_add_run(t: int, ids, n: int, base: int) -> int:
+    a, keep = _addr(ids)
+    r = _lib.gs_table_add_run(t, a, n, base)
+    del keep
+    return _checked(r)
+
+
+def table_add_runs(t: int, ids, nruns: int, bases_addr: int, counts_addr: int) -> int:
+    """bases_addr: nruns int64 locations; counts_addr: nruns uint32 counts."""
+    a, keep = _addr(ids)
+    r = _lib.gs_table_add_runs(t, a, nruns, bases_addr, counts_addr)
+    del keep
+    return _checked(r)
+
+
+def table_get(t: int, ids, n: int, out_addr: int) -> None:
+    """Writes n int64 locations (-1 where absent) at out_addr."""
+    a, keep = _addr(ids)
+    _lib.gs_table_get(t, a, n, out_addr)
+    del keep
+
+
+def table_claim(known: int | None, claimed: int, kinds, ids, npages: int, value: int, out_addr: int) -> int:
+    """-> how many uint32 page indices were written at out_addr."""
+    ka, kkeep = _addr(kinds)
+    ia, ikeep = _addr(ids)
+    r = _lib.gs_table_claim(known, claimed, ka, ia, npages, value, out_addr)
+    del kkeep, ikeep
+    return _checked(r)

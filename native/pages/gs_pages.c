@@ -27,7 +27,8 @@
 
 _Static_assert(GS_CHUNKS == 4, "a page is 4 BLAKE3 chunks");
 
-GS_EXPORT int gs_abi_version(void) { return 2; }
+/* 3: every gs_* function of native/pages in one library (gpusnap/repo/native.py ABI_VERSION) */
+GS_EXPORT int gs_abi_version(void) { return 3; }
 
 static bool page_is_zero(const uint8_t *p) {
   static const uint8_t zero[GS_PAGE];
@@ -101,8 +102,8 @@ GS_EXPORT size_t gs_scan(const uint8_t *buf, size_t npages, uint8_t *kinds, uint
   return ndata;
 }
 
-/* ids of npages pages (zero pages hashed like any other). */
-GS_EXPORT void gs_hash_pages(const uint8_t *buf, size_t npages, uint8_t *ids) {
+/* ids of npages pages (zero pages hashed like any other): the batched hash, for the self test. */
+static void gs_hash_pages(const uint8_t *buf, size_t npages, uint8_t *ids) {
   const uint8_t *lane[GS_LANES];
   for (size_t i = 0; i < npages; i += GS_LANES) {
     size_t n = npages - i < GS_LANES ? npages - i : GS_LANES;
@@ -142,9 +143,8 @@ GS_EXPORT long gs_verify(const uint8_t *buf, size_t npages, const uint8_t *ids, 
   return -1;
 }
 
-/* Full blake3 (32 bytes) of len bytes: the reference implementation, for the self test
- * and for callers that want a large-buffer hash without the GIL. */
-GS_EXPORT void gs_blake3(const uint8_t *buf, size_t len, uint8_t *out32) {
+/* Full blake3 (32 bytes) of len bytes: the reference implementation, for the self test. */
+static void gs_blake3(const uint8_t *buf, size_t len, uint8_t *out32) {
   blake3_hasher h;
   blake3_hasher_init(&h);
   blake3_hasher_update(&h, buf, len);

@@ -9,7 +9,7 @@
  * low mantissa planes are close to random. bf16/fp16: k = 2.
  *
  * Implementations: AVX2 (x86-64, chosen at run time) and portable C; both give the same
- * bytes (checked in tests/test_codec_shuffle.py, also against the pure-Python fallback).
+ * bytes (checked in tests/test_codec_shuffle.py, also against the pure-Python reference).
  *
  * gs_plane_bits(): a sampled order-0 entropy estimate (milli-bits per byte) of each plane,
  * used by the codec to skip planes that zstd could not shrink.
@@ -178,15 +178,6 @@ static int have_avx2(void) {
 }
 #endif
 
-/* 1 when the AVX2 code is used (by gs_shuffle/gs_unshuffle without GS_SHUF_PORTABLE). */
-GS_EXPORT int gs_shuffle_simd(void) {
-#if GS_HAVE_AVX2
-  return have_avx2();
-#else
-  return 0;
-#endif
-}
-
 /* src and dst: n bytes each, not overlapping. k: 2 or 4. Returns 0, or -1 for a bad k. */
 GS_EXPORT int gs_shuffle(const uint8_t *src, size_t n, unsigned k, uint8_t *dst, unsigned flags) {
   if (k != 2 && k != 4)
@@ -233,8 +224,8 @@ __attribute__((constructor)) static void clog_init(void) {
  * Planes laid out one after the other (shuffled data): plane_stride = plane length; planes
  * still interleaved as k-byte elements (raw data): plane_stride = 1, step = a multiple of k.
  * out[p] = the order-0 entropy of the samples in milli-bits per byte (0 .. 8000), rounded
- * down; 8000 when count is 0. Returns 0, or -1 when step is 0. (The pure-Python fallback
- * computes the same formula in the same order.) */
+ * down; 8000 when count is 0. Returns 0, or -1 when step is 0. (The pure-Python reference
+ * in tests/page_reference.py computes the same formula in the same order.) */
 GS_EXPORT int gs_plane_bits(const uint8_t *buf, size_t plane_stride, unsigned nplanes, size_t step,
                             size_t count, uint32_t *out) {
   if (step == 0)

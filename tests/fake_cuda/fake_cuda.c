@@ -2,12 +2,17 @@
  * gpusnap test double: a fake libcuda.so.1 implementing the driver's process
  * checkpoint API on a machine without a GPU.
  *
+ * (One file of ~1000 lines on purpose: it is one small shared library, and its
+ * parts, the state files, the failure injection, the state machine and the
+ * entry points, are read together whenever a test needs the driver to behave
+ * in a new way.)
+ *
  * All state lives in files under $FAKE_CUDA_DIR, so that the test, `criu dump`
  * and a later `criu restore` share it:
  *
  *   procs/<pid>       declares a CUDA process: "tid=<tid> state=<state>
  *                     [peer=<pid>]" (state: running|locked|checkpointed|
- *                     failed; a bare "<tid>" means running). <tid> must be a
+ *                     failed; without state= running). <tid> must be a
  *                     real thread of <pid>: it stands for the CUDA restore
  *                     thread. With a peer (an NCCL rank of the same job):
  *                     its lock fails (CUDA_ERROR_TIMEOUT, note=peer-frozen)
@@ -22,9 +27,12 @@
  *                     its work; a "times=<n>" token limits it to n calls
  *   fail/<call>.<pid> the same, for one process only
  *   gpus              the GPUs cuDeviceGet* report, one per line:
- *                     "<GPU-uuid> <memory bytes> <name...>"; without the file
- *                     one GPU, GPU-fa4ec0da-0000-4000-8000-000000000001,
- *                     16 GiB, "Fake CUDA GPU"
+ *                     "<GPU-uuid> <memory bytes> [bus=<hex>] <name...>" (bus:
+ *                     the PCI bus, default 0x19 + line number); without the
+ *                     file one GPU, GPU-fa4ec0da-0000-4000-8000-000000000001,
+ *                     16 GiB, "Fake CUDA GPU". Devices are numbered in the
+ *                     file's order, or by PCI bus with CUDA_DEVICE_ORDER=
+ *                     PCI_BUS_ID (as the real driver does)
  *   persistence       if present, cuCheckpointProcessRestore works without
  *                     cuInit (like persistence mode); otherwise it needs it
  *
@@ -39,6 +47,14 @@
  * cuCheckpointProcessGetState blocks while the restore thread is stopped (as
  * the real one may on a frozen process), up to $FAKE_CUDA_BLOCK_S seconds
  * (default 20), and logs note=blocked-while-frozen.
+ *
+ * Which driver it is: CUDA 13.0 (FAKE_CUDA_VERSION). Built with
+ * -DFAKE_CUDA_NO_CHECKPOINT (build/fake_cuda_r550/) it is a CUDA 12.4 (r550)
+ * driver, older than the checkpoint API: the cuCheckpoint* functions do not
+ * exist in it at all. cuGetProcAddress resolves a base name and an API
+ * version to the newest variant of the function introduced at or before that
+ * version (cuDeviceTotalMem at 3020 -> cuDeviceTotalMem_v2), as the real
+ * driver does for cuda-python and the plugin.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -68,6 +84,12 @@
 #endif
 
 #define EXPORT __attribute__((visibility("default")))
+
+#ifdef FAKE_CUDA_NO_CHECKPOINT
+#define FAKE_CUDA_VERSION 12040
+#else
+#define FAKE_CUDA_VERSION 13000
+#endif
 
 static bool inited;
 
@@ -202,6 +224,7 @@ static CUresult injected(const char *call, int pid)
 	return injected_ex(call, pid, NULL);
 }
 
+#ifndef FAKE_CUDA_NO_CHECKPOINT
 /* ---- per-process state files -------------------------------------------- */
 
 struct proc {
@@ -276,8 +299,6 @@ static int read_proc(int pid, struct proc *p)
 			p->tid = atoi(tok + 4);
 		else if (!strncmp(tok, "peer=", 5))
 			p->peer = atoi(tok + 5);
-		else if (isdigit((unsigned char)tok[0]))
-			p->tid = atoi(tok);
 		else if (!strcmp(tok, "state=running"))
 			p->state = CU_PROCESS_STATE_RUNNING;
 		else if (!strcmp(tok, "state=locked"))
@@ -496,6 +517,8 @@ out:
 	return rc;
 }
 
+#endif /* !FAKE_CUDA_NO_CHECKPOINT */
+
 /* ---- the API -------------------------------------------------------------- */
 
 EXPORT CUresult cuInit(unsigned int flags)
@@ -512,11 +535,9 @@ EXPORT CUresult cuInit(unsigned int flags)
 
 EXPORT CUresult cuDriverGetVersion(int *version)
 {
-	const char *v = getenv("FAKE_CUDA_DRIVER_VERSION");
-
 	if (version == NULL)
 		return CUDA_ERROR_INVALID_VALUE;
-	*version = v && v[0] ? atoi(v) : 13000;
+	*version = FAKE_CUDA_VERSION;
 	return CUDA_SUCCESS;
 }
 
@@ -567,6 +588,7 @@ EXPORT CUresult cuGetErrorString(CUresult err, const char **str)
 	return CUDA_ERROR_INVALID_VALUE;
 }
 
+#ifndef FAKE_CUDA_NO_CHECKPOINT
 EXPORT CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 {
 	struct proc p;
@@ -686,7 +708,7 @@ EXPORT CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 	return transition("cuCheckpointProcessUnlock", pid, CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_RUNNING, false,
 			  NULL);
 }
-
+#endif /* !FAKE_CUDA_NO_CHECKPOINT */
 
 /* ---- device inventory ----------------------------------------------------- */
 
@@ -727,6 +749,11 @@ static int parse_uuid(const char *s, unsigned char out[16])
 	return n == 32 ? 0 : -1;
 }
 
+static int by_bus(const void *a, const void *b)
+{
+	return ((const struct gpu *)a)->bus - ((const struct gpu *)b)->bus;
+}
+
 static int load_gpus(struct gpu *g)
 {
 	char path[4096], line[512];
@@ -745,17 +772,22 @@ static int load_gpus(struct gpu *g)
 		return 1;
 	}
 	while (n < MAX_GPUS && fgets(line, sizeof(line), f)) {
-		char uuid[64], name[128] = "Fake CUDA GPU";
+		char uuid[64], rest[160] = "", *name = rest;
 		unsigned long long mem;
+		int bus = 0x19 + n, used = 0;
 
-		if (sscanf(line, "%63s %llu %127[^\n]", uuid, &mem, name) < 2 || parse_uuid(uuid, g[n].uuid))
+		if (sscanf(line, "%63s %llu %159[^\n]", uuid, &mem, rest) < 2 || parse_uuid(uuid, g[n].uuid))
 			continue;
+		if (sscanf(rest, "bus=%x %n", (unsigned int *)&bus, &used) == 1)
+			name = rest + used;
 		g[n].mem = (size_t)mem;
-		snprintf(g[n].name, sizeof(g[n].name), "%s", name);
-		g[n].bus = 0x19 + n;
+		snprintf(g[n].name, sizeof(g[n].name), "%s", name[0] ? name : "Fake CUDA GPU");
+		g[n].bus = bus;
 		n++;
 	}
 	fclose(f);
+	if (getenv("CUDA_DEVICE_ORDER") && !strcmp(getenv("CUDA_DEVICE_ORDER"), "PCI_BUS_ID"))
+		qsort(g, (size_t)n, sizeof(*g), by_bus);
 	return n;
 }
 
@@ -842,9 +874,18 @@ EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 	return rc;
 }
 
-EXPORT CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev)
+/* CUDA 2.0's interface: a 32-bit size, which cannot say more than 4 GiB */
+EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
 {
-	return cuDeviceTotalMem_v2(bytes, dev);
+	size_t b;
+	CUresult rc;
+
+	if (bytes == NULL)
+		return CUDA_ERROR_INVALID_VALUE;
+	rc = cuDeviceTotalMem_v2(&b, dev);
+	if (rc == CUDA_SUCCESS)
+		*bytes = b > 0xffffffffu ? 0xffffffffu : (unsigned int)b;
+	return rc;
 }
 
 EXPORT CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice dev)
@@ -860,51 +901,75 @@ EXPORT CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice dev)
 	return rc;
 }
 
+/* ---- cuGetProcAddress ----------------------------------------------------- */
+
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags,
 				    CUdriverProcAddressQueryResult *status);
 EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags);
 
+/* Every function of this driver: base name, the CUDA version that introduced this variant. */
 static const struct {
 	const char *name;
+	int since;
 	void *fn;
 } symbols[] = {
-	{ "cuInit", (void *)cuInit },
-	{ "cuDriverGetVersion", (void *)cuDriverGetVersion },
-	{ "cuGetErrorName", (void *)cuGetErrorName },
-	{ "cuGetErrorString", (void *)cuGetErrorString },
-	{ "cuGetProcAddress", (void *)cuGetProcAddress_v2 },
-	{ "cuDeviceGetCount", (void *)cuDeviceGetCount },
-	{ "cuDeviceGet", (void *)cuDeviceGet },
-	{ "cuDeviceGetName", (void *)cuDeviceGetName },
-	{ "cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2 },
-	{ "cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2 },
-	{ "cuDeviceGetPCIBusId", (void *)cuDeviceGetPCIBusId },
-	{ "cuCheckpointProcessGetRestoreThreadId", (void *)cuCheckpointProcessGetRestoreThreadId },
-	{ "cuCheckpointProcessGetState", (void *)cuCheckpointProcessGetState },
-	{ "cuCheckpointProcessLock", (void *)cuCheckpointProcessLock },
-	{ "cuCheckpointProcessCheckpoint", (void *)cuCheckpointProcessCheckpoint },
-	{ "cuCheckpointProcessRestore", (void *)cuCheckpointProcessRestore },
-	{ "cuCheckpointProcessUnlock", (void *)cuCheckpointProcessUnlock },
+	{ "cuInit", 2000, (void *)cuInit },
+	{ "cuDriverGetVersion", 2020, (void *)cuDriverGetVersion },
+	{ "cuGetErrorName", 6000, (void *)cuGetErrorName },
+	{ "cuGetErrorString", 6000, (void *)cuGetErrorString },
+	{ "cuGetProcAddress", 11030, (void *)cuGetProcAddress },
+	{ "cuGetProcAddress", 12000, (void *)cuGetProcAddress_v2 },
+	{ "cuDeviceGetCount", 2000, (void *)cuDeviceGetCount },
+	{ "cuDeviceGet", 2000, (void *)cuDeviceGet },
+	{ "cuDeviceGetName", 2000, (void *)cuDeviceGetName },
+	{ "cuDeviceGetUuid", 9020, (void *)cuDeviceGetUuid },
+	{ "cuDeviceGetUuid", 11040, (void *)cuDeviceGetUuid_v2 },
+	{ "cuDeviceTotalMem", 2000, (void *)cuDeviceTotalMem },
+	{ "cuDeviceTotalMem", 3020, (void *)cuDeviceTotalMem_v2 },
+	{ "cuDeviceGetPCIBusId", 4010, (void *)cuDeviceGetPCIBusId },
+#ifndef FAKE_CUDA_NO_CHECKPOINT
+	{ "cuCheckpointProcessGetRestoreThreadId", 12080, (void *)cuCheckpointProcessGetRestoreThreadId },
+	{ "cuCheckpointProcessGetState", 12080, (void *)cuCheckpointProcessGetState },
+	{ "cuCheckpointProcessLock", 12080, (void *)cuCheckpointProcessLock },
+	{ "cuCheckpointProcessCheckpoint", 12080, (void *)cuCheckpointProcessCheckpoint },
+	{ "cuCheckpointProcessRestore", 12080, (void *)cuCheckpointProcessRestore },
+	{ "cuCheckpointProcessUnlock", 12080, (void *)cuCheckpointProcessUnlock },
+#endif
 };
 
+/*
+ * The newest variant of symbol introduced at or before cuda_version. A symbol
+ * this driver does not have: CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND; one newer
+ * than cuda_version asks for: CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT (both
+ * CUDA_ERROR_NOT_FOUND). flags: CU_GET_PROC_ADDRESS_DEFAULT, _LEGACY_STREAM or
+ * _PER_THREAD_DEFAULT_STREAM (no function here has a per-thread variant).
+ */
 EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags,
 				    CUdriverProcAddressQueryResult *status)
 {
+	CUdriverProcAddressQueryResult st = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+	int best = -1;
 	size_t i;
 
-	if (symbol == NULL || pfn == NULL)
+	if (symbol == NULL || pfn == NULL || flags > 2)
 		return CUDA_ERROR_INVALID_VALUE;
-	for (i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++)
-		if (!strcmp(symbols[i].name, symbol)) {
-			*pfn = symbols[i].fn;
-			if (status)
-				*status = CU_GET_PROC_ADDRESS_SUCCESS;
-			return CUDA_SUCCESS;
+	for (i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+		if (strcmp(symbols[i].name, symbol))
+			continue;
+		if (symbols[i].since > cuda_version) {
+			if (best < 0)
+				st = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+			continue;
 		}
-	*pfn = NULL;
+		if (best < 0 || symbols[i].since > symbols[best].since)
+			best = (int)i;
+	}
+	*pfn = best >= 0 ? symbols[best].fn : NULL;
+	if (best >= 0)
+		st = CU_GET_PROC_ADDRESS_SUCCESS;
 	if (status)
-		*status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
-	return CUDA_ERROR_NOT_FOUND;
+		*status = st;
+	return best >= 0 ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
 }
 
 EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags)

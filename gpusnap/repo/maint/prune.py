@@ -1,405 +1,257 @@
-"""gpusnap prune: a pure planning function, then a crash-safe execution.
+"""gpusnap prune: the one lock policy of everything that deletes from a repository, and the
+crash-safe execution of a PrunePlan (gpusnap/repo/maint/prune_plan.py decides; this applies).
 
 Execution order (each step leaves a repository that verifies):
  1. rename doomed snapshot dirs to snapshots/.del-* (atomic; invisible to readers), delete them
- 2. write rewritten packs (only the still-used pages of partly used packs)
+ 2. write rewritten packs (only the still-used pages of the packs the plan rewrites)
  3. write ONE new index file describing every kept blob, fsync
  3b. rewrite the locations file of every survivor that names a pack about to go (from the
     new index alone; atomic per file); with nothing to delete, write missing ones only
  4. delete every other index file
- 5. delete packs no index names (deleted, rewritten, orphans of interrupted dumps)
- 6. delete leftovers: tmp/*, snapshots/.tmp-*, snapshots/.del-*
+ 5. delete the packs the plan deletes or rewrote (never one the new index names)
+ 6. delete the plan's leftovers: tmp/*, snapshots/.tmp-*, snapshots/.del-*, logs of gone snapshots
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import stat
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable
 
-from gpusnap.errors import CorruptSnapshot, RepositoryError
-from gpusnap.repo import fsutil, locations
+from gpusnap.errors import CorruptSnapshot, RepositoryError, SnapshotNotFound
+from gpusnap.repo import fsutil, locations, native
 from gpusnap.repo.codec import compress
-from gpusnap.repo.format import BLOB_HEADER, CODEC_LZ4, CODEC_NONE, HEX64, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError
-from gpusnap.repo.repository import Repository
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, blob_id
+from gpusnap.repo.maint.prune_plan import (FAILED_LOGS_KEPT, MAX_UNUSED, SMALL_PACK, PackDecision,  # noqa: F401
+                                           PrunePlan, Selection, doomed_logs, index_names, index_of, plan,
+                                           plan_packs, plan_prune)
 from gpusnap.repo.index import RepoIndex, write_index_file
-from gpusnap.repo.pipeline.packwriter import DEFAULT_PACK_TARGET, PackWriter
+from gpusnap.repo.pipeline.packwriter import PackWriter
 from gpusnap.repo.store import BlobReader, pack_path
 
-import blake3
+Fault = Callable[[str], None]
 
 
-@dataclass
-class PrunePlan:
-    keep: list[str] = field(default_factory=list)      # snapshot ids
-    delete: list[str] = field(default_factory=list)
+# -- locks: the one policy ---------------------------------------------------------------------
 
-    @property
-    def remove(self) -> list[str]:
-        return self.delete
+@contextlib.contextmanager
+def locked(repo, dry_run: bool = False):
+    """The locks of prune, `forget` and a dump's --keep-last retention, in this order:
+    the writer lock (one writer; re-entrant, so a dump holding it for its commit goes on;
+    a dry run skips the open-time recovery, which could change the repository), then the
+    readers lock: exclusive when something may be deleted (a restore or verify reading
+    makes it refuse at once with RepositoryLocked, never wait), shared for a dry run (it
+    waits for a running prune, and never blocks a restore)."""
+    with repo.writer_lock(recover=not dry_run), repo.readers_lock(exclusive=not dry_run):
+        yield repo
 
-    def to_dict(self):
-        return {"keep": self.keep, "delete": self.delete}
 
+# -- what a prune did ---------------------------------------------------------------------------
 
 class PruneResult(dict):
-    """What prune did (or, with dry_run, would do). A dict, plus to_dict()/lines() for the CLI."""
+    """What prune did (or, with dry_run, would do): a dict (the JSON), the plan under "plan"."""
+
+    @classmethod
+    def of_plan(cls, p: PrunePlan, dry_run: bool) -> "PruneResult":
+        t = p.totals()
+        res = cls({"dry_run": dry_run, "snapshots_deleted": list(p.remove), "snapshots_kept": list(p.keep),
+                   "packs_deleted": t["packs_delete"], "packs_rewritten": t["packs_rewrite"], "packs_written": 0,
+                   "bytes_freed": t["to_free"], "leftovers_removed": len(p.leftovers) if dry_run else 0,
+                   "unreadable": list(p.unreadable), "plan": p.to_dict()})
+        if p.data_kept:
+            res["data_kept"] = p.data_kept
+        return res
 
     def to_dict(self) -> dict:
         return dict(self)
 
-    def lines(self) -> list[str]:
-        verb = "would delete" if self.get("dry_run") else "deleted"
-        out = [f"{verb} snapshot {n}" for n in self.get("snapshots_deleted", [])]
-        out.append(f"kept {len(self.get('snapshots_kept', []))} snapshot(s); packs {verb}: "
-                   f"{self.get('packs_deleted', 0)}, rewritten: {self.get('packs_rewritten', 0)}; "
-                   f"{'would free' if self.get('dry_run') else 'freed'} {self.get('bytes_freed', 0)} bytes")
-        return out
+
+# -- entry points ---------------------------------------------------------------------------------
+
+def run(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False,
+        max_unused: float = MAX_UNUSED) -> PruneResult:
+    """`gpusnap prune`: under the locks, delete all but the `keep_last` newest snapshots per
+    name (or of `name`; none without keep_last), then free what no snapshot needs."""
+    with locked(repo, dry_run):
+        remove: list[str] = []
+        if keep_last is not None:
+            snaps = repo.snapshots()
+            if name is not None and not any(s.name == name for s in snaps):
+                raise SnapshotNotFound(f"no snapshot named {name!r} in repository {repo.path}",
+                                       hint="list them with: gpusnap ls")
+            remove = plan_prune(snaps, keep_last=keep_last, name=name).delete
+        return apply(repo, remove, dry_run, max_unused)
 
 
-def _field(s, k):
-    return s[k] if isinstance(s, Mapping) else getattr(s, k)
+def apply(repo, remove=(), dry_run: bool = False, max_unused: float = MAX_UNUSED,
+          _fault: Fault | None = None) -> PruneResult:
+    """Plan, then (unless dry_run) execute; the caller holds locked(repo, dry_run)."""
+    p = plan(repo, remove, max_unused)
+    return PruneResult.of_plan(p, True) if dry_run else execute(repo, p, _fault)
 
 
-def plan_prune(snapshots_info, keep_last: int, name: str | None = None) -> PrunePlan:
-    """Pure. snapshots_info: iterable of mappings with "id", "name", "created" (or objects
-    with those attributes, e.g. Snapshot).
-    Per snapshot name (or only `name` when given) keep the `keep_last` newest, delete the
-    rest. Snapshots of other names are kept. Ties on `created` are broken by id."""
-    if type(keep_last) is not int or keep_last < 0:
-        raise ValueError("keep_last must be a non-negative integer")
-    groups: dict[str, list] = {}
-    for s in snapshots_info:
-        s = {"id": _field(s, "id"), "name": _field(s, "name"), "created": _field(s, "created")}
-        groups.setdefault(s["name"], []).append(s)
-    plan = PrunePlan()
-    for gname in sorted(groups):
-        items = sorted(groups[gname], key=lambda s: (s["created"], s["id"]))
-        if name is not None and gname != name:
-            plan.keep.extend(s["id"] for s in items)
-            continue
-        cut = len(items) - keep_last if keep_last < len(items) else 0
-        plan.delete.extend(s["id"] for s in items[:cut])
-        plan.keep.extend(s["id"] for s in items[cut:])
-    return plan
+def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
+    """A dump's --keep-last: keep the newest `keep_last` snapshots of `name` (the dump holds
+    the writer lock). -> (snapshot ids deleted, warnings). Raises on failure."""
+    sel = plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
+    warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
+    if sel.delete:
+        with locked(repo):
+            res = apply(repo, sel.delete)
+        if res.get("data_kept"):
+            warnings.append(res["data_kept"])
+    return list(sel.delete), warnings
 
 
-SMALL_PACK = DEFAULT_PACK_TARGET // 4
+def execute_prune(repo, selection: Selection, dry_run: bool = False, repack_threshold: float = MAX_UNUSED,
+                  _fault: Fault | None = None) -> PruneResult:
+    """Plan and apply the deletion of `selection` under the writer lock alone: the entry the
+    step-by-step tests drive (they hold, or deliberately skip, the readers lock); commands
+    use run() / apply() inside locked()."""
+    with repo.writer_lock(recover=not dry_run):
+        return apply(repo, selection.delete, dry_run, repack_threshold, _fault)
 
 
-def plan_packs(sizes: Mapping[bytes, tuple[int, int]], max_unused: float = 0.10,
-               small: int = SMALL_PACK) -> tuple[list, list, list]:
-    """Pure: (keep, rewrite, delete) pack lists from {pack: (bytes stored, bytes still used)}.
-
-    A pack nobody uses goes; one whose unused share is above `max_unused` is rewritten with
-    only what is used (restic's --max-unused, per pack); and small packs (under `small`
-    bytes, e.g. one per incremental dump) are merged: when two or more would stay, all of
-    them are rewritten together into as few packs as the target size allows. Execution
-    writes the new packs and index durably before deleting any old one."""
-    keep, rewrite, delete = [], [], []
-    for ph in sorted(sizes):
-        total, used = sizes[ph]
-        if used == 0:
-            delete.append(ph)
-        elif total - used > max_unused * total:
-            rewrite.append(ph)
-        else:
-            keep.append(ph)
-    smalls = [ph for ph in keep if sizes[ph][0] < small]
-    small_rewrites = [ph for ph in rewrite if sizes[ph][1] < small]
-    if len(smalls) + len(small_rewrites) >= 2 and smalls:
-        keep = [ph for ph in keep if ph not in set(smalls)]
-        rewrite = sorted(rewrite + smalls)
-    return keep, rewrite, delete
-
-
-class _UsedSlots:
-    """The blob slots (blob_no << 8 | slot) the surviving snapshots need, as one sorted numpy
-    array: page ids are looked up in the index's page table in bulk, never one by one."""
-
-    def __init__(self, idx: RepoIndex):
-        import numpy as np
-        self._np = np
-        self._table = idx.page_table()
-        self._parts: list = []
-        self._locs = None
-        self._count = None
-
-    def add(self, page_ids: bytes) -> bool:
-        """Mark the pages `page_ids` (16 bytes each) as needed; False if one is not indexed."""
-        np = self._np
-        ids = np.unique(np.frombuffer(page_ids, dtype="V16"))
-        if not len(ids):
-            return True
-        locs = np.frombuffer(self._table.get_many(ids.tobytes()), dtype=np.int64)
-        if (locs < 0).any():
-            return False
-        self._parts.append(locs)
-        self._locs = None
-        return True
-
-    def _done(self):
-        if self._locs is None:
-            np = self._np
-            self._locs = np.unique(np.concatenate(self._parts)) if self._parts else np.zeros(0, np.int64)
-            self._count = np.bincount(self._locs >> 8) if len(self._locs) else np.zeros(0, np.int64)
-        return self._locs
-
-    def count(self, bno: int) -> int:
-        """How many slots of blob `bno` are needed."""
-        self._done()
-        return int(self._count[bno]) if bno < len(self._count) else 0
-
-    def slots(self, bno: int) -> list[int]:
-        """The needed slots of blob `bno`, ascending."""
-        locs = self._done()
-        lo, hi = self._np.searchsorted(locs, [bno << 8, (bno + 1) << 8])
-        return (locs[lo:hi] & 0xFF).tolist()
-
-
-def snapshots_info(repo: Repository) -> list[dict]:
+def snapshots_info(repo) -> list[dict]:
     return [{"id": s.id, "name": s.name, "created": s.created, "dir": s.path.name} for s in repo.snapshots()]
 
 
-def execute_prune(repo: Repository, plan: PrunePlan, dry_run: bool = False, repack_threshold: float = 0.10,
-                  _fault: Callable[[str], None] | None = None) -> PruneResult:
+# -- execution --------------------------------------------------------------------------------------
+
+def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
+    """Apply `p` and nothing else. The caller holds the writer lock (and the readers lock
+    exclusively: locked()); `p` must have been planned under the same writer lock."""
     fault = _fault or (lambda step: None)
+    if not repo.holds_lock():
+        raise RepositoryError("prune's execution needs the repository's writer lock (use prune.locked())")
+    _check_current(repo, p)
     root = repo.path
-    res = PruneResult({"dry_run": dry_run, "snapshots_deleted": [], "snapshots_kept": [], "packs_deleted": 0,
-           "packs_rewritten": 0, "packs_written": 0, "bytes_freed": 0, "leftovers_removed": 0})
-    with repo.writer_lock():
-        # An unreadable entry never blocks the retention of the others: it is reported and
-        # left alone (never deleted: it may be repairable). A damaged snapshot directory may
-        # still need data nobody can list, so then no data is deleted; entries that are not
-        # snapshot directories at all (a symlink, a file) need none.
-        foreign = repo.unusable_entries()
-        broken = {p: why for p, why in repo.broken_snapshots().items() if p not in foreign}
-        res["unreadable"] = [why for why in foreign.values()] + [why for why in broken.values()]
-        keep_data = bool(broken)
-        if keep_data:
-            res["data_kept"] = ("no data deleted while a snapshot is unreadable: "
-                                + ", ".join(p.name for p in broken))
-        snaps = repo.snapshots()
-        doomed_ids = set(plan.delete)
-        doomed = [s for s in snaps if s.id in doomed_ids]
-        survivors = [s for s in snaps if s.id not in doomed_ids]
-        res["snapshots_deleted"] = [s.path.name for s in doomed]
-        res["snapshots_kept"] = [s.path.name for s in survivors]
-
-        # 1. snapshots
-        if not dry_run:
-            sd = root / "snapshots"
-            for s in doomed:
-                tomb = sd / f".del-{s.path.name}"
-                os.rename(s.path, tomb)
-                fsutil.fsync_dir(sd)
-                fault("snapshot-renamed")
-                shutil.rmtree(tomb)
-            fault("snapshots-deleted")
-
-        if keep_data:
-            res["leftovers_removed"] = _clear_leftovers(root)
-            repo._index = None
-            return res
-
-        # what is still needed
-        idx = RepoIndex.load(root)
-        if idx.bad_files:
-            raise RepositoryError(f"prune refuses to delete data while index files are damaged: "
-                                  f"{', '.join(sorted(idx.bad_files))}", "run gpusnap verify")
-        used_slots = _UsedSlots(idx)
-        used_data: set[int] = set()
-        for s in survivors:
-            pages, data = s.referenced_page_bytes()
-            if not used_slots.add(pages):
-                raise RepositoryError(f"snapshot {s.path.name} needs pages missing from the index; prune stops",
-                                      "run gpusnap verify")
-            for bid in data:
-                bno = idx.data_loc.get(bid)
-                if bno is None:
-                    raise RepositoryError(f"snapshot {s.path.name} needs blobs missing from the index; prune stops",
-                                          "run gpusnap verify")
-                used_data.add(bno)
-
-        by_pack: dict[bytes, list[int]] = {}
-        for bno, b in enumerate(idx.blobs):
-            by_pack.setdefault(b.pack, []).append(bno)
-        sizes: dict[bytes, tuple[int, int]] = {}
-        for ph, bnos in by_pack.items():
-            total = used = 0
-            for bno in bnos:
-                b = idx.blobs[bno]
-                sz = BLOB_HEADER.size + b.stored_len
-                total += sz
-                if b.kind == KIND_DATA:
-                    used += sz if bno in used_data else 0
-                else:
-                    used += sz * used_slots.count(bno) // b.n_pages
-            sizes[ph] = (total, used)
-        keep_packs, rewrite_packs, delete_packs = plan_packs(sizes, repack_threshold)
-        present = _present_packs(root)
-        orphans = present - set(by_pack)
-
-        def psize(ph):
-            try:
-                return os.stat(pack_path(root, ph)).st_size
-            except OSError:
-                return 0
-
-        freed = sum(psize(p) for p in delete_packs + rewrite_packs) + sum(psize(p) for p in orphans)
-        res["packs_deleted"] = len(delete_packs) + len(orphans)
-        res["packs_rewritten"] = len(rewrite_packs)
-        if dry_run:
-            res["bytes_freed"] = freed
-            return res
-
-        # 2. rewrite partly used packs
-        writer = PackWriter(root)
-        reader = BlobReader(root)
-        try:
-            for ph in rewrite_packs:
-                for bno in by_pack[ph]:
-                    b = idx.blobs[bno]
-                    if b.kind == KIND_DATA:
-                        if bno not in used_data:
-                            continue
-                        raw = _read_checked(reader, idx, bno)
-                        codec, payload = compress(raw, b.codec if b.codec != CODEC_NONE else CODEC_LZ4)
-                        writer.add(KIND_DATA, codec, 0, len(raw), payload, b.ids)
-                        continue
-                    slots = used_slots.slots(bno)
-                    if not slots:
-                        continue
-                    raw = _read_checked(reader, idx, bno)
-                    pages = b"".join(raw[s * PAGE_SIZE:(s + 1) * PAGE_SIZE] for s in slots)
-                    ids = b"".join(b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN] for s in slots)
-                    codec, payload = compress(pages, b.codec if b.codec != CODEC_NONE else CODEC_LZ4)
-                    writer.add(KIND_PAGES, codec, len(slots), len(pages), payload, ids)
-            new_packs = writer.finish()
-        except BaseException:
-            writer.abort()
-            raise
-        finally:
-            reader.close()
+    res = PruneResult.of_plan(p, dry_run=False)
+    _remove_snapshots(root, p.remove, fault)
+    if p.data_kept is None:
+        new_packs, written = _rewrite(root, p, fault)
         res["packs_written"] = len(new_packs)
-        freed -= writer.bytes_written
-        fault("packs-rewritten")
-
-        # 3. one new index for everything kept
-        changed = bool(delete_packs or rewrite_packs or new_packs)
-        if changed:
-            kept = []
-            for ph in sorted(keep_packs):
-                recs = []
-                for bno in by_pack[ph]:
-                    b = idx.blobs[bno]
-                    recs.append(b)
-                kept.append((ph, recs))
-            res_idx = write_index_file(root, kept + list(new_packs))
-            fault("index-written")
-            # 3b. locations files of the survivors that name a pack about to go (docs/format.md §5.4)
-            live = set(keep_packs) | {ph for ph, _ in new_packs}
-            new_only = RepoIndex.load(root, [res_idx[0].name]) if res_idx else RepoIndex()
-            res["locations_written"] = locations.refresh(repo, survivors, new_only, live, fault)
-            fault("locations-written")
-            # 4. old index files
-            new_name = res_idx[0].name if res_idx else None
-            for n in os.listdir(root / "index"):
-                if n != new_name:
-                    fsutil.unlink_quiet(root / "index" / n)
-                    fault("index-deleted-one")
-            fsutil.fsync_dir(root / "index")
-        else:
-            # nothing moves: only write missing/unusable locations files (older snapshots)
-            res["locations_written"] = locations.refresh(repo, survivors, idx, None, fault)
-        fault("index-replaced")
-
-        # 5. packs nobody indexes any more
-        final = RepoIndex.load(root)
-        if final.bad_files:
-            raise RepositoryError("index became unreadable during prune: " + ", ".join(final.bad_files))
-        live = {b.pack for b in final.blobs}
-        for ph in sorted(_present_packs(root) - live):
-            fsutil.unlink_quiet(pack_path(root, ph))
-            fault("pack-deleted")
-        # 6. leftovers
-        res["leftovers_removed"] = _clear_leftovers(root)
+        res["locations_written"] = _replace_index(repo, p, new_packs, fault)
+        freed = _delete_packs(repo, p, fault) - written
         res["bytes_freed"] = max(freed, 0)
-        repo._index = None
-        return res
+    res["leftovers_removed"] = _remove_leftovers(root, p.leftovers)
+    return res
 
 
-def _clear_leftovers(root) -> int:
-    """tmp/*, snapshots/.tmp-*, snapshots/.del-*, and logs of snapshots that are gone.
-    Never through a symlink: tmp/ and snapshots/ are opened O_NOFOLLOW and entries removed
-    relative to them (shutil.rmtree is fd-based and refuses a symlink)."""
-    n = fsutil.clear_dir(root / "tmp")
-    dfd = fsutil.open_dir(root / "snapshots")
+def _check_current(repo, p: PrunePlan) -> None:
+    """The plan still describes the repository (nothing else writes under the writer lock;
+    this catches a plan made before the lock was taken)."""
+    sd = repo.path / "snapshots"
+    for n in p.remove:
+        try:
+            st = os.lstat(sd / n)
+        except FileNotFoundError:
+            st = None
+        if st is None or not stat.S_ISDIR(st.st_mode):
+            raise RepositoryError(f"the repository changed since prune's plan: snapshot {n} is gone",
+                                  "run prune again")
+    if p.index is not None and index_names(repo.path) != p.index_files:
+        raise RepositoryError("the repository changed since prune's plan: index files differ", "run prune again")
+
+
+def _remove_snapshots(root, names: list[str], fault: Fault) -> None:
+    sd = root / "snapshots"
+    for n in names:
+        tomb = sd / f".del-{n}"
+        shutil.rmtree(tomb, ignore_errors=True)   # left by a crash while an earlier namesake went
+        os.rename(sd / n, tomb)
+        fsutil.fsync_dir(sd)
+        fault("snapshot-renamed")
+        shutil.rmtree(tomb)
+    fault("snapshots-deleted")
+
+
+def _rewrite(root, p: PrunePlan, fault: Fault) -> tuple[list, int]:
+    """Step 2: the still-used blobs (pages) of the packs the plan rewrites, into new packs.
+    -> (new packs with their records, bytes written)."""
+    idx = p.index
+    writer = PackWriter(root)
+    reader = BlobReader(root)
     try:
-        for name in os.listdir(dfd):
-            if name.startswith((".tmp-", ".del-")):
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(name, dir_fd=dfd)
-                    else:
-                        os.unlink(name, dir_fd=dfd)
-                    n += 1
-                except OSError:
-                    pass
+        for d in p.by_action("rewrite"):
+            for bno, slots in d.blobs:
+                b = idx.blobs[bno]
+                raw = _read_checked(reader, idx, bno)
+                codec = b.codec if b.codec != CODEC_NONE else CODEC_LZ4
+                if slots is None:
+                    c, payload = compress(raw, codec)
+                    writer.add(KIND_DATA, c, 0, len(raw), payload, b.ids)
+                    continue
+                pages = b"".join(raw[s * PAGE_SIZE:(s + 1) * PAGE_SIZE] for s in slots)
+                ids = b"".join(b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN] for s in slots)
+                c, payload = compress(pages, codec)
+                writer.add(KIND_PAGES, c, len(slots), len(pages), payload, ids)
+        new_packs = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
     finally:
-        os.close(dfd)
-    n += prune_logs(root)
+        reader.close()
+    fault("packs-rewritten")
+    return new_packs, writer.bytes_written
+
+
+def _replace_index(repo, p: PrunePlan, new_packs: list, fault: Fault) -> int:
+    """Steps 3, 3b, 4: one index file for every kept blob, the survivors' locations files,
+    then the old index files. -> number of locations files written."""
+    root, idx = repo.path, p.index
+    survivors = [s for s in repo.snapshots() if s.path.name in set(p.keep)]
+    indexed_going = [d for d in p.packs if d.action != "keep" and d.why != "orphan"]
+    if not (indexed_going or new_packs):
+        # nothing moves: only write missing/unusable locations files (older snapshots)
+        n = locations.refresh(repo, survivors, idx, None, fault)
+        fault("index-replaced")
+        return n
+    keep = {d.pack for d in p.by_action("keep")}
+    recs: dict[bytes, list] = {}
+    for b in idx.blobs:
+        if b.pack in keep:
+            recs.setdefault(b.pack, []).append(b)
+    written = write_index_file(root, sorted(recs.items()) + list(new_packs))
+    fault("index-written")
+    # the survivors' locations files that name a pack about to go (docs/format.md §5.4)
+    live = keep | {ph for ph, _ in new_packs}
+    new_only = RepoIndex.load(root, [written[0].name]) if written else RepoIndex()
+    n = locations.refresh(repo, survivors, new_only, live, fault)
+    fault("locations-written")
+    new_name = written[0].name if written else None
+    for name in os.listdir(root / "index"):
+        if name != new_name:
+            fsutil.unlink_quiet(root / "index" / name)
+            fault("index-deleted-one")
+    fsutil.fsync_dir(root / "index")
+    fault("index-replaced")
     return n
 
 
-FAILED_LOGS_KEPT = 20
-_LOG_OF_SNAPSHOT = re.compile(r"(?P<dir>.+)-(dump|restore)(-[0-9]+)?\.log")
-
-
-def prune_logs(root) -> int:
-    """REPO/logs/ goes with the snapshots: a snapshot's logs (<dir>-dump.log, <dir>-restore*.log)
-    are removed once its directory is gone, and of the logs of failed runs (failed-*) only the
-    newest FAILED_LOGS_KEPT stay. Returns how many files went."""
-    logs = root / "logs"
-    try:
-        dfd = fsutil.open_dir(logs)
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    try:
-        present = {n for n in os.listdir(root / "snapshots")}
-        failed = []
-        doomed = []
-        for name in os.listdir(dfd):
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode) and not stat.S_ISLNK(st.st_mode):
-                continue
-            if name.startswith("failed-"):
-                failed.append((st.st_mtime, name))
-                continue
-            m = _LOG_OF_SNAPSHOT.fullmatch(name)
-            if m and m.group("dir") not in present:
-                doomed.append(name)
-        failed.sort(reverse=True)
-        doomed += [n for _, n in failed[FAILED_LOGS_KEPT:]]
-        for name in doomed:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=dfd)
-        return len(doomed)
-    finally:
-        os.close(dfd)
-
-
+def _delete_packs(repo, p: PrunePlan, fault: Fault) -> int:
+    """Step 5: the packs the plan deletes or rewrote, never one the index now names.
+    -> bytes freed."""
+    final = index_of(repo)
+    if final.bad_files:
+        raise RepositoryError("index became unreadable during prune: " + ", ".join(final.bad_files))
+    live = {b.pack for b in final.blobs}
+    freed = 0
+    for d in p.packs:
+        if d.action == "keep" or d.pack in live:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pack_path(repo.path, d.pack))
+            freed += d.size
+        fault("pack-deleted")
+    return freed
 
 
 def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:
+    """A blob to copy, checked against its ids with the repository's checksum functions
+    (the native batch page verifier; format.blob_id)."""
     b = idx.blobs[bno]
     try:
         raw = reader.read_raw(b)
@@ -407,22 +259,46 @@ def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:
         raise CorruptSnapshot(f"prune stopped: blob in pack {b.pack.hex()} unreadable: {e}",
                               "run gpusnap verify") from None
     if b.kind == KIND_PAGES:
-        for s in range(b.n_pages):
-            if blake3.blake3(raw[s * PAGE_SIZE:(s + 1) * PAGE_SIZE]).digest(16) != b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN]:
-                raise CorruptSnapshot(f"prune stopped: damaged page in pack {b.pack.hex()}", "run gpusnap verify")
-    elif blake3.blake3(raw).digest() != b.ids:
+        if native.verify(raw, b.n_pages, b.ids) >= 0:
+            raise CorruptSnapshot(f"prune stopped: damaged page in pack {b.pack.hex()}", "run gpusnap verify")
+    elif blob_id(raw) != b.ids:
         raise CorruptSnapshot(f"prune stopped: damaged blob in pack {b.pack.hex()}", "run gpusnap verify")
     return raw
 
 
-def _present_packs(root) -> set[bytes]:
-    out = set()
-    pdir = root / "packs"
-    for sub in os.listdir(pdir):
-        sp = pdir / sub
-        if len(sub) != 2 or not sp.is_dir():
+# -- leftovers and logs -------------------------------------------------------------------------------
+
+def _remove_leftovers(root, leftovers: list[str]) -> int:
+    """Step 6: the plan's leftovers ("tmp/x", "snapshots/.del-x", "logs/x"), each removed
+    relative to its directory opened O_NOFOLLOW (never through a symlink; shutil.rmtree is
+    fd-based and refuses one)."""
+    by_dir: dict[str, list[str]] = {}
+    for rel in leftovers:
+        sub, _, name = rel.partition("/")
+        by_dir.setdefault(sub, []).append(name)
+    n = 0
+    for sub, names in by_dir.items():
+        try:
+            dfd = fsutil.open_dir(root / sub)
+        except FileNotFoundError:
             continue
-        for f in os.listdir(sp):
-            if HEX64.match(f) and f.startswith(sub):
-                out.add(bytes.fromhex(f))
-    return out
+        try:
+            for name in names:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        shutil.rmtree(name, dir_fd=dfd)
+                    else:
+                        os.unlink(name, dir_fd=dfd)
+                    n += 1
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(dfd)
+    return n
+
+
+def prune_logs(root) -> int:
+    """Remove the logs doomed_logs() names (whoever deleted the snapshot, its logs go with
+    it). Returns how many files went."""
+    return _remove_leftovers(root, [f"logs/{n}" for n in doomed_logs(root)])

@@ -32,7 +32,7 @@ from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PAC
 from gpusnap.repo.index import RepoIndex, encode_index_file, write_index_file
 from gpusnap.repo.repository import Repository
 from gpusnap.repo.store import list_packs, pack_path
-from gpusnap.repo.trust import QUARANTINE, quarantine_file
+from gpusnap.repo.trust import quarantine_file
 
 _ZERO_PAGE_ID = page_id(bytes(PAGE_SIZE))
 
@@ -63,27 +63,6 @@ class RepairReport:
         d = dict(self.__dict__)
         d["ok"] = self.ok
         return d
-
-    def lines(self) -> list[str]:
-        would = "would " if self.dry_run else ""
-        out = list(self.problems)
-        if self.changed:
-            out.append(f"{would}write index/{self.index_written}: {self.blobs_indexed} blob(s) "
-                       f"({self.blobs_recovered} not indexed before)")
-            out += [f"{would}remove index/{n} (superseded)" for n in self.index_removed]
-            out += [f"{would}move index/{n} to {QUARANTINE}/ (damaged or naming missing data)"
-                    for n in self.index_quarantined]
-            if self.records_dropped:
-                out.append(f"{self.records_dropped} index record(s) name data that is in no pack")
-        else:
-            out.append("the index agrees with the packs: nothing to repair")
-        out += [f"snapshot {n} is damaged: {why}" for n, why in sorted(self.snapshots_damaged.items())]
-        out.append(f"{self.packs_scanned} pack(s) scanned ({self.packs_confirmed} confirmed by name, "
-                   f"{self.packs_rehashed} read back), {self.blobs_damaged} damaged blob(s); "
-                   + (f"damaged snapshots: {', '.join(sorted(self.snapshots_damaged))}" if self.snapshots_damaged
-                      else "every snapshot has all its data"))
-        return out
-
 
 # (pack, offset, kind, codec, n_pages, raw_len, stored_len, ids): one index record, as a key
 def _key(ph, r) -> tuple:

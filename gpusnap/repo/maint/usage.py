@@ -94,33 +94,6 @@ def inspect_snapshot(repo: Repository, snap: Snapshot) -> dict:
     return snapshot_stats(repo, snap)
 
 
-def render(report: dict, console, images: bool = True) -> None:
-    """Human-readable form of inspect_snapshot()'s report (console: anything with print()).
-    The snapshot path is escaped: it may hold `[...]`, which rich would read as markup."""
-    from rich.markup import escape
-
-    from gpusnap.render import human_bytes as human
-
-    r = report
-    console.print(escape(f"snapshot {r['snapshot']}  id {r['id']}  name {r['name']}"))
-    console.print(f"pages: {r['pages_total']} total, {r['pages_zero']} zero, {r['pages_dedup']} deduplicated, "
-                  f"{r['pages_compressed']} compressed, {r['pages_raw']} raw")
-    ratio = r["bytes_stored"] / r["bytes_raw"] if r["bytes_raw"] else 0
-    console.print(f"bytes: {human(r['bytes_raw'])} from CRIU, {human(r['bytes_stored'])} stored by this dump "
-                  f"({ratio:.1%}); now {human(r['bytes_unique'])} unique, {human(r['bytes_shared'])} shared")
-    meta = r.get("meta") or {}
-    if meta.get("dump_seconds") is not None:
-        frozen = meta.get("frozen_seconds")
-        console.print(f"dump: {meta['dump_seconds']:.2f} s until stored"
-                      + (f", of which the job stood frozen {frozen:.2f} s" if frozen is not None else ""))
-    for im in r["images"] if images else []:
-        if im["type"] == "pages":
-            console.print(f"  {im['name']}: {human(im['size'])}, {im['pages']} pages ({im['pages_zero']} zero, "
-                          f"{im['pages_dedup']} dedup, {im['pages_compressed']} compressed, {im['pages_raw']} raw)")
-        else:
-            console.print(f"  {im['name']}: {human(im['size'])}")
-
-
 def repo_totals(repo: Repository, usage: dict) -> dict:
     """Repository totals for `gpusnap ls`: snapshots, bytes CRIU produced for all of them, and
     what the repository holds on disk (packs, index, snapshot metadata), hence the saving."""

@@ -45,19 +45,6 @@ class VerifyReport:
     def add(self, scope, name, message):
         self.problems.append(Problem(scope, str(name), message))
 
-    def summary(self) -> str:
-        if self.ok:
-            return (f"verified {len(self.snapshots_checked)} snapshot(s), {self.packs_checked} pack(s)"
-                    f"{', ' + str(self.bytes_read) + ' bytes read back' if self.read_data else ' (structure only)'}: all good")
-        if not self.affected_snapshots and all(p.scope == "index" for p in self.problems):
-            return (f"{len(self.problems)} problem(s): the repository index is damaged; no snapshot is "
-                    "affected (each still restores); `gpusnap repair` rebuilds the index")
-        aff = ", ".join(self.affected_snapshots) or "none (damage is in data no snapshot needs)"
-        return f"{len(self.problems)} problem(s); affected snapshots: {aff}"
-
-    def lines(self) -> list[str]:
-        return [str(p) for p in self.problems] + [f"note: {n}" for n in self.notes] + [self.summary()]
-
     def to_dict(self) -> dict:
         return {"ok": self.ok, "read_data": self.read_data,
                 "snapshots_checked": self.snapshots_checked,

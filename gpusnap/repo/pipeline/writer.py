@@ -40,7 +40,7 @@ class SnapshotWriter:
         self.index = idx                  # for the locations file at commit (locations.py)
         self.known_pages = idx.page_table()
         self.known_data = idx.data_loc
-        self.claimed_pages = pagetable.PageTable(native_=self.known_pages.is_native)
+        self.claimed_pages = pagetable.PageTable()
         self.claimed_data: dict = {}
         root = repo.path
         self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}"

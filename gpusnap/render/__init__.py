@@ -1,5 +1,11 @@
-"""Human-readable forms shared by every command: the one byte-size formatter, and text that
-must reach the terminal verbatim (never read as rich markup)."""
+"""Everything gpusnap prints for people, and how results reach the terminal.
+
+This module holds the forms shared by every command: the one byte-size formatter, UTC times,
+and text that must reach the terminal verbatim (never read as rich markup). render.output
+is the one output path (JSON or human, errors included); render.snapshots, render.maint and
+render.machine make the text and tables of each command from the library's result objects,
+which keep only data and to_dict().
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,115 @@
+"""The `gpusnap` command line: parse, call the library, print. No logic lives here.
+
+One module per command group (cli.snapshots, cli.repo, cli.machine; shared options in
+cli.common); the table below registers them, in the order `gpusnap --help` lists them.
+Every result and error goes out through render.output.OUTPUT: `--json` prints exactly one
+JSON object on stdout (an error object on failure). Errors from the library
+(gpusnap.errors) become a message and an exit code in one place, `main()`.
+
+Start-up matters (`dump` and `restore` pay it): importing this package loads typer and
+the errors only; the repository, numpy, blake3, zstandard and CUDA load inside the
+commands that use them (tests/test_cli.py checks it).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from gpusnap import __version__
+from gpusnap.cli import machine, repo, snapshots
+from gpusnap.cli.common import app, schedule_app
+from gpusnap.errors import GpusnapError, UsageError
+from gpusnap.render.output import OUTPUT
+
+_COMMANDS = [
+    (app, "dump", snapshots.dump, {}),
+    (app, "restore", snapshots.restore, {}),
+    (app, "ls", repo.ls_cmd, {}),
+    (app, "inspect", repo.inspect, {}),
+    (app, "verify", repo.verify, {}),
+    (app, "repair", repo.repair, {}),
+    (app, "prune", repo.prune, {}),
+    (app, "forget", repo.forget, {}),
+    (app, "export", snapshots.export_cmd, {}),
+    (app, "import", snapshots.import_cmd, {}),
+    (app, "doctor", machine.doctor, {}),
+    (app, "ps", machine.ps, {}),
+    (schedule_app, "add", machine.schedule_add, {}),
+    (schedule_app, "ls", machine.schedule_ls, {}),
+    (schedule_app, "rm", machine.schedule_rm, {}),
+    (schedule_app, "run", machine.schedule_run, {}),
+    (app, "run", snapshots.run, {"context_settings": {"allow_interspersed_args": False}}),
+    (app, "slurm-run", snapshots.slurm_run, {"context_settings": {"allow_interspersed_args": False}}),
+]
+for _group, _name, _fn, _kw in _COMMANDS:
+    _group.command(_name, **_kw)(_fn)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+) -> None:
+    if version:
+        sys.stdout.write(f"gpusnap {__version__}\n")
+        raise typer.Exit(0)
+
+
+def report_error(e: GpusnapError, force_json: bool = False, code: int | None = None) -> None:
+    OUTPUT.error(e, force_json=force_json, code=code)
+
+
+def _json_requested(argv: list[str] | None) -> bool:
+    args = sys.argv[1:] if argv is None else argv
+    return "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: the one place where errors become exit codes. With --json every path,
+    a bad command line included, prints exactly one JSON object."""
+    try:
+        from typer._click import exceptions as click_exc    # typer >= 0.22 vendors click
+    except ImportError:                                      # pragma: no cover - older typer
+        from click import exceptions as click_exc
+
+    OUTPUT.reset()
+    try:
+        rv = app(args=argv, prog_name="gpusnap", standalone_mode=False)
+        if isinstance(rv, int) and rv:
+            sys.exit(rv)
+    except GpusnapError as e:
+        report_error(e)
+        sys.exit(e.exit_code)
+    except click_exc.ClickException as e:
+        if OUTPUT.json or _json_requested(argv):
+            report_error(UsageError(e.format_message()), force_json=True)
+        else:
+            from typer import rich_utils
+
+            rich_utils.rich_format_error(e)
+        sys.exit(UsageError.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        if OUTPUT.json:
+            report_error(GpusnapError("interrupted"), force_json=True, code=130)
+        else:
+            OUTPUT.err.print("gpusnap: interrupted")
+        sys.exit(130)
+    except PermissionError as e:  # a last net: never a traceback for a permission problem
+        from gpusnap.errors import AccessDenied
+
+        what = e.filename or str(e)
+        ad = AccessDenied(f"permission denied: {what}",
+                          hint=f"run gpusnap as root (`sudo gpusnap ...`) or as the owner of {what}")
+        report_error(ad)
+        sys.exit(ad.exit_code)
+    except Exception as e:  # a bug: with --json still one object on stdout; the traceback on stderr
+        if not (OUTPUT.json or _json_requested(argv)):
+            raise
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        report_error(GpusnapError(f"internal error: {type(e).__name__}: {e}",
+                                  hint="please report this with the command and the traceback above"),
+                     force_json=True)
+        sys.exit(GpusnapError.exit_code)

@@ -1,0 +1,130 @@
+"""Commands that read or maintain the repository: ls, inspect, verify, repair, prune, forget.
+
+Each parses, calls one library operation, and hands the result to render.snapshots /
+render.maint through the one output (render.output.OUTPUT); a damaged result comes back
+from the library as an error of the hierarchy, which sets the exit code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpusnap.cli.common import JsonOpt, KeepLastHelp, RepoOpt, open_repo, open_snapshot, repo_root
+from gpusnap.errors import UsageError
+from gpusnap.render.output import OUTPUT
+
+
+def ls_cmd(
+    repo: Optional[Path] = RepoOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),
+    json_: bool = JsonOpt,
+) -> None:
+    """List snapshots with their unique and shared sizes, and the repository's totals."""
+    from gpusnap.ops import listing
+    from gpusnap.render import snapshots as show
+
+    result = listing.snapshots(repo_root(repo), name=name)
+    OUTPUT.emit(result, lambda: show.snapshot_list(result, OUTPUT, name=name))
+
+
+def inspect(
+    snapshot: str = typer.Argument(..., metavar="DIR|NAME"),
+    repo: Optional[Path] = RepoOpt,
+    images: bool = typer.Option(False, "--images", help="Also list CRIU's image files with their page statistics."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Show a snapshot: processes with command lines and cwd, open files (do they still match
+    the disk?), sockets, memory, page statistics, sizes, GPU information."""
+    from gpusnap.ops import describe
+    from gpusnap.render import snapshots as show
+
+    report = describe.describe(*open_snapshot(snapshot, repo))
+    OUTPUT.emit(report, lambda: show.inspect(report, OUTPUT, images=images))
+
+
+def verify(
+    snapshot: Optional[str] = typer.Argument(None, metavar="[DIR|NAME]", help="Only this snapshot."),
+    repo: Optional[Path] = RepoOpt,
+    structure_only: bool = typer.Option(False, "--structure-only", help="Skip reading back every stored byte."),
+    json_: bool = JsonOpt,
+) -> None:
+    """Check every checksum. Exit 0 only when all holds; otherwise name what is damaged."""
+    from gpusnap.ops import integrity
+    from gpusnap.render import maint as show
+
+    report = integrity.verify(snapshot, repo, read_data=not structure_only)
+    OUTPUT.emit(report, lambda: show.verify(report, OUTPUT), failure=integrity.verify_failure(report))
+
+
+def repair(
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would change; change nothing."),
+    read_data: bool = typer.Option(False, "--read-data",
+                                   help="Decompress and check every blob, not only the packs' names."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Rebuild the index from the packs; set aside index files that name missing data.
+
+    The packs are the truth: what they hold is indexed again, index files that are damaged
+    or name data in no pack go to REPO/quarantine/. No pack is deleted. Exit 19 when some
+    snapshot still needs data that no pack holds.
+    """
+    from gpusnap.ops import integrity
+    from gpusnap.render import maint as show
+
+    report = integrity.repair(repo, dry_run=dry_run, read_data=read_data)
+    OUTPUT.emit(report, lambda: show.repair(report, OUTPUT), failure=integrity.repair_failure(report))
+
+
+def prune(
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=0, help=KeepLastHelp),
+    name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),
+    all_: bool = typer.Option(False, "--all", help="Allow --keep-last 0: delete every snapshot of --name."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Free the stored data no snapshot needs; with --keep-last, first delete old snapshots.
+
+    `gpusnap forget` drops chosen snapshots; prune then frees their data.
+    """
+    from gpusnap.ops import forget as forget_mod
+    from gpusnap.render import maint as show
+    from gpusnap.repo.maint import prune as prune_mod
+
+    forget_mod.check_retention(keep_last, name, all_, "prune")
+    if all_ and keep_last not in (None, 0):
+        raise UsageError("--all goes with --keep-last 0 (or without --keep-last): it deletes every snapshot of --name")
+    if all_ and keep_last is None:
+        keep_last = 0
+        forget_mod.check_retention(keep_last, name, all_, "prune")
+    result = prune_mod.run(open_repo(repo, write=not dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
+    OUTPUT.emit(result, lambda: show.prune(result, OUTPUT))
+
+
+def forget(
+    snapshots: Optional[list[str]] = typer.Argument(None, metavar="[SNAP]...",
+                                                    help="Snapshot directories, directory names or ids."),
+    name: Optional[str] = typer.Option(None, "--name", help="With --keep-last: only snapshots of this name."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=0, help=KeepLastHelp),
+    all_: bool = typer.Option(False, "--all", help="Forget every snapshot of --name."),
+    prune_: bool = typer.Option(False, "--prune", help="Then free the data nothing needs any more."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Drop snapshots: the named ones, or all but the newest N of each name.
+
+    Their data stays in the repository until `gpusnap prune` (or `--prune`) frees what no
+    remaining snapshot needs.
+    """
+    from gpusnap.ops import forget as forget_mod
+    from gpusnap.render import maint as show
+
+    repository = open_repo(repo, write=not dry_run)
+    result = forget_mod.forget(repository, list(snapshots or []), name=name, keep_last=keep_last, all_=all_,
+                               dry_run=dry_run, prune=prune_)
+    OUTPUT.emit(result, lambda: show.forget(result, OUTPUT))

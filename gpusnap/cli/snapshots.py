@@ -1,0 +1,178 @@
+"""Commands that make and use snapshots of jobs: dump, restore, export, import, run, slurm-run.
+
+Each parses, calls one library operation (gpusnap.ops), and hands the result to
+render.snapshots / render.machine through the one output (render.output.OUTPUT).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from gpusnap.cli.common import JsonOpt, RepoOpt, repo_path, open_snapshot, resolve_pid, with_progress
+from gpusnap.errors import UsageError
+from gpusnap.render.output import OUTPUT
+
+
+def dump(
+    pid: Optional[int] = typer.Argument(None, help="Root of the process tree to snapshot."),
+    match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
+                                        help="Find the job by a regular expression on its command line."),
+    pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", readable=False,
+                                            help="Read the PID from FILE."),
+    user: Optional[str] = typer.Option(None, "--user", metavar="USER|UID",
+                                       help="With --match: only this user's processes."),
+    repo: Optional[Path] = RepoOpt,
+    name: Optional[str] = typer.Option(None, "--name", help="Snapshot name (default: the job's command name)."),
+    exit_: bool = typer.Option(False, "--exit", help="Stop the job once the snapshot is safely stored."),
+    compress: str = typer.Option("auto", "--compress", metavar="auto|lz4|zstd|shuffle4-zstd|shuffle2-zstd|none",  # = codec.CHOICES (a test checks)
+                                 help="Codec for new pages (auto: lz4, or byte-shuffled zstd for float data)."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
+                                            help="Afterwards, keep only the newest N snapshots of this name."),
+    lock_timeout: Optional[int] = typer.Option(None, "--gpu-lock-timeout", metavar="MS", min=1,
+                                               help="How long to wait for running GPU work to drain."),
+    tcp_established: bool = typer.Option(False, "--tcp-established",
+                                         help="Dump established TCP connections (restore needs the same IPs)."),
+    json_: bool = JsonOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
+    staging_budget: Optional[str] = typer.Option(
+        None, "--staging-budget", metavar="SIZE",
+        help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
+             "file in the repository. Default: a quarter of the available memory, at most 2G."),
+) -> None:
+    """Snapshot a running process tree. The job keeps running unless --exit.
+
+    Prints the snapshot directory. Every dump is incremental: pages already in the
+    repository, from any earlier snapshot, are not stored again.
+    """
+    from gpusnap.ops.dump import DumpRequest, dump as do_dump, retention_error
+    from gpusnap.render import snapshots as show
+
+    if user is not None and match is None:
+        raise UsageError("--user only narrows --match")
+    target = resolve_pid(pid, match, pidfile, user, name, repo)
+    budget = None
+    if staging_budget is not None:
+        from gpusnap.repo.pipeline.staging import parse_size
+
+        try:
+            budget = parse_size(staging_budget)
+        except ValueError as e:
+            raise UsageError(f"--staging-budget: {e}") from None
+    req = DumpRequest(pid=target, repo=repo_path(repo), name=name, leave_running=not exit_,
+                      compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
+                      keep_last=keep_last, staging_budget=budget)
+    result = with_progress(f"dumping {target}", not (json_ or quiet), lambda **kw: do_dump(req, **kw))
+    OUTPUT.emit(result, lambda: show.dump(result, OUTPUT, quiet=quiet), failure=retention_error(result))
+
+
+def restore(
+    snapshot: str = typer.Argument(..., metavar="DIR|NAME", help="Snapshot directory, or a name/id in --repo."),
+    repo: Optional[Path] = RepoOpt,
+    gpu_map: Optional[str] = typer.Option(None, "--gpu-map", metavar="OLD=NEW[,...]",
+                                          help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
+    json_: bool = JsonOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
+    via: str = typer.Option("auto", "--via", metavar="auto|stream|files",
+                            help="How CRIU reads the images: through a stream, or from image files written "
+                                 "to tmpfs or the repository's disk (auto: the stream, unless files "
+                                 "are needed: huge pages)."),
+    tcp_close: bool = typer.Option(False, "--tcp-close",
+                                   help="Restore established TCP connections closed (the job sees a reset "
+                                        "and reconnects); the default when their peer is gone."),
+) -> None:
+    """Restore a snapshot, detached. Prints the restored root PID.
+
+    Every page is checked against its checksum; a damaged snapshot is refused before the
+    job runs.
+    """
+    from gpusnap.ops.restore import restore as do_restore
+    from gpusnap.render import snapshots as show
+
+    result = with_progress("restoring", not (json_ or quiet),
+                           lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
+                                                   via=via, **kw))
+    OUTPUT.emit(result, lambda: show.restore(result, OUTPUT, quiet=quiet))
+
+
+def export_cmd(
+    snapshot: str = typer.Argument(..., metavar="DIR|NAME", help="The snapshot to export."),
+    output: str = typer.Option(..., "--output", "-o", metavar="FILE|-", help="Where to write it ('-': stdout)."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Write one snapshot as one self-contained, checksummed file (or to stdout with -o -)."""
+    from gpusnap.ops import exchange
+    from gpusnap.render import snapshots as show
+
+    if output == "-" and json_:
+        raise UsageError("--json and -o - both want stdout", hint="write the export to a file, or drop --json")
+    _, snap = open_snapshot(snapshot, repo)
+    result = exchange.export_snapshot(snap, output)
+    OUTPUT.emit(result, lambda: show.exported(result, OUTPUT, to_stdout=output == "-"))
+
+
+def import_cmd(
+    file: str = typer.Argument(..., metavar="FILE|-", help="An export file ('-': stdin)."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Add an exported snapshot to this repository (deduplicated). Checks every checksum
+    first: a damaged or truncated file is refused and nothing of it is kept."""
+    from gpusnap.ops import exchange
+    from gpusnap.render import snapshots as show
+
+    result = exchange.import_file(file, repo_path(repo))
+    OUTPUT.emit(result, lambda: show.imported(result, OUTPUT))
+
+
+def run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: Optional[str] = typer.Option(None, "--name", help="Job name (default: the command's name); "
+                                                             "`dump --name N` and `restore N` find it."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+) -> None:
+    """Start a job the way that snapshots best (the recommended way to start one).
+
+    The job gets its own session and PID namespace (so a snapshot restores beside the running
+    original, without PID clashes); stdout and stderr go to files in REPO/jobs/NAME/.
+    Prints the job's PID.
+    """
+    from gpusnap.ops import jobrun
+    from gpusnap.render import machine as show
+
+    job = jobrun.start(command, repo_path(repo), name=name)
+    OUTPUT.emit(job, lambda: show.job_started(job, OUTPUT))
+
+
+def slurm_run(
+    command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
+    name: str = typer.Option(..., "--name", help="Job and snapshot name (one per job in the repository)."),
+    repo: Optional[Path] = RepoOpt,
+    every: Optional[str] = typer.Option(None, "--every", metavar="INTERVAL",
+                                        help="Also snapshot periodically (e.g. 10m), so a node failure loses "
+                                             "at most one interval."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", metavar="N", min=1,
+                                            help="Keep only the newest N snapshots of this name."),
+    resume: str = typer.Option("auto", "--resume", metavar="auto|always|never",
+                               help="Restore the newest snapshot of the name: after a Slurm requeue (auto), "
+                                    "always, or never."),
+    requeue: bool = typer.Option(True, "--requeue/--no-requeue",
+                                 help="After the final snapshot, ask Slurm to requeue the job."),
+) -> None:
+    """Run a batch job that survives preemption, time limits and node failures (inside sbatch).
+
+    Starts the job (or, after a requeue, restores its newest snapshot); on USR1/TERM (use
+    `#SBATCH --signal=B:USR1@120`) takes a final snapshot and requeues. Exits with the job's status.
+    """
+    from gpusnap.ops import slurm
+
+    if resume not in ("auto", "always", "never"):
+        raise UsageError(f"--resume {resume!r}: use auto, always or never")
+    opts = slurm.Options(name=name, repo=repo_path(repo), command=command,
+                         every_s=slurm.parse_interval(every) if every else None, keep_last=keep_last,
+                         resume=resume, requeue=requeue)
+    raise typer.Exit(slurm.Supervisor(opts).run())

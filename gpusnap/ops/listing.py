@@ -1,0 +1,50 @@
+"""`gpusnap ls` and `gpusnap schedule ls`: the rows to list, in their order.
+
+`snapshots()` returns exactly what `ls --json` prints: the repository, one row per snapshot
+(oldest first) with its unique and shared sizes, and the repository's totals. The usage of a
+repository without snapshots is not computed (that would load numpy for nothing).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+EMPTY_TOTALS = {"snapshots": 0, "names": 0, "bytes_raw": 0, "bytes_stored": 0, "ratio": None}
+
+
+def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
+    """{repository, snapshots: [{dir, path, id, name, created, bytes_*}], totals} of the
+    repository at `root` (already checked readable); only snapshots of `name` when given.
+    A path that does not exist is an empty listing; a file, or a directory that is no
+    repository, is an error (Repository.open says which)."""
+    rows: list[dict[str, Any]] = []
+    totals: dict[str, Any] = dict(EMPTY_TOTALS)
+    if os.path.lexists(root):
+        from gpusnap.repo.maint import usage
+        from gpusnap.repo.repository import Repository
+
+        repository = Repository.open(root)
+        by_dir = usage.repo_usage(repository) if _has_snapshots(root) else {}
+        totals = usage.repo_totals(repository, by_dir)
+        for dirname, row in by_dir.items():
+            if name is None or row.get("name") == name:
+                rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
+        rows.sort(key=lambda r: (r.get("created", 0), r["dir"]))
+    return {"repository": str(root), "snapshots": rows, "totals": totals}
+
+
+def _has_snapshots(root: Path) -> bool:
+    try:
+        with os.scandir(root / "snapshots") as it:
+            return any(True for _ in it)
+    except FileNotFoundError:
+        return False
+
+
+def schedules() -> list[dict[str, Any]]:
+    """Every schedule with its state: last run, result, next run, whether its job is gone."""
+    from gpusnap.ops import schedule
+
+    return [schedule.status(s) for s in schedule.list_schedules()]

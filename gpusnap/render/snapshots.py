@@ -1,0 +1,158 @@
+"""Human text of the snapshot commands: dump, restore, ls, inspect, export and import.
+
+Each function takes a command's result (the same object its --json prints) and an Output.
+Anything that comes from a snapshot or a job (paths, command lines, names) is printed as
+plain text, never as rich markup: `train.py --layers [idx]` must print as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpusnap.render import human_bytes, plain, utc
+
+
+def dump(result, o, quiet: bool = False) -> None:
+    """The snapshot directory on stdout; retention warnings and, on a terminal, a summary on stderr."""
+    o.out.print(result.snapshot, markup=False)
+    for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
+        o.warn(f"retention: {w}")
+    if quiet or not o.err.is_terminal or result.prune_error is not None:
+        return
+    ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
+    frozen = f" (job frozen {result.frozen_seconds:.2f} s)" if result.frozen_seconds is not None else ""
+    o.err.print(f"[green]snapshot {result.name} ({result.id})[/]: {result.pages_total} pages "
+                f"({result.pages_zero} zero, {result.pages_dedup} already stored), "
+                f"{human_bytes(result.bytes_raw)} from CRIU, {human_bytes(result.bytes_stored)} stored "
+                f"({ratio:.1%}), {result.seconds:.2f} s{frozen}; job "
+                f"{'still running' if result.job_running else 'stopped'}")
+
+
+def restore(result, o, quiet: bool = False) -> None:
+    for note in result.notes:
+        o.err.print(f"[yellow]note:[/] {note}")
+    o.out.print(result.pid)
+    if result.tcp_closed and not quiet:
+        o.err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
+
+
+def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
+    """`gpusnap ls` (ops.listing.snapshots): one row per snapshot on stdout, the totals on stderr."""
+    rows, totals = listing["snapshots"], listing["totals"]
+    if not rows:
+        o.err.print(f"no snapshots{f' named {name!r}' if name else ''} in {listing['repository']}", markup=False)
+    else:
+        from rich.table import Table
+
+        table = Table(box=None)
+        for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared"):
+            table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left")
+        for r in rows:
+            table.add_row(plain(r["dir"]), plain(r.get("name", "")), str(r.get("id", ""))[:12],
+                          utc(r.get("created", 0)), human_bytes(r.get("bytes_raw", 0)),
+                          human_bytes(r.get("bytes_unique", 0)), human_bytes(r.get("bytes_shared", 0)))
+        o.out.print(table)
+    if totals["snapshots"]:
+        ratio = f" ({totals['ratio']:.1%} of what CRIU produced)" if totals.get("ratio") else ""
+        o.err.print(f"{totals['snapshots']} snapshot(s) of {totals['names']} name(s): "
+                    f"{human_bytes(totals['bytes_raw'])} from CRIU, {human_bytes(totals['bytes_stored'])} "
+                    f"in the repository{ratio}", markup=False)
+
+
+def exported(result: dict[str, Any], o, to_stdout: bool) -> None:
+    if not to_stdout:   # with -o - stdout carries the export itself
+        o.out.print(f"{result['file']}: {result['name']} ({result['id']}), {human_bytes(result['bytes'])} "
+                    f"for {human_bytes(result['bytes_raw'])} from CRIU", markup=False)
+
+
+def imported(result: dict[str, Any], o) -> None:
+    o.out.print(result["snapshot"], markup=False)
+
+
+# ---------------------------------------------------------------- inspect
+
+def snapshot_stats(r: dict[str, Any], console, images: bool = True) -> None:
+    """The page statistics of one snapshot (repo.maint.usage.inspect_snapshot's report)."""
+    console.print(plain(f"snapshot {r['snapshot']}  id {r['id']}  name {r['name']}"))
+    console.print(f"pages: {r['pages_total']} total, {r['pages_zero']} zero, {r['pages_dedup']} deduplicated, "
+                  f"{r['pages_compressed']} compressed, {r['pages_raw']} raw")
+    ratio = r["bytes_stored"] / r["bytes_raw"] if r["bytes_raw"] else 0
+    console.print(f"bytes: {human_bytes(r['bytes_raw'])} from CRIU, {human_bytes(r['bytes_stored'])} stored "
+                  f"by this dump ({ratio:.1%}); now {human_bytes(r['bytes_unique'])} unique, "
+                  f"{human_bytes(r['bytes_shared'])} shared")
+    meta = r.get("meta") or {}
+    if meta.get("dump_seconds") is not None:
+        frozen = meta.get("frozen_seconds")
+        console.print(f"dump: {meta['dump_seconds']:.2f} s until stored"
+                      + (f", of which the job stood frozen {frozen:.2f} s" if frozen is not None else ""))
+    for im in r["images"] if images else []:
+        if im["type"] == "pages":
+            console.print(plain(f"  {im['name']}: {human_bytes(im['size'])}, {im['pages']} pages "
+                                f"({im['pages_zero']} zero, {im['pages_dedup']} dedup, "
+                                f"{im['pages_compressed']} compressed, {im['pages_raw']} raw)"))
+        else:
+            console.print(plain(f"  {im['name']}: {human_bytes(im['size'])}"))
+
+
+def recorded_gpus(d: dict[str, Any] | None, console) -> None:
+    """A snapshot's GPU section (gpu.procs.describe_recorded's form)."""
+    if d is None:
+        console.print("GPU: none recorded (a CPU-only snapshot, or dumped without an NVIDIA driver)")
+        return
+    from rich.table import Table
+
+    console.print(f"GPU: NVIDIA driver {d['driver_version'] or '?'}, CUDA {d['cuda_version'] or '?'}")
+    t = Table(show_header=True, header_style="bold")
+    for col in ("#", "GPU", "memory", "UUID", "used by"):
+        t.add_column(col)
+    for g in d["gpus"]:
+        by = [str(p["pid"]) for p in d["processes"] if g["uuid"] in p["gpus"]]
+        t.add_row(str(g["index"]), g["name"] or "?", human_bytes(g["memory_bytes"]), g["uuid"] or "?",
+                  ", ".join(by) or "-")
+    console.print(t)
+
+
+def inspect(report: dict[str, Any], o, images: bool = False) -> None:
+    """`gpusnap inspect`: statistics, processes, open files, sockets, GPUs (ops.describe's report)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    console = o.out
+    snapshot_stats(report, console, images=images)
+    table = Table(title="processes", box=None, title_justify="left")
+    for col in ("pid", "ppid", "command", "threads", "memory", "GPU", "cwd"):
+        table.add_column(col, justify="right" if col in ("pid", "ppid", "threads", "memory") else "left")
+    for p in report.get("processes", []):
+        cmd = " ".join(p["cmdline"]) if p.get("cmdline") else p["comm"]
+        table.add_row(str(p["pid"]), str(p["ppid"]), plain(cmd), str(p["threads"]),
+                      human_bytes(p["memory_bytes"]), "CUDA" if p["cuda"] else "", plain(p.get("cwd") or ""))
+    console.print(table)
+    files = report.get("files", [])
+    if files:
+        ft = Table(title="open files", box=None, title_justify="left")
+        for col in ("path", "mode", "access", "size", "on disk now"):
+            ft.add_column(col, justify="right" if col == "size" else "left")
+        for f in files:
+            status = f.get("now_status", "")
+            style = {"ok": "green", "missing": "red", "differs": "red"}.get(status, "yellow")
+            ft.add_row(plain(f["path"]), f.get("mode") or "", f.get("access", ""),
+                       human_bytes(f["size"]) if f.get("size") is not None else "-",
+                       Text(f"{status} {f.get('now_detail', '')}".strip(), style=style))
+        console.print(ft)
+    socks = report.get("sockets", [])
+    if socks:
+        st = Table(title="sockets", box=None, title_justify="left")
+        for col in ("pid", "fd", "family", "address", "peer"):
+            st.add_column(col)
+        for s in socks:
+            st.add_row(str(s["pid"]), str(s["fd"]), s.get("family", ""), plain(s.get("address", "")),
+                       plain(s.get("peer_address", s.get("peer", ""))))
+        console.print(st)
+    if report.get("gpu"):
+        recorded_gpus(report["gpu"], console)
+    else:
+        console.print("GPU: none recorded (a CPU-only job)")
+    changed = report.get("files_changed") or []
+    if changed:
+        console.print(Text(f"restore will fail until these files are as they were at the dump: "
+                           f"{', '.join(changed)}", style="bold red"))

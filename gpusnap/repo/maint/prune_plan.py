@@ -16,10 +16,10 @@ from typing import Mapping
 
 from gpusnap.errors import RepositoryError
 from gpusnap.repo import fsutil
-from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_DATA
+from gpusnap.repo.format import BLOB_HEADER, KIND_DATA
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.pipeline.packwriter import DEFAULT_PACK_TARGET
-from gpusnap.repo.store import pack_sizes
+from gpusnap.repo.store import list_packs, pack_sizes
 
 SMALL_PACK = DEFAULT_PACK_TARGET // 4
 MAX_UNUSED = 0.10
@@ -203,17 +203,8 @@ def index_names(root) -> list[str]:
 
 
 def present_packs(root) -> set[bytes]:
-    """Names of the pack files under packs/ (store has no public listing yet)."""
-    out = set()
-    pdir = root / "packs"
-    for sub in os.listdir(pdir):
-        sp = pdir / sub
-        if len(sub) != 2 or not sp.is_dir():
-            continue
-        for f in os.listdir(sp):
-            if HEX64.match(f) and f.startswith(sub):
-                out.add(bytes.fromhex(f))
-    return out
+    """Names of the pack files under packs/ (store.list_packs: the one listing)."""
+    return set(list_packs(root)[0])
 
 
 def _leftovers(root, gone: set[str]) -> list[str]:

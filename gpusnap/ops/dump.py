@@ -349,6 +349,39 @@ def _resume_tree(pids: list[int]) -> None:
             pass
 
 
+def committed_snapshot(repo, writer):
+    """The snapshot `writer` committed, or None. The directory decides, not the writer's
+    state: a signal can land between the commit's rename and the writer's bookkeeping. We
+    hold the writer lock, so a directory of this name with this creation time is ours."""
+    snaps = Path(repo.path) / "snapshots"
+    try:
+        entries = sorted(d for d in snaps.iterdir() if d.name.startswith(writer.name + "-"))
+    except OSError:
+        return None
+    for d in entries:
+        try:
+            snap = repo.snapshot_at(d)
+        except (GpusnapError, OSError, ValueError, KeyError):
+            continue
+        if snap.created == writer.created and snap.name == writer.name:
+            return snap
+    return None
+
+
+def _interrupted_after_commit(req: DumpRequest, snap, retention_started: bool) -> GpusnapError:
+    """What a signal after the commit point ends the dump with: the truth (exit 27)."""
+    from gpusnap.errors import InterruptedAfterCommit
+
+    job = "the job keeps running" if req.leave_running else "the job was stopped, as --exit asked"
+    parts = [f"dump interrupted after the commit: snapshot {snap.path} is kept (listed and restorable)", job]
+    hint = f"restore it with `gpusnap restore {Path(snap.path).name}`"
+    if req.keep_last:
+        parts.append("--keep-last retention did not finish" if retention_started
+                     else "--keep-last retention did not run")
+        hint += f"; prune with `gpusnap prune --keep-last {req.keep_last} --name {snap.name}`"
+    return InterruptedAfterCommit("; ".join(parts), hint=hint)
+
+
 class _Terminate(BaseException):
     """Raised in the main thread by SIGTERM/SIGHUP so a dump unwinds like on Ctrl-C."""
 
@@ -429,6 +462,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         gpu_problems: list[str] = []
         old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
         snap = None
+        retention_started = False
         try:
             if not req.leave_running:
                 # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
@@ -502,6 +536,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             prune_error = None
             prune_warnings: list[str] = []
             if req.keep_last:
+                retention_started = True
                 try:
                     pruned, prune_warnings = _retain(repo, snap.name, req.keep_last)
                 except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
@@ -514,6 +549,12 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 server.abort()
             if criu is not None:
                 criu.wait()  # CRIU unwinds on the broken stream; never kill it mid-parasite
+            snap = snap or committed_snapshot(repo, writer)
+            if snap is not None:   # past the commit point: the snapshot stays; say so
+                if stopped:        # it is safe: end the job as --exit asked (as the guardian would)
+                    _kill_tree(pids)
+                    stopped = False
+                raise _interrupted_after_commit(req, snap, retention_started) from None
             raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
         finally:
             for s, h in old_handlers.items():

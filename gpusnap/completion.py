@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import typer.main
 
-CODECS = ["auto", "lz4", "zstd", "shuffle4-zstd", "shuffle2-zstd", "none"]
+from gpusnap.ops.validate import COMPRESS_CHOICES
+
+CODECS = list(COMPRESS_CHOICES)   # what --compress accepts, from its one definition
 DEFAULT_REPO = "/var/lib/gpusnap"
 # what the value of an option is (every other option that takes a value: free text)
 OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file"}

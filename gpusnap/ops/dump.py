@@ -23,17 +23,15 @@ from typing import Callable
 
 from gpusnap.system import paths, preflight, proc
 from gpusnap.system import appendfiles
-from gpusnap.ops import restore_needs
+from gpusnap.ops import restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
-from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace, UsageError
+from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
 from gpusnap.repo.pipeline import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
-COMPRESSORS = ("auto", "lz4", "zstd", "none")
-NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 # (bytes so far, expected total, phase): phase "frozen" while the job stands frozen and CRIU's
 # bytes are staged, then "storing" (the job runs again) while the page pipeline stores them
@@ -92,18 +90,9 @@ class DumpResult:
 
 
 def default_name(pid: int) -> str:
+    """The job's command name, made a valid snapshot name."""
     st = proc.read_stat(pid)
-    comm = re.sub(r"[^A-Za-z0-9._-]", "-", st.comm if st else "job").strip("-.") or "job"
-    return comm[:40]
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME_RX.fullmatch(name):  # whole: no trailing newline
-        raise UsageError(f"snapshot name {name!r} is not allowed",
-                         hint="use letters, digits, '.', '_' and '-' (up to 64, starting with a letter or digit)")
-    return name
-
-
+    return validate.default_name(st.comm if st else "job")
 
 
 def _free_bytes(path: Path) -> int:
@@ -395,10 +384,9 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     from gpusnap.repo.repository import Repository
 
     t0 = time.monotonic()
-    if req.compress not in COMPRESSORS:
-        raise UsageError(f"--compress must be one of {', '.join(COMPRESSORS)}, not {req.compress!r}")
+    validate.check_compress(req.compress)
     if req.name:
-        check_name(req.name)
+        validate.check_name(req.name)
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
     name = req.name or default_name(req.pid)
     pids = plan.pids

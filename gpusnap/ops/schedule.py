@@ -239,10 +239,9 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
         user: str | int | None = None, replace: bool = False) -> Schedule:
     """Check everything as `dump` would, then record and install the schedule."""
     from gpusnap.repo import locate
-    from gpusnap.ops.dump import check_name
 
     validate.check_schedule_name(name)
-    check_name(name)                        # it is also the snapshot name
+    validate.check_name(name)               # it is also the snapshot name
     if match is not None:
         validate.check_match(match)
     if type(keep_last) is not int or keep_last < 1:

@@ -10,7 +10,6 @@ snapshot's atomic commit.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -19,23 +18,19 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from gpusnap.system import paths, preflight, proc
+from gpusnap.system import preflight, proc
 from gpusnap.system import appendfiles
-from gpusnap.ops import restore_needs, validate
+from gpusnap.ops import dump_session as session, restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate
 from gpusnap.criu.streamer import CaptureServer
-from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
+from gpusnap.errors import GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
 from gpusnap.repo.pipeline import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
 
-# (bytes so far, expected total, phase): phase "frozen" while the job stands frozen and CRIU's
-# bytes are staged, then "storing" (the job runs again) while the page pipeline stores them
-Progress = Callable[[int, int, str], None]
 # Stage images entirely before the page pipeline starts (the ingest waits for the gate), unless
 # there are cores enough for CRIU, the drain and the pipeline at once; on 2 cores running
 # the pipeline during the freeze lengthened it (docs/benchmark.md). GPUSNAP_INGEST_OVERLAP=0/1.
@@ -95,204 +90,6 @@ def default_name(pid: int) -> str:
     return validate.default_name(st.comm if st else "job")
 
 
-def _free_bytes(path: Path) -> int:
-    p = path
-    while not p.exists():
-        p = p.parent
-    st = os.statvfs(p)
-    return st.f_bavail * st.f_frsize
-
-
-def _gpu_facts(pids: list[int]) -> dict | None:
-    """The GPU section of the manifest (machine GPUs, which process uses which), recorded
-    before CRIU runs: a checkpointed process has released its device files. CPU-only trees
-    skip the driver probe entirely."""
-    try:
-        from gpusnap.gpu import procs as gpu_procs
-
-        if not any(gpu_procs.scan_process(pid) for pid in pids):
-            return None
-        return gpu_procs.gpu_manifest(pids)
-    except Exception:  # noqa: BLE001 - GPU facts are informative; a dump must not fail on them
-        return None
-
-
-def _read_cuda_report(path: Path) -> list[int]:
-    pids: list[int] = []
-    try:
-        for line in path.read_text().splitlines():
-            m = re.search(r"\bpid=(\d+)", line)
-            if line.startswith("dump") and m:
-                pids.append(int(m.group(1)))
-    except OSError:
-        pass
-    return sorted(set(pids))
-
-
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        n |= (c & 0x7F) << shift
-        shift += 7
-        if c < 0x80:
-            return n, i
-
-
-def criu_frozen_seconds(workdir: Path) -> float | None:
-    """frozen_time from CRIU's stats-dump (written locally even with --stream): microseconds
-    from the moment the tree was frozen to the moment it was resumed. The image is 8 bytes of
-    magic, a u32 length, then StatsEntry{dump = 1: DumpStatsEntry{frozen_time = 2}}."""
-    try:
-        b = (workdir / "stats-dump").read_bytes()
-        size = int.from_bytes(b[8:12], "little")
-        msg = b[12:12 + size]
-        i = 0
-        while i < len(msg):
-            key, i = _varint(msg, i)
-            if key == (1 << 3 | 2):
-                ln, i = _varint(msg, i)
-                sub, j = msg[i:i + ln], 0
-                while j < len(sub):
-                    k, j = _varint(sub, j)
-                    if k & 7 == 0:
-                        v, j = _varint(sub, j)
-                        if k >> 3 == 2:
-                            return v / 1e6
-                    elif k & 7 == 2:
-                        ln2, j = _varint(sub, j)
-                        j += ln2
-                    else:
-                        return None
-                return None
-            if key & 7 == 0:
-                _, i = _varint(msg, i)
-            elif key & 7 == 2:
-                ln, i = _varint(msg, i)
-                i += ln
-            else:
-                return None
-    except (OSError, IndexError, ValueError):
-        return None
-    return None
-
-
-def _anon_bytes(pids: list[int]) -> int:
-    """RssAnon + RssShmem of the tree: about what CRIU will stream (file-backed pages that were
-    never written are not dumped; a job that maps gigabytes of model files must not size the
-    staging arena by them)."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith(("RssAnon:", "RssShmem:")):
-                    total += int(line.split()[1]) << 10
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def _vm_hwm() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _test_hold(point: str, info: dict) -> None:
-    """Test hook (GPUSNAP_TEST_HOLD=point:FILE): at `point`, write `info` as JSON to FILE and
-    wait there until killed, so a test can kill -9 the dump at a precise moment."""
-    spec = os.environ.get("GPUSNAP_TEST_HOLD", "")
-    if not spec.startswith(point + ":"):
-        return
-    import json
-
-    path = Path(spec.split(":", 1)[1])
-    path.with_suffix(".tmp").write_text(json.dumps(info))
-    os.rename(path.with_suffix(".tmp"), path)
-    while True:
-        time.sleep(1)
-
-
-def _plugin_failure(log: Path) -> list[str]:
-    try:
-        return [ln.strip() for ln in log.read_text(errors="replace").splitlines()
-                if "gpusnap_cuda" in ln and "Error" in ln]
-    except OSError:
-        return []
-
-
-
-def _criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str], n_gpu: int = 0) -> list[str]:
-    from gpusnap.gpu import limits
-
-    args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
-            "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4",
-            # CRIU's freeze deadline covers the plugin's locks (one setting: the lock timeout)
-            "--timeout", str(limits.criu_freeze_timeout_s(limits.lock_timeout_ms(req.lock_timeout_ms), n_gpu))]
-    # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
-    # failure while storing can still hand the job back.
-    args.append("--leave-running" if req.leave_running else "--leave-stopped")
-    args += options  # decided by the preflight: --shell-job, --tcp-established, --file-locks, ...
-    return args
-
-
-def _criu_env(req: DumpRequest, workdir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["GPUSNAP_LEAVE_RUNNING"] = "1" if req.leave_running else "0"
-    env["GPUSNAP_CUDA_REPORT"] = str(workdir / "cuda-report")
-    from gpusnap.gpu import limits
-
-    env.update(limits.plugin_env(limits.lock_timeout_ms(req.lock_timeout_ms)))
-    return env
-
-
-def _gpu_candidates(gpu: dict | None) -> list[int]:
-    """PIDs the GPU facts recorded as using a GPU (for when the plugin leaves no report)."""
-    try:
-        return sorted({int(p["pid"]) for p in (gpu or {}).get("processes", []) if "pid" in p})
-    except (TypeError, ValueError, KeyError):
-        return []
-
-
-def _settle_gpu(workdir: Path, candidates: list[int], failed_only: bool) -> list[str]:
-    """After a failed dump (or a success whose undo failed): every CUDA process back as found."""
-    from gpusnap.gpu import report
-
-    lines = report.read(workdir / "cuda-report")
-    if failed_only:
-        lines = [x for x in lines if x.result != "ok"]
-        candidates = []
-    if not lines and not candidates:
-        return []
-    try:
-        return report.settle_after_failed_dump(lines, candidates)
-    except Exception as e:  # noqa: BLE001 - never let recovery mask the dump's own error
-        return [f"{type(e).__name__}: {e}"]
-
-
-def _failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: str | None) -> GpusnapError:
-    """The most useful error for a failed dump: the disk, the GPU, the stream, or CRIU itself."""
-    where = f" (CRIU log kept at {kept})" if kept else ""
-    if isinstance(stream_err, NoSpace):
-        return stream_err
-    gpu_lines = _plugin_failure(log)
-    if gpu_lines:
-        return GpuCheckpointFailed(
-            "the CUDA plugin could not checkpoint a GPU process; the job was left running and unlocked",
-            hint=gpu_lines[0] + where)  # the first error is the cause, the rest follow from it
-    if stream_err is not None:
-        stream_err.hint = (stream_err.hint + " " if stream_err.hint else "") + where.strip()
-        return stream_err
-    lines = runner.log_errors(log)
-    return CriuFailed(f"criu dump failed (exit status {rc}); the job was left running",
-                      log_path=kept, last_lines=lines, hint=runner.explain_dump(lines))
-
-
 def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
     """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock).
     Returns (snapshot ids deleted, warnings: entries of snapshots/ that could not be read and
@@ -319,23 +116,6 @@ def retention_error(result: "DumpResult") -> GpusnapError | None:
         f"snapshot {result.snapshot} is committed, but --keep-last retention failed: {result.prune_error}",
         hint="older snapshots of this name were not pruned; run `gpusnap verify`, fix what it names, "
              "then `gpusnap prune --keep-last N --name NAME`")
-
-
-def _kill_tree(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _resume_tree(pids: list[int]) -> None:
-    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def committed_snapshot(repo, writer):
@@ -379,7 +159,7 @@ def _on_term(signum, frame):  # noqa: ARG001
     raise _Terminate()
 
 
-def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
+def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResult:
     """Snapshot the process tree rooted at req.pid into the repository at req.repo."""
     from gpusnap.repo.repository import Repository
 
@@ -394,7 +174,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
     from gpusnap.gpu import procs as gpu_procs
 
     gpu_procs.refuse_devices_without_context(pids)
-    if _free_bytes(req.repo) < MIN_FREE_BYTES:
+    if session.free_bytes(req.repo) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
 
@@ -420,7 +200,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         # restored into a new PID namespace: its PIDs never clash with running processes
         "own_pid_namespace": plan.own_pid_namespace,
     }
-    gpu = _gpu_facts(pids)
+    gpu = session.gpu_facts(pids)
     if gpu:
         meta["gpu"] = gpu
 
@@ -456,13 +236,13 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
                 # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
                 from gpusnap.ops.guardian import Guardian
 
-                guardian = Guardian(pids, workdir / "cuda-report", _gpu_candidates(gpu),
+                guardian = Guardian(pids, workdir / "cuda-report", session.gpu_candidates(gpu),
                                     log=Path(repo.path) / "logs" / "guardian.log")
             phase("preflight")
             spill_dir = repo.path / "tmp"
             staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
             # the arena covers what CRIU is expected to stream (the tree's anonymous memory)
-            staging = staging_mod.Staging(spill_dir, budget, prealloc=_anon_bytes(pids) + (16 << 20))
+            staging = staging_mod.Staging(spill_dir, budget, prealloc=proc.anon_bytes(pids) + (16 << 20))
             if overlap:
                 staging.go.set()
             server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
@@ -482,30 +262,30 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             t_criu = time.monotonic()
             criu = subprocess.Popen(
                 [runner.criu_info().path,
-                 *_criu_args(req, workdir, log, plan.dump_options, len(_gpu_candidates(gpu))),
+                 *session.criu_args(req, workdir, log, plan.dump_options, len(session.gpu_candidates(gpu))),
                  "--action-script", str(gate.script)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={**_criu_env(req, workdir), **gate.env}, start_new_session=True)
+                env={**session.criu_env(req, workdir), **gate.env}, start_new_session=True)
             if guardian:
                 guardian.criu(criu.pid)
             runner.supervise(criu, server, criu_progress, estimate)
             phase("criu")
             if criu.returncode != 0 or server.failed:
                 server.abort()
-                raise _failure(server.error(), criu.returncode, log,
+                raise session.failure(server.error(), criu.returncode, log,
                                runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
             stopped = not req.leave_running
-            frozen = criu_frozen_seconds(workdir)
+            frozen = session.criu_frozen_seconds(workdir)
             if frozen is None and gate.opened_at is not None:
                 frozen = gate.opened_at - t_criu
             frozen = round(frozen, 3) if frozen is not None else None
-            _test_hold("after-gate", {"pid": os.getpid(), "staging": staging.stats()})
+            session.test_hold("after-gate", {"pid": os.getpid(), "staging": staging.stats()})
             if progress:
-                _finish_with_progress(server, progress)
+                session.finish_with_progress(server, progress)
             else:
                 server.finish(timeout=30)
             phase("storing")
-            cuda_pids = _read_cuda_report(workdir / "cuda-report")
+            cuda_pids = session.cuda_report_pids(workdir / "cuda-report")
             extra = {"append_files": appending.files} if appending.files is not None else {}
             snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
                                              "frozen_seconds": frozen, **extra})
@@ -514,12 +294,12 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if stopped:
                 if guardian:
                     guardian.committed()
-                _test_hold("after-commit", {"pid": os.getpid()})
-                _kill_tree(pids)
+                session.test_hold("after-commit", {"pid": os.getpid()})
+                session.kill_tree(pids)
                 stopped = False
             elif req.leave_running:
                 # CRIU succeeded, but the plugin may have failed to hand a process back
-                gpu_problems = _settle_gpu(workdir, [], failed_only=True)
+                gpu_problems = session.settle_gpu(workdir, [], failed_only=True)
             pruned: list[str] = []
             prune_error = None
             prune_warnings: list[str] = []
@@ -540,7 +320,7 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             snap = snap or committed_snapshot(repo, writer)
             if snap is not None:   # past the commit point: the snapshot stays; say so
                 if stopped:        # it is safe: end the job as --exit asked (as the guardian would)
-                    _kill_tree(pids)
+                    session.kill_tree(pids)
                     stopped = False
                 raise _interrupted_after_commit(req, snap, retention_started) from None
             raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
@@ -550,11 +330,11 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
             if snap is None:
                 writer.abort()
             if stopped:  # CRIU succeeded but storing failed: give the job back
-                _resume_tree(pids)
+                session.resume_tree(pids)
             if snap is None and criu is not None and criu.returncode is not None:
                 # CRIU does not tell the plugin of every failure (a failed post-dump gate
                 # reaches it as success): whatever the plugin says, settle the GPU side here
-                gpu_problems = _settle_gpu(workdir, _gpu_candidates(gpu), failed_only=False)
+                gpu_problems = session.settle_gpu(workdir, session.gpu_candidates(gpu), failed_only=False)
                 exc = sys.exc_info()[1]
                 if gpu_problems and isinstance(exc, GpusnapError):
                     exc.message += "; but a GPU process could not be brought back: " + "; ".join(gpu_problems)
@@ -579,28 +359,5 @@ def dump(req: DumpRequest, progress: Progress | None = None) -> DumpResult:
         bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
         seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
         cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
-        prune_warnings=prune_warnings, phases=phases, frozen_seconds=frozen, staging={**staging.stats(), "overlap": overlap}, peak_rss_bytes=_vm_hwm(),
+        prune_warnings=prune_warnings, phases=phases, frozen_seconds=frozen, staging={**staging.stats(), "overlap": overlap}, peak_rss_bytes=proc.peak_rss_self(),
         criu_options=list(plan.dump_options))
-
-
-def _finish_with_progress(server: CaptureServer, progress: Progress) -> None:
-    """server.finish() in a helper thread while the storing phase's progress is shown."""
-    import threading
-
-    done = threading.Event()
-    err: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            server.finish(timeout=30)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            err.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name="gpusnap-finish", daemon=True).start()
-    while not done.wait(0.1):
-        progress(server.ingested, server.bytes, "storing")
-    progress(server.bytes, server.bytes, "storing")
-    if err:
-        raise err[0]

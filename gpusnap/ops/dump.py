@@ -217,147 +217,155 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
     env_overlap = os.environ.get("GPUSNAP_INGEST_OVERLAP", "")
     overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
 
-    with repo.writer_lock():
-        writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
-        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-dump-"))
-        log = workdir / "criu.log"
-        server: CaptureServer | None = None
-        gate: PostDumpGate | None = None
-        criu: subprocess.Popen | None = None
-        staging: staging_mod.Staging | None = None
-        stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
-        guardian = None
-        gpu_problems: list[str] = []
-        old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
-        snap = None
-        retention_started = False
-        try:
-            if not req.leave_running:
-                # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
-                from gpusnap.ops.guardian import Guardian
+    snap = None
+    retention_started = False
+    old_handlers: dict = {}
+    try:
+        with repo.writer_lock():
+            writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
+            workdir = Path(tempfile.mkdtemp(prefix="gpusnap-dump-"))
+            log = workdir / "criu.log"
+            server: CaptureServer | None = None
+            gate: PostDumpGate | None = None
+            criu: subprocess.Popen | None = None
+            staging: staging_mod.Staging | None = None
+            stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
+            guardian = None
+            gpu_problems: list[str] = []
+            old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
+            try:
+                if not req.leave_running:
+                    # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
+                    from gpusnap.ops.guardian import Guardian
 
-                guardian = Guardian(pids, workdir / "cuda-report", session.gpu_candidates(gpu),
-                                    log=Path(repo.path) / "logs" / "guardian.log")
-            phase("preflight")
-            spill_dir = repo.path / "tmp"
-            staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
-            # the arena covers what CRIU is expected to stream (the tree's anonymous memory)
-            staging = staging_mod.Staging(spill_dir, budget, prealloc=proc.anon_bytes(pids) + (16 << 20))
-            if overlap:
-                staging.go.set()
-            server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
-            # sizes of the files the job appends to, as of the freeze (gpusnap/system/appendfiles.py)
-            appending = appendfiles.Recorder(appendfiles.scan(pids))
-            gate = PostDumpGate(workdir, server, at_freeze=appending.at_freeze)
-            phase("staging")
+                    guardian = Guardian(pids, workdir / "cuda-report", session.gpu_candidates(gpu),
+                                        log=Path(repo.path) / "logs" / "guardian.log")
+                phase("preflight")
+                spill_dir = repo.path / "tmp"
+                staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
+                # the arena covers what CRIU is expected to stream (the tree's anonymous memory)
+                staging = staging_mod.Staging(spill_dir, budget, prealloc=proc.anon_bytes(pids) + (16 << 20))
+                if overlap:
+                    staging.go.set()
+                server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
+                # sizes of the files the job appends to, as of the freeze (gpusnap/system/appendfiles.py)
+                appending = appendfiles.Recorder(appendfiles.scan(pids))
+                gate = PostDumpGate(workdir, server, at_freeze=appending.at_freeze)
+                phase("staging")
 
-            def criu_progress(done: int, total: int) -> None:
-                if progress is None:
-                    return
-                if gate.opened.is_set():
-                    progress(server.ingested, server.bytes, "storing")
-                else:
-                    progress(done, total, "frozen")
+                def criu_progress(done: int, total: int) -> None:
+                    if progress is None:
+                        return
+                    if gate.opened.is_set():
+                        progress(server.ingested, server.bytes, "storing")
+                    else:
+                        progress(done, total, "frozen")
 
-            t_criu = time.monotonic()
-            criu = subprocess.Popen(
-                [runner.criu_info().path,
-                 *session.criu_args(req, workdir, log, plan.dump_options, len(session.gpu_candidates(gpu))),
-                 "--action-script", str(gate.script)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={**session.criu_env(req, workdir), **gate.env}, start_new_session=True)
-            if guardian:
-                guardian.criu(criu.pid)
-            runner.supervise(criu, server, criu_progress, estimate)
-            phase("criu")
-            if criu.returncode != 0 or server.failed:
-                server.abort()
-                raise session.failure(server.error(), criu.returncode, log,
-                               runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
-            stopped = not req.leave_running
-            frozen = session.criu_frozen_seconds(workdir)
-            if frozen is None and gate.opened_at is not None:
-                frozen = gate.opened_at - t_criu
-            frozen = round(frozen, 3) if frozen is not None else None
-            session.test_hold("after-gate", {"pid": os.getpid(), "staging": staging.stats()})
-            if progress:
-                session.finish_with_progress(server, progress)
-            else:
-                server.finish(timeout=30)
-            phase("storing")
-            cuda_pids = session.cuda_report_pids(workdir / "cuda-report")
-            extra = {"append_files": appending.files} if appending.files is not None else {}
-            snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
-                                             "frozen_seconds": frozen, **extra})
-            kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
-            phase("commit")
-            if stopped:
+                t_criu = time.monotonic()
+                criu = subprocess.Popen(
+                    [runner.criu_info().path,
+                     *session.criu_args(req, workdir, log, plan.dump_options, len(session.gpu_candidates(gpu))),
+                     "--action-script", str(gate.script)],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    env={**session.criu_env(req, workdir), **gate.env}, start_new_session=True)
                 if guardian:
-                    guardian.committed()
-                session.test_hold("after-commit", {"pid": os.getpid()})
-                session.kill_tree(pids)
-                stopped = False
-            elif req.leave_running:
-                # CRIU succeeded, but the plugin may have failed to hand a process back
-                gpu_problems = session.settle_gpu(workdir, [], failed_only=True)
-            pruned: list[str] = []
-            prune_error = None
-            prune_warnings: list[str] = []
-            if req.keep_last:
-                retention_started = True
-                try:
-                    pruned, prune_warnings = _retain(repo, snap.name, req.keep_last)
-                except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
-                    prune_error = e.message
-                except OSError as e:
-                    prune_error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-                phase("retention")
-        except (KeyboardInterrupt, _Terminate):
-            if server is not None:
-                server.abort()
-            if criu is not None:
-                criu.wait()  # CRIU unwinds on the broken stream; never kill it mid-parasite
-            snap = snap or committed_snapshot(repo, writer)
-            if snap is not None:   # past the commit point: the snapshot stays; say so
-                if stopped:        # it is safe: end the job as --exit asked (as the guardian would)
+                    guardian.criu(criu.pid)
+                runner.supervise(criu, server, criu_progress, estimate)
+                phase("criu")
+                if criu.returncode != 0 or server.failed:
+                    server.abort()
+                    raise session.failure(server.error(), criu.returncode, log,
+                                   runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
+                stopped = not req.leave_running
+                frozen = session.criu_frozen_seconds(workdir)
+                if frozen is None and gate.opened_at is not None:
+                    frozen = gate.opened_at - t_criu
+                frozen = round(frozen, 3) if frozen is not None else None
+                session.test_hold("after-gate", {"pid": os.getpid(), "staging": staging.stats()})
+                if progress:
+                    session.finish_with_progress(server, progress)
+                else:
+                    server.finish(timeout=30)
+                phase("storing")
+                cuda_pids = session.cuda_report_pids(workdir / "cuda-report")
+                extra = {"append_files": appending.files} if appending.files is not None else {}
+                snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
+                                                 "frozen_seconds": frozen, **extra})
+                kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
+                phase("commit")
+                if stopped:
+                    if guardian:
+                        guardian.committed()
+                    session.test_hold("after-commit", {"pid": os.getpid()})
                     session.kill_tree(pids)
                     stopped = False
-                raise _interrupted_after_commit(req, snap, retention_started) from None
-            raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
-        finally:
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            if snap is None:
-                writer.abort()
-            if stopped:  # CRIU succeeded but storing failed: give the job back
-                session.resume_tree(pids)
-            if snap is None and criu is not None and criu.returncode is not None:
-                # CRIU does not tell the plugin of every failure (a failed post-dump gate
-                # reaches it as success): whatever the plugin says, settle the GPU side here
-                gpu_problems = session.settle_gpu(workdir, session.gpu_candidates(gpu), failed_only=False)
-                exc = sys.exc_info()[1]
-                if gpu_problems and isinstance(exc, GpusnapError):
-                    exc.message += "; but a GPU process could not be brought back: " + "; ".join(gpu_problems)
-            if guardian:
-                guardian.done()
-            if gate is not None:
-                gate.close()
-            if server is not None:
-                server.abort()
-            if staging is not None:
-                staging.close()
-            shutil.rmtree(workdir, ignore_errors=True)
+                elif req.leave_running:
+                    # CRIU succeeded, but the plugin may have failed to hand a process back
+                    gpu_problems = session.settle_gpu(workdir, [], failed_only=True)
+                pruned: list[str] = []
+                prune_error = None
+                prune_warnings: list[str] = []
+                if req.keep_last:
+                    retention_started = True
+                    try:
+                        pruned, prune_warnings = _retain(repo, snap.name, req.keep_last)
+                    except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
+                        prune_error = e.message
+                    except OSError as e:
+                        prune_error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+                    phase("retention")
+            except (KeyboardInterrupt, _Terminate):
+                if server is not None:
+                    server.abort()
+                if criu is not None:
+                    criu.wait()  # CRIU unwinds on the broken stream; never kill it mid-parasite
+                snap = snap or committed_snapshot(repo, writer)
+                if snap is not None:   # past the commit point: the snapshot stays; say so
+                    if stopped:        # it is safe: end the job as --exit asked (as the guardian would)
+                        session.kill_tree(pids)
+                        stopped = False
+                    raise _interrupted_after_commit(req, snap, retention_started) from None
+                raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
+            finally:
+                if snap is None:
+                    writer.abort()
+                if stopped:  # CRIU succeeded but storing failed: give the job back
+                    session.resume_tree(pids)
+                if snap is None and criu is not None and criu.returncode is not None:
+                    # CRIU does not tell the plugin of every failure (a failed post-dump gate
+                    # reaches it as success): whatever the plugin says, settle the GPU side here
+                    gpu_problems = session.settle_gpu(workdir, session.gpu_candidates(gpu), failed_only=False)
+                    exc = sys.exc_info()[1]
+                    if gpu_problems and isinstance(exc, GpusnapError):
+                        exc.message += "; but a GPU process could not be brought back: " + "; ".join(gpu_problems)
+                if guardian:
+                    guardian.done()
+                if gate is not None:
+                    gate.close()
+                if server is not None:
+                    server.abort()
+                if staging is not None:
+                    staging.close()
+                shutil.rmtree(workdir, ignore_errors=True)
 
-    if gpu_problems:
-        raise GpuCheckpointFailed(
-            f"snapshot {snap.path} was saved, but a GPU process could not be handed back: "
-            + "; ".join(gpu_problems), hint="see the CUDA plugin's lines in " + (kept or "the CRIU log"))
-    stats = writer.stats
-    return DumpResult(
-        snapshot=str(snap.path), id=snap.id, name=snap.name, pid=req.pid,
-        pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
-        bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
-        seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
-        cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
-        prune_warnings=prune_warnings, phases=phases, frozen_seconds=frozen, staging={**staging.stats(), "overlap": overlap}, peak_rss_bytes=proc.peak_rss_self(),
-        criu_options=list(plan.dump_options))
+        if gpu_problems:
+            raise GpuCheckpointFailed(
+                f"snapshot {snap.path} was saved, but a GPU process could not be handed back: "
+                + "; ".join(gpu_problems), hint="see the CUDA plugin's lines in " + (kept or "the CRIU log"))
+        stats = writer.stats
+        return DumpResult(
+            snapshot=str(snap.path), id=snap.id, name=snap.name, pid=req.pid,
+            pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
+            bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
+            seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
+            cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
+            prune_warnings=prune_warnings, phases=phases, frozen_seconds=frozen, staging={**staging.stats(), "overlap": overlap}, peak_rss_bytes=proc.peak_rss_self(),
+            criu_options=list(plan.dump_options))
+    except (KeyboardInterrupt, _Terminate):
+        if snap is None:   # a second signal while unwinding a dump that never committed
+            raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
+        # a signal while cleaning up or reporting, after the commit: the snapshot stays
+        raise _interrupted_after_commit(req, snap, retention_started) from None
+    finally:
+        for s, h in old_handlers.items():
+            signal.signal(s, h)

@@ -4,7 +4,10 @@ The job is protected first: CRIU runs in its own session (a Ctrl-C meant for gpu
 reaches it), and an interrupted or failed dump is unwound by breaking the image stream, so
 CRIU fails cleanly, removes its parasite and resumes the tree; the CUDA plugin unlocks and
 restores any GPU process on that path. Nothing becomes visible in the repository before the
-snapshot's atomic commit.
+snapshot's atomic commit; a signal after it ends the dump saying the snapshot is kept (exit 27).
+
+Here: the request and result types and the order of a dump; the pieces of the CRIU session
+(command line, CRIU's figures, errors, handing the job back) are in dump_session.py.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap.system import preflight, proc
-from gpusnap.system import appendfiles
+from gpusnap.system import appendfiles, preflight, proc
 from gpusnap.ops import dump_session as session, restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate

@@ -206,11 +206,9 @@ def cmdline(pid: int) -> str:
 
 def find_matching(pattern: str) -> list[int]:
     """PIDs whose command line matches the regular expression `pattern` (like pgrep -f),
-    leaving out gpusnap itself, its ancestors and any process whose parent also matches."""
-    try:
-        rx = re.compile(pattern)
-    except re.error as e:
-        raise UsageError(f"--match {pattern!r} is not a valid regular expression: {e}") from None
+    leaving out gpusnap itself, its ancestors and any process whose parent also matches.
+    The pattern is a user's: validate.check_match checks it first (the one place that does)."""
+    rx = re.compile(pattern)
     skip = {os.getpid(), *ancestors(os.getpid())}
     hits = []
     for entry in PROC.iterdir():

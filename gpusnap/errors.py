@@ -177,6 +177,14 @@ class Interrupted(GpusnapError):
 
 
 
+class InterruptedAfterCommit(GpusnapError):
+    """A signal landed after the dump's commit point: the snapshot IS committed (and
+    restorable); what follows the commit (--exit stopping the job, --keep-last) did not run."""
+
+    exit_code = 28
+    title = "interrupted after the commit"
+
+
 class AccessDenied(GpusnapError):
     """This user may not read or change the repository (or file): usually another user's."""
 

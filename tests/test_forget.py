@@ -2,7 +2,6 @@
 repositories (snapshots written through the repository's own writer), through the CLI."""
 
 import os
-import random
 
 import pytest
 

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import kill_pids, run_gpusnap
 from gpusnap.repo import locate
-from gpusnap.system import preflight, proc
+from gpusnap.system import filelocks, preflight, proc
 
 pytestmark = pytest.mark.criu
 
@@ -98,7 +98,7 @@ def test_own_parent(repo):
 
 def test_kernel_thread(repo):
     kthreadd = 2
-    if not (proc.read_stat(kthreadd) and preflight._stat_flags(kthreadd) & preflight.PF_KTHREAD):
+    if not ((st := proc.read_stat(kthreadd)) and st.flags & proc.PF_KTHREAD):
         pytest.skip("no kernel thread visible in this PID namespace")
     doc, res = _agree(kthreadd, repo)
     assert res.returncode == 16 and "kernel thread" in json.loads(res.stdout)["message"]
@@ -229,7 +229,7 @@ def test_lock_parser_sees_posix_and_ofd_locks(tmp_path):
             "print('ready',flush=True); time.sleep(120)")
     p = _start(code)
     try:
-        kinds = {lk["kind"] for lk in preflight.file_locks([p.pid])}
+        kinds = {lk["kind"] for lk in filelocks.file_locks([p.pid])}
         assert {"POSIX", "OFDLCK"} <= kinds, kinds
     finally:
         _stop(p)

@@ -3,7 +3,6 @@ killed, restored, and commits: the row is in the database afterwards."""
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
-from gpusnap.system import preflight, proc
+from gpusnap.system import filelocks, proc
 
 pytestmark = pytest.mark.criu
 
@@ -55,7 +54,7 @@ def test_sqlite_writer_in_a_transaction_commits_after_restore(tmp_path, repo):
     restored: list[int] = []
     try:
         assert _wait_for(log) == "in transaction"
-        locks = preflight.file_locks([p.pid])
+        locks = filelocks.file_locks([p.pid])
         assert any(lk["kind"] == "POSIX" and lk["path"] == str(db_path) for lk in locks), locks
         doc = run_gpusnap("doctor", p.pid)
         assert "file locks" in doc.stdout and "--file-locks" in doc.stdout, doc.stdout
@@ -66,7 +65,7 @@ def test_sqlite_writer_in_a_transaction_commits_after_restore(tmp_path, repo):
         assert proc.wait_gone([p.pid], 30) == []
         # the lock died with the job: another writer could now take it (we do not: the journal
         # of the open transaction must stay as the snapshot saw it)
-        assert not [lk for lk in preflight.file_locks([p.pid])]
+        assert not [lk for lk in filelocks.file_locks([p.pid])]
 
         res = run_json("restore", info["snapshot"], "--repo", repo)
         restored = res["pids"]

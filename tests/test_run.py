@@ -123,9 +123,12 @@ def test_signals_reach_the_job_and_its_status_comes_back(tmp_path, repo):
     assert proc.wait_gone([job["pid"]], 30) == []
 
 
-def test_dump_by_unknown_or_finished_job_name(repo):
+def test_dump_by_an_unknown_job_name_says_how_jobs_are_named(repo):
     res = run_gpusnap("dump", "--name", "nosuch", "--repo", repo, "--json")
     assert res.returncode == 5 and "gpusnap run" in json.loads(res.stdout)["message"]
+
+
+def test_dump_by_a_finished_job_name_says_it_is_not_running(repo):
     job = _run_job("--name", "brief", "--repo", repo, "--", "true")
     assert _wait_for(Path(job["dir"]) / "exit", "\n") == "0\n"
     proc.wait_gone([job["pid"]], 30)
@@ -133,11 +136,18 @@ def test_dump_by_unknown_or_finished_job_name(repo):
     assert res.returncode == 5 and "not running" in json.loads(res.stdout)["message"]
 
 
-def test_a_running_name_is_not_reused_and_schedule_finds_the_job(tmp_path, repo, monkeypatch):
+def test_a_running_name_is_not_reused(repo):
+    job = _run_job("--name", "taken", "--repo", repo, "--", "sleep", "120")
+    try:
+        again = run_gpusnap("run", "--name", "taken", "--repo", repo, "--", "sleep", "1")
+        assert again.returncode == 2 and "already running" in again.stderr
+    finally:
+        kill_pids(proc.tree(job["pid"])[::-1])
+
+
+def test_schedule_finds_the_job_by_its_name(tmp_path, repo):
     job = _run_job("--name", "sched", "--repo", repo, "--", "sleep", "120")
     try:
-        again = run_gpusnap("run", "--name", "sched", "--repo", repo, "--", "sleep", "1")
-        assert again.returncode == 2 and "already running" in again.stderr
         env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log"),
                "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"), "GPUSNAP_SYSTEMD_DIR": str(tmp_path / "systemd"),
                "GPUSNAP_SCHEDULER": "cron"}

@@ -210,26 +210,44 @@ def test_match_never_picks_another_users_process(tmp_path):
             p.wait()
 
 
-def test_detect_scheduler(tmp_path, monkeypatch):
+@pytest.mark.skipif(any(os.path.exists(f"/usr/sbin/{d}") for d in schedule.CRON_DAEMONS),
+                    reason="this machine has a cron daemon in /usr/sbin")
+def test_detect_scheduler_finds_none_without_systemd_or_cron(tmp_path, monkeypatch):
     monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
     kind, why = schedule.detect_scheduler(str(tmp_path / "none"), which=lambda n: None)
-    if not any(os.path.exists(f"/usr/sbin/{d}") for d in schedule.CRON_DAEMONS):
-        assert kind is None and "cron daemon" in why
+    assert kind is None and "cron daemon" in why
+
+
+def test_detect_scheduler_prefers_systemd_when_it_is_pid_1(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
     (tmp_path / "run-systemd").mkdir()
     assert schedule.detect_scheduler(str(tmp_path / "run-systemd"))[0] == "systemd"
+
+
+def test_detect_scheduler_finds_a_cron_daemon(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
     assert schedule.detect_scheduler(str(tmp_path / "none"), which=lambda n: "/usr/sbin/cron" if n == "cron"
                                      else None)[0] == "cron"
 
 
-@pytest.mark.skipif(os.path.isdir("/run/systemd/system") or any(
+NO_SCHEDULER = pytest.mark.skipif(os.path.isdir("/run/systemd/system") or any(
     os.path.exists(p) for d in schedule.CRON_DAEMONS for p in (f"/usr/sbin/{d}", f"/usr/bin/{d}")),
     reason="this machine has a scheduler")
-def test_no_scheduler_is_said_in_add_and_doctor(sched_env, tmp_path):
+
+
+@NO_SCHEDULER
+def test_no_scheduler_makes_add_refuse_naming_the_package(sched_env, tmp_path):
     env = dict(sched_env)
     env["GPUSNAP_SCHEDULER"] = ""
     p = run_gpusnap("schedule", "add", "--match", "x", "--name", "n", "--every", "30m", "--user", "root",
                     "--repo", tmp_path / "repo", env=env)
     assert p.returncode == 22 and "apt install cron" in p.stderr, p.stderr
+
+
+@NO_SCHEDULER
+def test_no_scheduler_is_a_doctor_warning(sched_env):
+    env = dict(sched_env)
+    env["GPUSNAP_SCHEDULER"] = ""
     d = run_gpusnap("doctor", "--json", env=env)
     checks = {c["name"]: c for c in json.loads(d.stdout)["checks"]}
     assert checks["scheduler"]["status"] == "warn" and "cron" in checks["scheduler"]["fix"]

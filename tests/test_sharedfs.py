@@ -21,10 +21,16 @@ def test_local_filesystem_is_ok():
     assert status == "ok" and "ext4" in detail and "local" in detail
 
 
-def test_nfs4_with_server_locks_is_ok_and_nolock_fails():
+def test_nfs4_with_server_locks_is_ok():
     assert sharedfs.check("/shared/gpusnap", MOUNTINFO)[0] == "ok"
+
+
+def test_nfs_mounted_nolock_fails():
     status, detail, fix = sharedfs.check("/nolock/repo", MOUNTINFO)
     assert status == "fail" and "nolock" in detail and fix
+
+
+def test_nfs4_with_local_locks_fails_even_under_an_escaped_mount_point():
     status, detail, _ = sharedfs.check("/with space/repo", MOUNTINFO)
     assert status == "fail" and "local_lock=flock" in detail
 
@@ -34,7 +40,7 @@ def test_other_network_filesystems_are_named_for_the_user_to_check():
     assert status == "warn" and "lustre" in detail
 
 
-def test_nearest_mount_wins_and_missing_paths_use_their_ancestor():
+def test_a_missing_path_is_on_the_mount_of_its_nearest_ancestor():
     m = sharedfs.mount_of("/shared/not/yet/created", MOUNTINFO)
     assert m.point == "/shared" and m.fstype == "nfs4"
 

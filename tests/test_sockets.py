@@ -25,6 +25,7 @@ import pytest
 from conftest import ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.criu import runner
 from gpusnap.errors import CriuUnavailable
+from gpusnap.system import sockets
 
 pytestmark = pytest.mark.criu
 
@@ -156,7 +157,7 @@ def test_criu_before_4_2_still_dumps_a_job_without_network_sockets(sample_job, r
     wrapper, calls = criu_claiming_4_1
     job = sample_job(steps=200, mb=4, threads=1, step_ms=20)
     job.wait_steps(2)
-    assert runner.network_sockets(job.pids) == {}
+    assert sockets.network_sockets(job.pids) == {}
     info = run_json("dump", job.pid, "--repo", repo, env={"GPUSNAP_CRIU": str(wrapper)})
     assert snapshots_in(repo) == [Path(info["snapshot"]).name]
     assert calls.read_text().startswith("dump ")
@@ -195,7 +196,7 @@ def test_network_sockets_finds_the_tcp_and_udp_sockets_a_process_holds(tmp_path)
                          start_new_session=True, cwd=ROOT)
     try:
         assert p.stdout.readline() == b"ready\n"
-        found = runner.network_sockets([p.pid])
+        found = sockets.network_sockets([p.pid])
         assert sorted(found.values()) == ["TCP", "UDP"]
     finally:
         p.kill()

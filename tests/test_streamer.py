@@ -153,7 +153,15 @@ def test_sink_failure_breaks_the_stream(tmp_path):
         srv.finish(timeout=5)
 
 
-def test_serve_round_trip_and_missing_images(tmp_path):
+def test_serve_a_missing_image_answers_no(tmp_path):
+    srv = ServeServer(tmp_path, lambda name: None).start()
+    sock = criu_side(srv.path)
+    assert open_for_restore(sock, "missing.img") is None
+    sock.close()
+    srv.finish(timeout=10)
+
+
+def test_serve_round_trip(tmp_path):
     images = {"core-1.img": os.urandom(100), "pages-1.img": os.urandom(5 << 20)}
 
     def source(name):
@@ -164,7 +172,6 @@ def test_serve_round_trip_and_missing_images(tmp_path):
 
     srv = ServeServer(tmp_path, source).start()
     sock = criu_side(srv.path)
-    assert open_for_restore(sock, "missing.img") is None
     fds = {n: open_for_restore(sock, n) for n in images}
     got = {}
     for name, fd in fds.items():
@@ -194,9 +201,12 @@ def test_serve_source_error_cuts_the_image_short(tmp_path):
         srv.finish(timeout=5)
 
 
-def test_request_roundtrip_encoding():
-    for name in ["pages-1.img", "core-123.img", "é.img"]:
-        assert protocol.decode_request(protocol.encode_request(name)) == name
+@pytest.mark.parametrize("name", ["pages-1.img", "core-123.img", "é.img"])
+def test_request_roundtrip_encoding(name):
+    assert protocol.decode_request(protocol.encode_request(name)) == name
+
+
+def test_reply_roundtrip_encoding():
     assert protocol.decode_reply(protocol.encode_reply(True)) is True
     assert protocol.decode_reply(protocol.encode_reply(False)) is False
     with pytest.raises(StreamProtocolError):

@@ -92,45 +92,6 @@ def sockets_broken(version: tuple[int, ...], kernel: tuple[int, int] | None = No
     return version[:2] < SOCKETS_FIXED_IN and (kernel or kernel_version()) >= SOCKETS_BROKEN_FROM_KERNEL
 
 
-# /proc/PID/net tables of the socket kinds such a CRIU fails on, and their inode column
-_NET_TABLES = {"tcp": ("TCP", 9), "tcp6": ("TCP/IPv6", 9), "udp": ("UDP", 9), "udp6": ("UDP/IPv6", 9),
-               "udplite": ("UDP-Lite", 9), "udplite6": ("UDP-Lite/IPv6", 9), "raw": ("raw IP", 9),
-               "raw6": ("raw IPv6", 9), "packet": ("packet", 8)}
-
-
-def network_sockets(pids: list[int]) -> dict[int, str]:
-    """socket inode -> kind ("TCP", "UDP/IPv6", "packet", ...) for every AF_INET, AF_INET6 and
-    AF_PACKET socket the processes hold open (unix and netlink sockets are not in the tables)."""
-    held: dict[str, set[int]] = {}  # network namespace -> socket inodes held there
-    first_pid: dict[str, int] = {}
-    for pid in pids:
-        try:
-            ns = os.readlink(f"/proc/{pid}/ns/net")
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        first_pid.setdefault(ns, pid)
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                held.setdefault(ns, set()).add(int(target[8:-1]))
-    found: dict[int, str] = {}
-    for ns, inodes in held.items():
-        for table, (kind, col) in _NET_TABLES.items():
-            try:
-                rows = Path(f"/proc/{first_pid[ns]}/net/{table}").read_text().splitlines()[1:]
-            except OSError:
-                continue
-            for row in rows:
-                f = row.split()
-                if len(f) > col and f[col].isdigit() and int(f[col]) in inodes:
-                    found[int(f[col])] = kind
-    return found
-
-
 def install_hint(path: str | None = None) -> str:
     """INSTALL_HINT, plus what to unset when $GPUSNAP_CRIU chose this CRIU."""
     if os.environ.get("GPUSNAP_CRIU") and path == os.environ["GPUSNAP_CRIU"]:

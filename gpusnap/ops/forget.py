@@ -43,7 +43,7 @@ def check_retention(keep_last: int | None, name: str | None, all_: bool, what: s
         raise UsageError(f"{what} --keep-last must be 0 or more")
     if keep_last == 0 and name is None:
         raise UsageError(f"{what} --keep-last 0 without --name would delete every snapshot in the repository",
-                         hint=f"name the snapshots to go (`gpusnap forget SNAP...`), or give --name NAME --all")
+                         hint="name the snapshots to go (`gpusnap forget SNAP...`), or give --name NAME --all")
     if keep_last == 0 and not all_:
         raise UsageError(f"{what} --keep-last 0 --name {name} deletes every snapshot of {name!r}",
                          hint="add --all if that is what you want")

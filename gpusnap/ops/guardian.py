@@ -27,17 +27,16 @@ import sys
 import time
 from pathlib import Path
 
+from gpusnap.system import proc
+
 
 # how long to wait for CRIU to let the tree go: its own bounded driver calls, then a margin
 WAIT_CRIU_S = 900.0
 
 
 def _start_time(pid: int) -> int | None:
-    try:
-        st = Path(f"/proc/{pid}/stat").read_text()
-        return int(st[st.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
+    st = proc.read_stat(pid)
+    return st.starttime if st is not None else None
 
 
 class Guardian:
@@ -100,16 +99,7 @@ def _wait_gone(pid: int, limit: float) -> None:
 
 
 def _traced(pids: dict[int, int]) -> bool:
-    for pid, start in pids.items():
-        if not _alive_same(pid, start):
-            continue
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("TracerPid:") and int(line.split()[1]) != 0:
-                    return True
-        except (OSError, ValueError):
-            pass
-    return False
+    return any(_alive_same(pid, start) and proc.tracer(pid) for pid, start in pids.items())
 
 
 def _log(path: str | None, msg: str) -> None:

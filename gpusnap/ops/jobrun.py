@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from pathlib import Path
 from gpusnap.system import proc
 from gpusnap.errors import ProcessNotFound, UsageError
 
-NAME_RX = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 # The namespace's init. Run with `python3 -I -S` so that it maps no gpusnap file: a snapshot
 # then depends only on the system's Python, not on this checkout or its virtualenv.
@@ -116,10 +114,9 @@ def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None =
     if not unshare:
         raise UsageError("`unshare` (util-linux) is needed to start a job in its own PID namespace",
                          hint="apt-get install util-linux")
-    name = name or re.sub(r"[^A-Za-z0-9._-]", "-", os.path.basename(cmd[0])).strip("-.")[:40] or "job"
-    if not NAME_RX.match(name):
-        raise UsageError(f"job name {name!r} is not allowed",
-                         hint="use letters, digits, '.', '_' and '-' (up to 64, starting with a letter or digit)")
+    from gpusnap.ops import validate
+
+    name = validate.check_name(name or validate.default_name(os.path.basename(cmd[0])), "job name")
     from gpusnap.repo.repository import Repository
 
     Repository.open(repo, create=True)  # the job directory lives in the repository it is dumped to

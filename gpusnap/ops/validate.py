@@ -1,6 +1,8 @@
-"""Arguments shared by `dump` and `schedule add`, checked by one set of functions, so a
+"""Arguments shared by `dump`, `run` and `schedule add`, checked by one set of functions, so a
 schedule never stores what a dump would refuse (and a cron or timer line never receives
-what could end the line or the command)."""
+what could end the line or the command). The rules themselves are the format's
+(gpusnap/repo/format.py): a snapshot or job name is what a manifest may hold, a codec is
+one the format knows, or "auto"."""
 
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ import re
 from pathlib import Path
 
 from gpusnap.errors import ProcessNotFound, UsageError
+from gpusnap.repo.codec import CHOICES as COMPRESS_CHOICES  # what --compress accepts: defined once, with the codecs
+from gpusnap.repo.format import SNAPSHOT_NAME
 
 SCHEDULE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# the words of format.SNAPSHOT_NAME, for messages
+NAME_RULE = "use letters, digits, '.', '_', '+' and '-' (up to 100), starting with a letter or digit"
 
 
 def _no_control(what: str, value: str) -> None:
@@ -29,6 +35,25 @@ def check_match(pattern: str) -> str:
     except re.error as e:
         raise UsageError(f"--match {pattern!r} is not a valid regular expression: {e}") from None
     return pattern
+
+
+def check_name(name: str, what: str = "snapshot name") -> str:
+    """A snapshot name, or a `gpusnap run` job's (it becomes its snapshots' name): the
+    format's rule, matched whole (no trailing newline slips through)."""
+    if not isinstance(name, str) or not SNAPSHOT_NAME.match(name):
+        raise UsageError(f"{what} {name!r} is not allowed", hint=NAME_RULE)
+    return name
+
+
+def default_name(text: str) -> str:
+    """A name made from a command name: what the rule refuses becomes '-', at most 40."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", text).strip("-.+")[:40] or "job"
+
+
+def check_compress(codec: str) -> str:
+    if codec not in COMPRESS_CHOICES:
+        raise UsageError(f"--compress must be one of {', '.join(COMPRESS_CHOICES)}, not {codec!r}")
+    return codec
 
 
 def check_schedule_name(name: str) -> str:

@@ -9,7 +9,6 @@ shows every finding. Both read the same Plan, so doctor never says "ready" where
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import shutil
@@ -19,18 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.criu import netlock
-from gpusnap.system import proc
+from gpusnap.system import filelocks, proc, sockets
+# re-exported: doctor and its tests read these here
+from gpusnap.system.sockets import decode_addr, parse_proc_net_tcp, parse_ss_unix  # noqa: F401
 from gpusnap.errors import CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound, UsageError
+# the capability rule lives in caps.py (doctor and the tests read these names here too)
+from gpusnap.system.caps import (CAP_CHECKPOINT_RESTORE, CAP_SYS_PTRACE, CAP_SYS_RESOURCE,  # noqa: F401
+                                 cap_eff, has_cap, may_run_criu)
 
 PROC = Path("/proc")
-CAP_SYS_PTRACE = 19
-CAP_SYS_RESOURCE = 24
-CAP_CHECKPOINT_RESTORE = 40
-PF_KTHREAD = 0x00200000
-
-TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1",
-              "05": "FIN_WAIT2", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT",
-              "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}
 
 
 @dataclass
@@ -98,62 +94,6 @@ def _read(path: Path | str) -> str | None:
         return None
 
 
-def cap_eff(status_text: str | None = None) -> int:
-    text = status_text if status_text is not None else (_read("/proc/self/status") or "")
-    m = re.search(r"^CapEff:\s*([0-9a-fA-F]+)", text, re.M)
-    return int(m.group(1), 16) if m else 0
-
-
-def has_cap(bit: int, caps: int | None = None) -> bool:
-    return bool(((cap_eff() if caps is None else caps) >> bit) & 1)
-
-
-def _status_field(pid: int, key: str) -> str | None:
-    for line in (_read(PROC / str(pid) / "status") or "").splitlines():
-        if line.startswith(key + ":"):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
-def _stat_flags(pid: int) -> int:
-    raw = _read(PROC / str(pid) / "stat") or ""
-    if ")" not in raw:
-        return 0
-    rest = raw[raw.rindex(")") + 2:].split()
-    return int(rest[6]) if len(rest) > 6 else 0
-
-
-def _fd_targets(pid: int) -> dict[int, str]:
-    d = PROC / str(pid) / "fd"
-    out: dict[int, str] = {}
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return out
-    for n in names:
-        try:
-            out[int(n)] = os.readlink(d / n)
-        except (OSError, ValueError):
-            continue
-    return out
-
-
-def socket_inodes(pid: int) -> set[int]:
-    out = set()
-    for t in _fd_targets(pid).values():
-        m = re.match(r"socket:\[(\d+)\]$", t)
-        if m:
-            out.add(int(m.group(1)))
-    return out
-
-
-def netns(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net")
-    except OSError:
-        return None
-
-
 def _run(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -164,116 +104,6 @@ def _run(cmd: list[str], timeout: float = 60) -> tuple[int, str]:
     return r.returncode, (r.stdout or "") + (r.stderr or "")
 
 
-# ---------------------------------------------------------------- sockets
-
-def decode_addr(hexaddr: str) -> str:
-    """'0100007F:1F90' → '127.0.0.1:8080' (/proc/net/tcp{,6} notation)."""
-    ip_hex, port_hex = hexaddr.split(":")
-    raw = bytes.fromhex(ip_hex)
-    # the kernel prints each 32-bit word in host (little-endian) order
-    b = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(b)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    port = int(port_hex, 16)
-    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
-
-
-def parse_proc_net_tcp(text: str) -> list[dict[str, Any]]:
-    """Rows of /proc/PID/net/tcp or tcp6: [{local, remote, state, inode}]."""
-    out = []
-    for line in text.splitlines()[1:]:
-        f = line.split()
-        if len(f) < 10:
-            continue
-        try:
-            out.append({"local": decode_addr(f[1]), "remote": decode_addr(f[2]),
-                        "state": TCP_STATES.get(f[3].upper(), f[3]), "inode": int(f[9])})
-        except ValueError:
-            continue
-    return out
-
-
-def tcp_sockets(pid: int, inodes: set[int] | None = None) -> list[dict[str, Any]]:
-    """TCP sockets (among `inodes`, or all) in PID's network namespace."""
-    out = []
-    for name in ("tcp", "tcp6"):
-        for row in parse_proc_net_tcp(_read(PROC / str(pid) / "net" / name) or ""):
-            if inodes is None or row["inode"] in inodes:
-                out.append(row)
-    return out
-
-
-def parse_ss_unix(text: str) -> list[dict[str, Any]]:
-    """`ss -xaH` lines → [{type, state, path, inode, peer}] (peer inode, 0 = none)."""
-    out = []
-    for line in text.splitlines():
-        f = line.split()
-        if len(f) < 8:
-            continue
-        try:
-            inode, peer = int(f[-3]), int(f[-1])
-        except ValueError:
-            continue
-        path = " ".join(f[4:-3])
-        out.append({"type": f[0], "state": f[1], "path": "" if path == "*" else path,
-                    "inode": inode, "peer": peer})
-    return out
-
-
-def who_holds(inodes: set[int]) -> dict[int, tuple[int, str]]:
-    """socket inode → (pid, comm) of some process holding it."""
-    found: dict[int, tuple[int, str]] = {}
-    want = set(inodes)
-    for n in os.listdir(PROC):
-        if not want:
-            break
-        if not n.isdigit():
-            continue
-        for ino in socket_inodes(int(n)) & want:
-            comm = (_read(PROC / n / "comm") or "?").strip()
-            found[ino] = (int(n), comm)
-            want.discard(ino)
-    return found
-
-
-# ---------------------------------------------------------------- file locks
-
-def _parse_lock_line(text: str) -> dict[str, Any] | None:
-    """'1: POSIX  ADVISORY  WRITE 1234 08:01:5678 0 EOF' → {kind, mode, access, pid, dev, ino}."""
-    f = text.split()
-    if len(f) < 6 or f[1] == "->":  # "->" rows are waiters, not holders
-        return None
-    try:
-        maj, mnr, ino = f[5].split(":")
-        return {"kind": f[1], "mode": f[2], "access": f[3], "pid": int(f[4]),
-                "dev": f"{maj}:{mnr}", "ino": int(ino)}
-    except ValueError:
-        return None
-
-
-def file_locks(pids: list[int]) -> list[dict[str, Any]]:
-    """Locks and leases the tree holds: /proc/PID/fdinfo `lock:` lines (which see OFD locks
-    too, whose /proc/locks pid is -1) and /proc/locks rows owned by a tree member."""
-    members = set(pids)
-    found: dict[tuple, dict[str, Any]] = {}
-    for pid in pids:
-        targets = _fd_targets(pid)
-        for fd, target in targets.items():
-            for line in (_read(PROC / str(pid) / "fdinfo" / str(fd)) or "").splitlines():
-                if line.startswith("lock:"):
-                    row = _parse_lock_line(line.split(":", 1)[1].strip())
-                    if row:
-                        row.update(holder=pid, path=target)
-                        found.setdefault((row["kind"], row["dev"], row["ino"], row["pid"]), row)
-    for line in (_read(PROC / "locks") or "").splitlines():
-        row = _parse_lock_line(line)
-        if row and row["pid"] in members:
-            found.setdefault((row["kind"], row["dev"], row["ino"], row["pid"]), dict(row, holder=row["pid"],
-                                                                                      path=None))
-    return list(found.values())
-
-
 # ---------------------------------------------------------------- the checks
 
 def privileges() -> Finding:
@@ -281,7 +111,7 @@ def privileges() -> Finding:
     caps = cap_eff()
     if os.geteuid() == 0:
         return Finding("privileges", "ok", "running as root")
-    if has_cap(CAP_CHECKPOINT_RESTORE, caps) and has_cap(CAP_SYS_PTRACE, caps):
+    if may_run_criu(caps):
         return Finding("privileges", "warn", "not root, but CAP_CHECKPOINT_RESTORE and CAP_SYS_PTRACE "
                        "are effective (CRIU's non-root mode: own processes only, fewer features)",
                        "run as root for anything beyond your own simple jobs")
@@ -314,7 +144,7 @@ def _criu_sockets(plan: Plan, pids: list[int]) -> None:
         return
     if not runner.sockets_broken(info.version):
         return
-    found = runner.network_sockets(pids)
+    found = sockets.network_sockets(pids)
     if found:
         kinds = ", ".join(sorted(set(found.values())))
         plan.add("criu sockets", "fail",
@@ -336,7 +166,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
         plan.add("process", "fail", f"no running process with PID {pid}",
                  "check the PID with `ps` or `gpusnap ps`; the job may have finished", ProcessNotFound)
         return plan
-    if _stat_flags(pid) & PF_KTHREAD:
+    if (st.flags if (st := proc.read_stat(pid)) else 0) & proc.PF_KTHREAD:
         plan.add("process", "fail", f"PID {pid} ({st.comm}) is a kernel thread; only user processes "
                  "can be snapshotted", "give the PID of the job")
         return plan
@@ -352,7 +182,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
 
     _check_pidns(plan, pid)
     _check_uids(plan, pids)
-    traced = [(p, t) for p in pids if (t := _status_field(p, "TracerPid")) and t != "0"]
+    traced = [(p, t) for p in pids if (t := proc.status(p).get("TracerPid")) and t != "0"]
     if traced:
         plan.add("ptrace", "fail", "traced by another process (" +
                  ", ".join(f"{p} by {t}" for p, t in traced) + "): CRIU cannot seize it",
@@ -371,7 +201,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
 
 
 def _nspid(pid: int) -> list[int]:
-    v = _status_field(pid, "NSpid")
+    v = proc.status(pid).get("NSpid")
     return [int(x) for x in v.split()] if v else []
 
 
@@ -393,7 +223,7 @@ def _check_uids(plan: Plan, pids: list[int]) -> None:
     me = os.geteuid()
     others = []
     for p in pids:
-        uid = _status_field(p, "Uid")
+        uid = proc.status(p).get("Uid")
         if uid and int(uid.split()[1]) != me:
             others.append((p, int(uid.split()[1])))
     if others and not has_cap(CAP_SYS_RESOURCE):
@@ -409,7 +239,7 @@ def _check_terminal(plan: Plan, pids: list[int]) -> None:
         return
     plan.option("--shell-job")
     tty = [p for p in pids if (s := proc.read_stat(p)) and s.tty_nr != 0]
-    tty_fds = sorted({t for p in pids for t in _fd_targets(p).values()
+    tty_fds = sorted({t for p in pids for t in proc.fd_targets(p).values()
                       if t.startswith("/dev/pts/") or re.match(r"/dev/tty\w*$", t)})
     if tty or tty_fds:
         plan.add("terminal", "info", "has a controlling terminal"
@@ -424,7 +254,7 @@ def _check_terminal(plan: Plan, pids: list[int]) -> None:
 
 
 def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
-    inodes = set().union(*(socket_inodes(p) for p in pids)) if pids else set()
+    inodes = set().union(*(sockets.socket_inodes(p) for p in pids)) if pids else set()
     if not inodes:
         if force_tcp:
             plan.option("--tcp-established")
@@ -432,11 +262,11 @@ def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
     seen_ns: set[str | None] = set()
     rows: list[dict[str, Any]] = []
     for p in pids:  # each network namespace of the tree once
-        ns = netns(p)
+        ns = sockets.netns(p)
         if ns in seen_ns:
             continue
         seen_ns.add(ns)
-        rows += tcp_sockets(p, inodes)
+        rows += sockets.tcp_sockets(p, inodes)
     plan.tcp = [s for s in rows if s["state"] != "LISTEN"]
     plan.listening = [s for s in rows if s["state"] == "LISTEN"]
     if plan.listening:
@@ -462,7 +292,7 @@ def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
 
 
 def _check_unix(plan: Plan, pids: list[int], inodes: set[int]) -> None:
-    if netns(pids[0]) != netns(os.getpid()):
+    if sockets.netns(pids[0]) != sockets.netns(os.getpid()):
         plan.add("unix sockets", "info", "the job runs in another network namespace; unix socket "
                  "peers not checked")
         return
@@ -478,7 +308,7 @@ def _check_unix(plan: Plan, pids: list[int], inodes: set[int]) -> None:
     ext = [s for s in rows if s["peer"] and s["peer"] not in inodes]
     if not ext:
         return
-    holders = who_holds({s["peer"] for s in ext})
+    holders = sockets.who_holds({s["peer"] for s in ext})
     items = []
     for s in ext[:5]:
         h = holders.get(s["peer"])
@@ -491,7 +321,7 @@ def _check_unix(plan: Plan, pids: list[int], inodes: set[int]) -> None:
 
 
 def _check_locks(plan: Plan, pids: list[int]) -> None:
-    locks = file_locks(pids)
+    locks = filelocks.file_locks(pids)
     plan.locks = locks
     if not locks:
         return

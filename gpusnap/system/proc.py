@@ -11,6 +11,7 @@ from pathlib import Path
 from gpusnap.errors import ProcessNotFound, UsageError
 
 PROC = Path("/proc")
+PF_KTHREAD = 0x00200000     # stat flags: a kernel thread
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ProcStat:
     pgrp: int
     session: int
     tty_nr: int
+    flags: int = 0          # PF_* (PF_KTHREAD)
+    starttime: int = 0      # clock ticks after boot: with the PID, names one process for good
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -33,7 +36,9 @@ def read_stat(pid: int) -> ProcStat | None:
     lpar, rpar = raw.index("("), raw.rindex(")")
     rest = raw[rpar + 2:].split()
     return ProcStat(pid=int(raw[:lpar]), comm=raw[lpar + 1:rpar], state=rest[0], ppid=int(rest[1]),
-                    pgrp=int(rest[2]), session=int(rest[3]), tty_nr=int(rest[4]))
+                    pgrp=int(rest[2]), session=int(rest[3]), tty_nr=int(rest[4]),
+                    flags=int(rest[6]) if len(rest) > 6 else 0,
+                    starttime=int(rest[19]) if len(rest) > 19 else 0)
 
 
 def exists(pid: int) -> bool:
@@ -89,6 +94,22 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+def fd_targets(pid: int) -> dict[int, str]:
+    """fd -> what /proc/PID/fd/N links to (a path, socket:[N], pipe:[N], ...)."""
+    d = PROC / str(pid) / "fd"
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return out
+    for n in names:
+        try:
+            out[int(n)] = os.readlink(d / n)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def threads(pid: int) -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir(PROC / str(pid) / "task"))
@@ -96,16 +117,54 @@ def threads(pid: int) -> list[int]:
         return []
 
 
+def status(pid: int | str) -> dict[str, str]:
+    """/proc/PID/status as {field: value} ("self" for this process); {} when it is gone."""
+    try:
+        text = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.strip()
+    return out
+
+
+def status_kib(fields: dict[str, str], key: str) -> int:
+    """A "NNN kB" field of status() in bytes (0 when absent)."""
+    try:
+        return int(fields[key].split()[0]) << 10
+    except (KeyError, IndexError, ValueError):
+        return 0
+
+
 def rss_bytes(pids: list[int]) -> int:
+    return sum(status_kib(status(pid), "VmRSS") for pid in pids)
+
+
+def anon_bytes(pids: list[int]) -> int:
+    """RssAnon + RssShmem of the tree: about what CRIU will stream (file-backed pages that were
+    never written are not dumped; a job that maps gigabytes of model files must not size the
+    staging arena by them)."""
     total = 0
     for pid in pids:
-        try:
-            for line in (PROC / str(pid) / "status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        except (FileNotFoundError, ProcessLookupError):
-            continue
+        st = status(pid)
+        total += status_kib(st, "RssAnon") + status_kib(st, "RssShmem")
     return total
+
+
+def peak_rss_self() -> int | None:
+    """This process's VmHWM (peak resident set) in bytes."""
+    return status_kib(status("self"), "VmHWM") or None
+
+
+def tracer(pid: int) -> int:
+    """TracerPid: the process ptrace-attached to `pid` (CRIU while it dumps), 0 when none."""
+    try:
+        return int(status(pid).get("TracerPid", "0"))
+    except ValueError:
+        return 0
 
 
 def needs_shell_job(pids: list[int]) -> bool:
@@ -127,13 +186,12 @@ def session_outside_namespace(pid: int) -> bool:
     in (its session id there is 0). CRIU refuses such a task: it could not recreate the
     session on restore. This happens to processes whose session was created by a parent
     outside a container, e.g. a job started by a container's init without setsid."""
-    try:
-        for line in (PROC / str(pid) / "status").read_text().splitlines():
-            if line.startswith("NSsid:"):
-                # one id per nested namespace, outermost first; the last is the task's own
-                return line.split()[-1] == "0"
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    fields = status(pid)
+    if not fields:
         return False
+    if "NSsid" in fields:
+        # one id per nested namespace, outermost first; the last is the task's own
+        return fields["NSsid"].split()[-1] == "0"
     st = read_stat(pid)  # kernels without NSsid (before 4.1)
     return st is not None and st.session == 0
 
@@ -148,11 +206,9 @@ def cmdline(pid: int) -> str:
 
 def find_matching(pattern: str) -> list[int]:
     """PIDs whose command line matches the regular expression `pattern` (like pgrep -f),
-    leaving out gpusnap itself, its ancestors and any process whose parent also matches."""
-    try:
-        rx = re.compile(pattern)
-    except re.error as e:
-        raise UsageError(f"--match {pattern!r} is not a valid regular expression: {e}") from None
+    leaving out gpusnap itself, its ancestors and any process whose parent also matches.
+    The pattern is a user's: validate.check_match checks it first (the one place that does)."""
+    rx = re.compile(pattern)
     skip = {os.getpid(), *ancestors(os.getpid())}
     hits = []
     for entry in PROC.iterdir():

@@ -1,0 +1,242 @@
+"""The pieces of one CRIU dump session that gpusnap/ops/dump.py puts in order: CRIU's command
+line and environment, CRIU's own figures (the frozen time in its stats-dump), the CUDA plugin's
+report, the most useful error of a failed run, handing the job back (resume, kill, GPU
+processes settled), the storing phase's progress, and the test hold points.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from gpusnap.criu import runner
+from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
+from gpusnap.system import paths
+
+if TYPE_CHECKING:
+    from gpusnap.criu.streamer import CaptureServer
+    from gpusnap.ops.dump import DumpRequest
+
+# (bytes so far, expected total, phase): phase "frozen" while the job stands frozen and CRIU's
+# bytes are staged, then "storing" (the job runs again) while the page pipeline stores them
+Progress = Callable[[int, int, str], None]
+
+
+def free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists():
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def gpu_facts(pids: list[int]) -> dict | None:
+    """The GPU section of the manifest (machine GPUs, which process uses which), recorded
+    before CRIU runs: a checkpointed process has released its device files. CPU-only trees
+    skip the driver probe entirely."""
+    try:
+        from gpusnap.gpu import procs as gpu_procs
+
+        if not any(gpu_procs.scan_process(pid) for pid in pids):
+            return None
+        return gpu_procs.gpu_manifest(pids)
+    except Exception:  # noqa: BLE001 - GPU facts are informative; a dump must not fail on them
+        return None
+
+
+def cuda_report_pids(path: Path) -> list[int]:
+    pids: list[int] = []
+    try:
+        for line in path.read_text().splitlines():
+            m = re.search(r"\bpid=(\d+)", line)
+            if line.startswith("dump") and m:
+                pids.append(int(m.group(1)))
+    except OSError:
+        pass
+    return sorted(set(pids))
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        c = b[i]
+        i += 1
+        n |= (c & 0x7F) << shift
+        shift += 7
+        if c < 0x80:
+            return n, i
+
+
+def criu_frozen_seconds(workdir: Path) -> float | None:
+    """frozen_time from CRIU's stats-dump (written locally even with --stream): microseconds
+    from the moment the tree was frozen to the moment it was resumed. The image is 8 bytes of
+    magic, a u32 length, then StatsEntry{dump = 1: DumpStatsEntry{frozen_time = 2}}."""
+    try:
+        b = (workdir / "stats-dump").read_bytes()
+        size = int.from_bytes(b[8:12], "little")
+        msg = b[12:12 + size]
+        i = 0
+        while i < len(msg):
+            key, i = _varint(msg, i)
+            if key == (1 << 3 | 2):
+                ln, i = _varint(msg, i)
+                sub, j = msg[i:i + ln], 0
+                while j < len(sub):
+                    k, j = _varint(sub, j)
+                    if k & 7 == 0:
+                        v, j = _varint(sub, j)
+                        if k >> 3 == 2:
+                            return v / 1e6
+                    elif k & 7 == 2:
+                        ln2, j = _varint(sub, j)
+                        j += ln2
+                    else:
+                        return None
+                return None
+            if key & 7 == 0:
+                _, i = _varint(msg, i)
+            elif key & 7 == 2:
+                ln, i = _varint(msg, i)
+                i += ln
+            else:
+                return None
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+
+def test_hold(point: str, info: dict) -> None:
+    """Test hook (GPUSNAP_TEST_HOLD=point:FILE): at `point`, write `info` as JSON to FILE and
+    wait there until killed, so a test can kill -9 the dump at a precise moment."""
+    spec = os.environ.get("GPUSNAP_TEST_HOLD", "")
+    if not spec.startswith(point + ":"):
+        return
+    import json
+
+    path = Path(spec.split(":", 1)[1])
+    path.with_suffix(".tmp").write_text(json.dumps(info))
+    os.rename(path.with_suffix(".tmp"), path)
+    while True:
+        time.sleep(1)
+
+
+def _plugin_failure(log: Path) -> list[str]:
+    try:
+        return [ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                if "gpusnap_cuda" in ln and "Error" in ln]
+    except OSError:
+        return []
+
+
+
+def criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str], n_gpu: int = 0) -> list[str]:
+    from gpusnap.gpu import limits
+
+    args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
+            "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4",
+            # CRIU's freeze deadline covers the plugin's locks (one setting: the lock timeout)
+            "--timeout", str(limits.criu_freeze_timeout_s(limits.lock_timeout_ms(req.lock_timeout_ms), n_gpu))]
+    # --exit: leave the tree stopped and kill it only once the snapshot is committed, so a
+    # failure while storing can still hand the job back.
+    args.append("--leave-running" if req.leave_running else "--leave-stopped")
+    args += options  # decided by the preflight: --shell-job, --tcp-established, --file-locks, ...
+    return args
+
+
+def criu_env(req: DumpRequest, workdir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["GPUSNAP_LEAVE_RUNNING"] = "1" if req.leave_running else "0"
+    env["GPUSNAP_CUDA_REPORT"] = str(workdir / "cuda-report")
+    from gpusnap.gpu import limits
+
+    env.update(limits.plugin_env(limits.lock_timeout_ms(req.lock_timeout_ms)))
+    return env
+
+
+def gpu_candidates(gpu: dict | None) -> list[int]:
+    """PIDs the GPU facts recorded as using a GPU (for when the plugin leaves no report)."""
+    try:
+        return sorted({int(p["pid"]) for p in (gpu or {}).get("processes", []) if "pid" in p})
+    except (TypeError, ValueError, KeyError):
+        return []
+
+
+def settle_gpu(workdir: Path, candidates: list[int], failed_only: bool) -> list[str]:
+    """After a failed dump (or a success whose undo failed): every CUDA process back as found."""
+    from gpusnap.gpu import report
+
+    lines = report.read(workdir / "cuda-report")
+    if failed_only:
+        lines = [x for x in lines if x.result != "ok"]
+        candidates = []
+    if not lines and not candidates:
+        return []
+    try:
+        return report.settle_after_failed_dump(lines, candidates)
+    except Exception as e:  # noqa: BLE001 - never let recovery mask the dump's own error
+        return [f"{type(e).__name__}: {e}"]
+
+
+def failure(stream_err: GpusnapError | None, rc: int | None, log: Path, kept: str | None) -> GpusnapError:
+    """The most useful error for a failed dump: the disk, the GPU, the stream, or CRIU itself."""
+    where = f" (CRIU log kept at {kept})" if kept else ""
+    if isinstance(stream_err, NoSpace):
+        return stream_err
+    gpu_lines = _plugin_failure(log)
+    if gpu_lines:
+        return GpuCheckpointFailed(
+            "the CUDA plugin could not checkpoint a GPU process; the job was left running and unlocked",
+            hint=gpu_lines[0] + where)  # the first error is the cause, the rest follow from it
+    if stream_err is not None:
+        stream_err.hint = (stream_err.hint + " " if stream_err.hint else "") + where.strip()
+        return stream_err
+    lines = runner.log_errors(log)
+    return CriuFailed(f"criu dump failed (exit status {rc}); the job was left running",
+                      log_path=kept, last_lines=lines, hint=runner.explain_dump(lines))
+
+
+
+def kill_tree(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def resume_tree(pids: list[int]) -> None:
+    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+
+def finish_with_progress(server: CaptureServer, progress: Progress) -> None:
+    """server.finish() in a helper thread while the storing phase's progress is shown."""
+    import threading
+
+    done = threading.Event()
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.finish(timeout=30)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            err.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gpusnap-finish", daemon=True).start()
+    while not done.wait(0.1):
+        progress(server.ingested, server.bytes, "storing")
+    progress(server.bytes, server.bytes, "storing")
+    if err:
+        raise err[0]

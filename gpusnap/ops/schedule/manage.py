@@ -1,0 +1,138 @@
+"""`schedule add` and `schedule rm`: check everything as `dump` would, record the spec, write
+and enable the backend's files; and undo all of it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from gpusnap.ops import cronexpr, validate
+from gpusnap.errors import SchedulerUnavailable, UsageError
+from gpusnap.ops.schedule.backends import (PREFIX, cron_dir, cron_file, installed_files, require_scheduler,
+                                           systemctl, systemd_dir, unit_files)
+from gpusnap.ops.schedule.record import (Schedule, gpusnap_executable, load, log_dir, permission_error,
+                                         private_dir, safe_word, spec_dir, spec_path, unlink_quiet, write_atomic)
+
+
+def add(name: str, match: str | None, *, every: str | None = None, cron: str | None = None,
+        keep_last: int = 4, repo: Path | None = None, exit_after: bool = False,
+        user: str | int | None = None, replace: bool = False) -> Schedule:
+    """Check everything as `dump` would, then record and install the schedule."""
+    from gpusnap.repo import locate
+
+    validate.check_schedule_name(name)
+    validate.check_name(name)               # it is also the snapshot name
+    if match is not None:
+        validate.check_match(match)
+    if type(keep_last) is not int or keep_last < 1:
+        raise UsageError("--keep-last must be at least 1")
+    if bool(every) == bool(cron):
+        raise UsageError("give exactly one of --every (e.g. 30m, 2h, 1d) or --cron 'M H DOM MON DOW'")
+    repo_path = locate.repo_path(validate.check_repo_arg(repo))
+    safe_word("--repo", str(repo_path))
+    backend = require_scheduler()
+    if cron:
+        when = cronexpr.check(cron)
+        if backend == "systemd":
+            cronexpr.cron_to_oncalendar(when)
+    elif backend == "cron":
+        when = cronexpr.every_to_cron(every)
+    else:
+        cronexpr.parse_every(every)
+        when = f"every {every}"
+    uid = _job_owner(match, user) if match is not None else _run_job_owner(name, repo_path, user)
+    if repo_path.exists():                  # a repository every run would refuse: say so now
+        from gpusnap.repo.repository import Repository
+        Repository.open(repo_path)
+    old = None
+    try:
+        old = load(name)
+    except UsageError:
+        pass
+    if (old is not None or installed_files(name)) and not replace:
+        where = f" (repository {old.repo})" if old else ""
+        raise UsageError(f"a schedule named {name!r} exists{where}",
+                         hint="give --replace to overwrite it, or choose another name")
+    sd, ld = spec_dir(), log_dir()
+    s = Schedule(name=name, match=match, uid=uid, repo=str(repo_path), keep_last=keep_last, backend=backend,
+                 when=when, every=every, cron=cronexpr.check(cron) if cron else None, exit_after=exit_after,
+                 created=time.time(), exe=gpusnap_executable(), config_dir=str(sd.absolute()),
+                 log=str((ld / f"schedule-{name}.log").absolute()))
+    safe_word("--config-dir", s.config_dir)
+    safe_word("log path", s.log)
+    try:
+        private_dir(sd)
+        private_dir(ld)
+        if backend == "cron":
+            d = cron_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            files = {str(d / f"{PREFIX}{name}"): (cron_file(s), 0o644)}   # cron ignores group/other-writable
+        else:
+            d = systemd_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            files = {str(d / fn): (text, 0o644) for fn, text in unit_files(s).items()}
+        s.files = sorted(files, key=lambda p: (not p.endswith(".timer"), p)) if backend == "systemd" else list(files)
+        write_atomic(spec_path(name, sd), json.dumps(s.__dict__, indent=1, sort_keys=True) + "\n", 0o600)
+        if old is not None:
+            for f in set(old.files) - set(files):
+                unlink_quiet(f)
+        for p, (text, mode) in files.items():
+            write_atomic(Path(p), text, mode)
+    except PermissionError as e:
+        raise permission_error(e, "the schedule") from None
+    if backend == "systemd":
+        systemctl("daemon-reload")
+        systemctl("enable", "--now", f"{PREFIX}{name}.timer")
+    s.replaced_repo = old.repo if old is not None and old.repo != s.repo else None  # type: ignore[attr-defined]
+    return s
+
+
+def _run_job_owner(name: str, repo: Path, user) -> int:
+    """No --match: the job `gpusnap run --name NAME` started, which must run now; its owner."""
+    from gpusnap.ops import jobrun
+
+    job = jobrun.find(name, repo)
+    uid = validate.process_uid(job.pid)
+    if uid is None:
+        raise UsageError(f"job {name!r} (PID {job.pid}) went away while the schedule was added")
+    if user is not None and validate.resolve_user(user) != uid:
+        raise UsageError(f"job {name!r} runs as {validate.user_name(uid)}, not {user}")
+    return uid
+
+
+def _job_owner(match: str, user) -> int:
+    """The uid whose processes --match may pick: --user, or the owner of what matches now."""
+    if user is not None:
+        return validate.resolve_user(user)
+    from gpusnap.system import proc
+    hits = proc.find_matching(match)
+    uids = sorted({u for u in (validate.process_uid(p) for p in hits) if u is not None})
+    if not uids:
+        raise UsageError(f"no running process matches {match!r}, so the job's owner is unknown",
+                         hint="start the job first, or give --user USER (only that user's processes are ever dumped)")
+    if len(uids) > 1:
+        raise UsageError(f"processes of several users match {match!r} ({', '.join(map(validate.user_name, uids))})",
+                         hint="give --user USER: only that user's processes are ever dumped")
+    return uids[0]
+
+
+def remove(name: str) -> Schedule:
+    s = load(name)
+    try:
+        if s.backend == "systemd":
+            try:
+                systemctl("disable", "--now", f"{PREFIX}{name}.timer")
+            except SchedulerUnavailable:
+                pass
+        for f in s.files:
+            unlink_quiet(f)
+        unlink_quiet(spec_path(name))
+    except PermissionError as e:
+        raise permission_error(e, "the schedule") from None
+    if s.backend == "systemd":
+        try:
+            systemctl("daemon-reload")
+        except SchedulerUnavailable:
+            pass
+    return s

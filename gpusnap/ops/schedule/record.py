@@ -1,0 +1,173 @@
+"""The record of a schedule: a root-only JSON spec (/etc/gpusnap/schedules/NAME.json, with
+the job owner's uid), written atomically, read back with the same checks `add` makes (it says
+what root runs), and listed. Also the path rule for what goes on a cron line or unit file."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from gpusnap.ops import validate
+from gpusnap.errors import GpusnapError, UsageError
+
+SPEC_VERSION = 1
+_SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
+
+
+def spec_dir() -> Path:
+    return Path(os.environ.get("GPUSNAP_SCHEDULE_DIR", "/etc/gpusnap/schedules"))
+
+
+def log_dir() -> Path:
+    return Path(os.environ.get("GPUSNAP_LOG_DIR", "/var/log/gpusnap"))
+
+
+@dataclass
+class Schedule:
+    name: str
+    match: str | None                 # None: the job `gpusnap run --name NAME` started
+    uid: int
+    repo: str
+    keep_last: int
+    backend: str                      # "cron" | "systemd"
+    when: str                         # the cron expression, or "every 45m" (systemd)
+    every: str | None = None
+    cron: str | None = None
+    exit_after: bool = False
+    created: float = 0.0
+    exe: list[str] = field(default_factory=list)
+    config_dir: str = ""
+    log: str = ""
+    files: list[str] = field(default_factory=list)    # the cron file, or the unit files
+    version: int = SPEC_VERSION
+
+    @property
+    def user(self) -> str:
+        return validate.user_name(self.uid)
+
+    @property
+    def path(self) -> str:
+        return self.files[0] if self.files else ""
+
+    def command(self) -> list[str]:
+        """The exact argv the cron line or the timer runs."""
+        return [*self.exe, "schedule", "run", self.name, "--config-dir", self.config_dir]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["user"] = self.user
+        d["command"] = " ".join(self.command())
+        return d
+
+
+def gpusnap_executable() -> list[str]:
+    exe = shutil.which("gpusnap")
+    if exe:
+        return [exe]
+    candidate = Path(sys.executable).with_name("gpusnap")
+    return [str(candidate)] if candidate.exists() else [sys.executable, "-m", "gpusnap"]
+
+
+def safe_word(what: str, s: str) -> str:
+    """A path that goes on a cron line or an ExecStart= as is: no quoting, no `%`."""
+    if not _SAFE_PATH.fullmatch(s):
+        raise UsageError(f"{what} {s!r} holds characters a cron line or unit file would need quoted",
+                         hint="use a path of letters, digits and _ . / + -")
+    return s
+
+
+def spec_path(name: str, d: Path | None = None) -> Path:
+    return (d or spec_dir()) / f"{name}.json"
+
+
+def private_dir(d: Path) -> None:
+    d.mkdir(parents=True, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+        raise UsageError(f"{d} is not a private directory of yours (owner {st.st_uid}, mode {st.st_mode & 0o7777:o})",
+                         hint="it holds what root runs: chown root: and chmod 700 it")
+
+
+def write_atomic(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def permission_error(e: OSError, what: str) -> GpusnapError:
+    from gpusnap.errors import NotRoot
+    return NotRoot(f"cannot write {what}: {e.strerror} ({e.filename})",
+                   hint="schedules run as root: use sudo gpusnap schedule ...")
+
+
+def load(name: str, d: Path | None = None) -> Schedule:
+    """The recorded schedule `name`; its spec must be a private regular file of root's (or
+    the caller's): it says what root runs."""
+    validate.check_schedule_name(name)
+    p = spec_path(name, d)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise UsageError(f"no schedule named {name!r}", hint="`gpusnap schedule ls` lists them") from None
+    except OSError as e:
+        raise UsageError(f"cannot read schedule {p}: {e.strerror}") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid not in (os.geteuid(), 0) or st.st_mode & 0o022:
+            raise UsageError(f"schedule {p} is not a private file of root's; not used")
+        try:
+            raw = json.loads(f.read(1 << 20))
+            s = Schedule(**{k: v for k, v in raw.items() if k in Schedule.__dataclass_fields__})
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"schedule {p} is damaged: {e}") from None
+    # checked again at every run: a spec edited by hand gets the same checks as `add`
+    validate.check_schedule_name(s.name)
+    if s.match is not None:  # None: the job `gpusnap run --name NAME` started
+        validate.check_match(s.match)
+    if s.name != name or not isinstance(s.uid, int) or not isinstance(s.keep_last, int) or s.keep_last < 1:
+        raise UsageError(f"schedule {p} is damaged")
+    return s
+
+
+def unlink_quiet(p) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def list_schedules() -> list[Schedule]:
+    d = spec_dir()
+    out = []
+    try:
+        names = sorted(os.listdir(d))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    except PermissionError as e:
+        raise permission_error(e, "the schedules") from None
+    for fn in names:
+        if not fn.endswith(".json") or fn.startswith("."):
+            continue
+        try:
+            out.append(load(fn[:-5], d))
+        except UsageError:
+            continue
+    return out

@@ -230,8 +230,8 @@ class _Server:
         with self._lock:
             self._open += 1
         t = threading.Thread(target=self._run_worker, args=(target, *args), daemon=True)
-        self._workers.append(t)
         t.start()
+        self._workers.append(t)     # only started threads: finish/abort after a signal must not join one
 
     def _run_worker(self, target, *args) -> None:
         try:
@@ -281,8 +281,8 @@ class CaptureServer(_Server):
         self._spawn(self._stage, name, fd, image)
         t = threading.Thread(target=self._ingest_image, args=(name, image, sink), daemon=True,
                              name=f"gpusnap-ingest-{name}")
-        self._ingest.append(t)
         t.start()
+        self._ingest.append(t)
 
     def _stage(self, name: str, fd: int, image) -> None:
         from gpusnap.repo.pipeline.staging import StagingCancelled

@@ -196,3 +196,24 @@ def test_doctor_reports_a_missing_library(tmp_path):
     assert rc != 0 and c["status"] == "fail" and c["exit_code"] == 27 and "make setup" in c["fix"]
     rc, c = page_check(dict(os.environ))
     assert c["status"] == "ok" and c["detail"].endswith("libgpusnap_pages.so")
+
+
+def test_self_test_runs_side_by_side():
+    """The parallel readers load the library from several threads at once: its self test
+    must be reentrant (a shared buffer made it fail at random: 'self test failed')."""
+    import threading
+
+    lib = native.load()
+    bad = []
+
+    def run():
+        for _ in range(100):
+            if lib.gs_selftest() != 0:
+                bad.append(1)
+
+    ts = [threading.Thread(target=run) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad

@@ -26,6 +26,7 @@ different cores. The pure-Python reference of these functions lives in the tests
 from __future__ import annotations
 
 import ctypes
+import threading
 import os
 
 from gpusnap.errors import NativeLibraryMissing
@@ -59,6 +60,9 @@ _SIGNATURES = {
 }
 
 
+_load_lock = threading.Lock()
+
+
 def _candidates() -> list[str]:
     env = os.environ.get("GPUSNAP_NATIVE_LIB")
     if env:
@@ -86,10 +90,16 @@ def _open(path: str):
 
 
 def load():
-    """The loaded library (loaded on first use). Raises NativeLibraryMissing."""
+    """The loaded library (loaded on first use). Raises NativeLibraryMissing.
+
+    Under a lock: the parallel readers' first calls come at once, and two self tests running
+    side by side share the library's static test buffer (a spurious 'self test failed')."""
+    with _load_lock:
+        return _lib or _load()
+
+
+def _load():
     global _lib, lib_path
-    if _lib is not None:
-        return _lib
     errors = []
     for p in _candidates():
         if not os.path.exists(p):

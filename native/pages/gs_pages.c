@@ -154,7 +154,8 @@ static void gs_blake3(const uint8_t *buf, size_t len, uint8_t *out32) {
 /* 0 when the batched page hash agrees with blake3_hasher on a few pseudo-random and
  * patterned pages, for every batch width; else -1 (the loader then refuses the library). */
 GS_EXPORT int gs_selftest(void) {
-  static uint8_t buf[(GS_LANES + 3) * GS_PAGE];
+  /* on the stack, not static: loads in several threads run it side by side */
+  uint8_t buf[(GS_LANES + 3) * GS_PAGE];
   uint8_t ids[(GS_LANES + 3) * GS_ID], ref[BLAKE3_OUT_LEN];
   uint64_t x = 0x9E3779B97F4A7C15ull;
   for (size_t i = 0; i < sizeof buf; i++) {

@@ -1,5 +1,5 @@
 """One rule for snapshot and job names, one list of codecs (gpusnap/ops/validate.py, from
-gpusnap/repo/format.py): what `dump`, `run` and `schedule add` accept is exactly what the
+gpusnap/repo/format/): what `dump`, `run` and `schedule add` accept is exactly what the
 repository stores, through a real repository."""
 
 from __future__ import annotations

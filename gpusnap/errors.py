@@ -200,10 +200,11 @@ class BadExportFile(GpusnapError):
 
 
 class NativeLibraryMissing(GpusnapError):
-    """gpusnap's native page library (build/lib/libgpusnap_pages.so) is missing or of another ABI."""
+    """A native part of gpusnap is missing or of another version: the page library
+    (build/lib/libgpusnap_pages.so) or the post-dump gate (build/bin/gpusnap-gate)."""
 
     exit_code = 27
-    title = "native library missing"
+    title = "native part missing"
 
 def all_error_classes() -> list[type[GpusnapError]]:
     """Every error class, base first, in exit-code order (for docs and tests)."""

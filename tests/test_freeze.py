@@ -168,11 +168,35 @@ def test_the_native_gate_exits_at_once_and_fails_safe(tmp_path):
         srv.close()
 
 
-def test_python_gate_fallback_still_protects_the_pages(sample_job, repo, reference):
+def test_without_the_gate_a_dump_is_refused_untouched(sample_job, repo):
+    """The native gate is the one gate (no Python fallback): without it a dump stops with
+    exit 27 before CRIU runs; the job runs on and nothing is stored."""
+    job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
+    job.wait_steps(3)
+    r = run_gpusnap("dump", job.pid, "--repo", repo, "--json", env={"GPUSNAP_GATE": "/nonexistent"})
+    assert r.returncode == 27, r.stdout + r.stderr
+    assert "post-dump gate" in json.loads(r.stdout)["message"]
+    seen = job.steps_done()
+    job.wait_steps(seen + 3)                   # still running, not frozen
+    assert run_json("ls", "--repo", repo)["snapshots"] == []
+    job.kill()
+
+
+def test_a_gate_on_a_path_with_a_space_still_protects_the_pages(sample_job, repo, reference, tmp_path):
+    """CRIU runs its action script through `sh -c PATH`: a gate installed under a path with a
+    space is reached through a plain name in the dump's private directory."""
+    from gpusnap.criu.gate import native_gate
+
+    d = tmp_path / "with space"
+    d.mkdir()
+    gate = d / "gpusnap-gate"
+    gate.write_bytes(native_gate().read_bytes())
+    gate.chmod(0o755)
     kw = dict(steps=200, mb=32, threads=2)
     expected = reference(**kw)
     job = sample_job(**kw, step_ms=20)
     job.wait_steps(5)
-    info = run_json("dump", job.pid, "--repo", repo, env={"GPUSNAP_GATE": "/nonexistent"})
+    info = run_json("dump", job.pid, "--repo", repo, env={"GPUSNAP_GATE": str(gate)})
     job.kill()
     _restore_and_finish(job, info["snapshot"], repo, expected)
+

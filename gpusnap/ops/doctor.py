@@ -202,6 +202,17 @@ def _check_page_library(r: DoctorReport) -> None:
     r.add("page library", "ok", str(native.lib_path))
 
 
+def _check_gate(r: DoctorReport) -> None:
+    """The post-dump gate executable every dump runs inside the freeze."""
+    from gpusnap.criu.gate import native_gate
+    from gpusnap.errors import NativeLibraryMissing
+
+    try:
+        r.add("post-dump gate", "ok", str(native_gate()))
+    except NativeLibraryMissing as e:
+        r.add("post-dump gate", "fail", e.message, e.hint, exit_code=e.exit_code)
+
+
 def _check_plugin(r: DoctorReport) -> None:
     d = paths.plugin_dir()
     p = d / paths.PLUGIN_NAME
@@ -372,6 +383,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
         _check_criu_check(r, criu[0], root_like)
     _check_dirty_tracking(r, criu and criu[0], root_like)
     _check_page_library(r)
+    _check_gate(r)
     _check_plugin(r)
     probe = gdriver.probe_cached()
     r.driver = probe.to_dict()

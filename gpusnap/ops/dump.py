@@ -25,7 +25,7 @@ from pathlib import Path
 from gpusnap.system import appendfiles, preflight, proc
 from gpusnap.ops import dump_session as session, restore_needs, validate
 from gpusnap.criu import runner
-from gpusnap.criu.gate import PostDumpGate
+from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
 from gpusnap.errors import GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
 from gpusnap.repo.pipeline import staging as staging_mod
@@ -163,6 +163,7 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
     if req.name:
         validate.check_name(req.name)
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
+    native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
     name = req.name or default_name(req.pid)
     pids = plan.pids
     estimate = proc.rss_bytes(pids)

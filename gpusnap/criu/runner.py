@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusnap.errors import CriuFailed, CriuUnavailable
+from gpusnap.errors import CriuUnavailable
 
 MIN_VERSION = (4, 0)  # the device plugin hooks and working vDSO handling on recent kernels
 # Linux 6.16 restricted SO_PASSCRED/SO_PASSSEC to unix and netlink sockets; CRIU before 4.2
@@ -109,29 +109,6 @@ def log_errors(log_path: Path, limit: int = 8) -> list[str]:
         return []
     hits = [ln.strip() for ln in lines if "Error" in ln and "RLIMIT_NOFILE for self" not in ln]
     return hits[-limit:]
-
-
-def run(action: str, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-        timeout: float | None = None) -> subprocess.CompletedProcess:
-    """Run `criu <action> <args>` with its own log at `log_path`; CriuFailed if it fails."""
-    info = criu_info()
-    cmd = [info.path, action, *args, "-o", str(log_path), "-v4"]
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env=full_env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise CriuFailed(f"criu {action} did not finish within {timeout:.0f} s", log_path=str(log_path),
-                         last_lines=log_errors(log_path)) from None
-    if proc.returncode != 0:
-        lines = log_errors(log_path)
-        output = proc.stdout.decode(errors="replace").strip()
-        if not lines and output:
-            lines = output.splitlines()[-8:]
-        raise CriuFailed(f"criu {action} failed (exit status {proc.returncode})", log_path=str(log_path),
-                         last_lines=lines, hint=explain(lines))
-    return proc
 
 
 def explain(lines: list[str]) -> str | None:

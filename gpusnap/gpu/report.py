@@ -44,10 +44,6 @@ def read(path: Path | str | None) -> list[Line]:
     return out
 
 
-def dump_pids(lines: list[Line]) -> list[int]:
-    return sorted({x.pid for x in lines if x.op == "dump"})
-
-
 def settle_after_failed_dump(lines: list[Line], candidates: list[int] = ()) -> list[str]:
     """Bring every CUDA process of a failed dump back to how it was found (RUNNING, or
     LOCKED when someone else had locked it). `candidates`: GPU processes found before the

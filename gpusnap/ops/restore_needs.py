@@ -84,8 +84,3 @@ def hugepage_pool() -> tuple[int, int, int] | None:
         return None
     return vals["HugePages_Total"], vals["HugePages_Free"], vals["Hugepagesize"] * 1024
 
-
-def hugepages_free_bytes() -> int | None:
-    """Free bytes in the default huge-page pool, None when unknown."""
-    pool = hugepage_pool()
-    return pool[1] * pool[2] if pool else None

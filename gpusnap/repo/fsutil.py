@@ -165,33 +165,6 @@ def open_lock_file(dir_path, name: str) -> int:
     return fd
 
 
-def clear_dir(path, keep=lambda name: False) -> int:
-    """Delete the files directly in `path` (never through a symlink: the directory is opened
-    O_NOFOLLOW and entries are unlinked relative to it; subdirectories are left alone).
-    Returns how many went."""
-    import stat as _stat
-    try:
-        dfd = open_dir(path)
-    except FileNotFoundError:
-        return 0
-    n = 0
-    try:
-        for name in os.listdir(dfd):
-            if keep(name):
-                continue
-            try:
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if _stat.S_ISDIR(st.st_mode):
-                    continue
-                os.unlink(name, dir_fd=dfd)
-                n += 1
-            except FileNotFoundError:
-                pass
-    finally:
-        os.close(dfd)
-    return n
-
-
 def copy_into(src, dir_path, name: str) -> None:
     """Copy `src` to dir_path/name as a private file, never through a symlink: the directory
     is opened O_NOFOLLOW and the file created relative to it with O_NOFOLLOW."""

@@ -8,8 +8,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpusnap.errors import ProcessNotFound, UsageError
-
 PROC = Path("/proc")
 PF_KTHREAD = 0x00200000     # stat flags: a kernel thread
 
@@ -45,18 +43,6 @@ def exists(pid: int) -> bool:
     """True if `pid` names a process that is not a zombie."""
     st = read_stat(pid)
     return st is not None and st.state not in ("Z", "X")
-
-
-def require_process(pid: int) -> ProcStat:
-    if pid <= 0:
-        raise UsageError(f"{pid} is not a valid PID")
-    st = read_stat(pid)
-    if st is None or st.state in ("Z", "X"):
-        raise ProcessNotFound(f"no running process with PID {pid}",
-                              hint="check the PID with `ps` or `gpusnap ps`; the job may have finished")
-    if pid == os.getpid() or pid in ancestors(os.getpid()):
-        raise UsageError(f"PID {pid} is gpusnap itself or one of its parents; it cannot snapshot itself")
-    return st
 
 
 def ancestors(pid: int) -> list[int]:

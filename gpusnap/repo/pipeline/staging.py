@@ -138,10 +138,6 @@ class StagedImage:
             self._eof = True
             self._cond.notify_all()
 
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
     def take(self) -> Segment | None:
         """The next segment (waiting for the drain if needed); None at the image's end."""
         st = self.staging

@@ -155,25 +155,33 @@ def test_no_nvidia_driver_is_clean(system_report):
     assert not system_report.by_name("CUDA checkpoint API")
 
 
-def test_plugin_dir_reported(monkeypatch, tmp_path):
-    monkeypatch.setenv("GPUSNAP_PLUGIN_DIR", str(tmp_path))
-    assert paths.plugin_dir() == tmp_path
-    r = doctor.DoctorReport()
-    doctor._check_plugin(r)
-    assert r.checks[0].status == "warn" and "not in" in r.checks[0].detail
+def _plugin_check(monkeypatch, plugin_dir) -> "doctor.Check":
+    monkeypatch.setenv("GPUSNAP_PLUGIN_DIR", str(plugin_dir))
+    assert paths.plugin_dir() == plugin_dir
+    checks = run_doctor().by_name("CUDA plugin")
+    assert len(checks) == 1
+    return checks[0]
+
+
+def test_plugin_missing_from_its_directory_warns(monkeypatch, tmp_path):
+    c = _plugin_check(monkeypatch, tmp_path)
+    assert c.status == "warn" and "not in" in c.detail
+
+
+def test_plugin_that_is_no_library_fails(monkeypatch, tmp_path):
     (tmp_path / "gpusnap_cuda.so").write_bytes(b"not elf")
-    r = doctor.DoctorReport()
-    doctor._check_plugin(r)
-    assert r.checks[0].status == "fail"
+    assert _plugin_check(monkeypatch, tmp_path).status == "fail"
+
+
+def test_plugin_that_is_a_library_is_ok(monkeypatch, tmp_path):
     shutil.copy(sys.executable if Path(sys.executable).read_bytes()[:4] == b"\x7fELF"
                 else "/bin/true", tmp_path / "gpusnap_cuda.so")
-    r = doctor.DoctorReport()
-    doctor._check_plugin(r)
-    assert r.checks[0].status == "ok"
-    monkeypatch.setenv("GPUSNAP_PLUGIN_DIR", str(tmp_path / "nope"))
-    r = doctor.DoctorReport()
-    doctor._check_plugin(r)
-    assert r.checks[0].status == "warn" and "does not exist" in r.checks[0].detail
+    assert _plugin_check(monkeypatch, tmp_path).status == "ok"
+
+
+def test_plugin_directory_missing_warns(monkeypatch, tmp_path):
+    c = _plugin_check(monkeypatch, tmp_path / "nope")
+    assert c.status == "warn" and "does not exist" in c.detail
 
 
 def test_plugin_dir_default(monkeypatch):

@@ -48,10 +48,10 @@ def test_restore_reads_through_locations(tmp_path):
         s = repo.snapshot(s.path.name)
         assert s.locations() is not None
         s.check_structure()
-        assert repo._index is None            # neither the check nor the read loaded the index
+        assert not repo.index_loaded            # neither the check nor the read loaded the index
         assert read_all(s, "pages-1.img") == want
     assert read_all(repo.snapshot(s1.path.name), "empty.img") == b""
-    assert repo._index is None
+    assert not repo.index_loaded
     rep = verify(repo)
     assert rep.ok and not [n for n in rep.notes if "locations" in n], (rep.problems, rep.notes)
 
@@ -170,8 +170,8 @@ def _cheap_unique_pages(n, salt):
 
 
 def _restore_peak(repo, snap) -> int:
+    repo = Repository.open(repo.path)           # as a restore opens it: no index in memory
     s = repo.snapshot(snap.path.name)
-    repo._index = None
     tracemalloc.start()
     try:
         s.check_structure()

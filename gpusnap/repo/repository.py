@@ -190,6 +190,11 @@ class Repository:
         return self._lock_depth > 0
 
     # -- index -----------------------------------------------------------------------------
+    @property
+    def index_loaded(self) -> bool:
+        """Whether this Repository holds the index in memory (a restore never needs it)."""
+        return self._index is not None
+
     def index(self, check_packs: bool = False) -> RepoIndex:
         """The repository's index (cached while index/ does not change). check_packs: leave
         out every record whose pack is missing or too short (the dump's view: it never

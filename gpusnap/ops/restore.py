@@ -25,7 +25,7 @@ from gpusnap.repo import locate
 from gpusnap.criu import netlock
 from gpusnap.system import paths, proc
 from gpusnap.ops import restore_files, restore_needs
-from gpusnap.criu import materialize, runner
+from gpusnap.criu import runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.repo import materialize as repo_materialize
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError
@@ -361,6 +361,8 @@ def _via_stream(repository, snap, info, env, flags, progress, phases, pids) -> i
 
 def _via_files(repository, snap, info, env, flags, progress, phases, pids) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+    from gpusnap.criu import materialize   # the files path only: the stream path never loads it
+
     with materialize.images_dir(snap, repository.path) as (images, plan):
         t = time.monotonic()
         materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),

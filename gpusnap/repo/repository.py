@@ -15,15 +15,18 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpusnap.errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
 from gpusnap.repo import fsutil, recovery
 from gpusnap.repo.codec import codec_id
 from gpusnap.repo.format import SNAPSHOT_NAME, FormatError, make_config, encode_config, parse_config
 from gpusnap.repo.index import RepoIndex
-from gpusnap.repo.pipeline.writer import SnapshotWriter
 from gpusnap.repo.snapshot import Snapshot
 from gpusnap.repo.trust import QUARANTINE, SUBDIRS, check_above, check_tree, quarantine_file, untrusted
+
+if TYPE_CHECKING:  # the dump side is imported where a snapshot is written (restore never loads it)
+    from gpusnap.repo.pipeline.writer import SnapshotWriter
 
 __all__ = ["QUARANTINE", "Repository", "Snapshot", "quarantine_file"]
 
@@ -237,6 +240,8 @@ class Repository:
             raise UsageError(str(e)) from None
         if not self.holds_lock():
             raise RepositoryError("new_snapshot() needs the repository's writer lock (use repo.writer_lock())")
+        from gpusnap.repo.pipeline.writer import SnapshotWriter
+
         return SnapshotWriter(self, name, c, meta, **kw)
 
     def _snapshot_entries(self) -> list[tuple[Path, str | None]]:

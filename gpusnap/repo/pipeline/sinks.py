@@ -201,16 +201,19 @@ class PagesSink(ImageSink):
                 del buf[:take]
                 self._process(chunk, take)
             return
-        if type(data) is not bytes:
+        # No copy of the whole batch: the scan reads the caller's buffer in place (a staging
+        # slot, writable) and each new group is copied out of it (_add_new). A read-only view
+        # becomes bytes first: native code can take the address of bytes, not of the view.
+        if type(data) is memoryview and data.readonly:
             data = bytes(data)
         take = n - n % PAGE_SIZE
         self._process(data, take)
         if take != n:
             buf += data[take:]
 
-    def _process(self, buf: bytes, end: int) -> None:
-        """The hot loop. buf[0:end] is whole pages; buf is immutable (bytes): groups keep
-        slices of it until the compressor is done with them."""
+    def _process(self, buf, end: int) -> None:
+        """The hot loop. buf[0:end] is whole pages; buf (bytes or a writable buffer) is only
+        read during this call: groups take copies of their pages."""
         if self._err is not None:
             raise self._err
         npages = end // PAGE_SIZE
@@ -251,25 +254,29 @@ class PagesSink(ImageSink):
         c.pages_zero += nzero
         c.pages_dedup += ndata - len(newidx)
         if newidx:
-            self._add_new(memoryview(buf), newidx, [ids[i * ID_LEN:(i + 1) * ID_LEN] for i in newidx])
+            self._add_new(memoryview(buf), newidx, ids)
             self._hand_over()
 
-    def _add_new(self, mv, newidx: list[int], newids: list[bytes]) -> None:
-        """Append the new pages (indices into mv, in order) to groups; a run of consecutive
-        pages becomes one slice, so a group of adjacent pages costs no copy at all."""
+    def _add_new(self, mv, newidx: list[int], ids: bytes) -> None:
+        """Append the new pages (indices into mv, in order) to groups. A run of consecutive
+        pages is one copy of its pages and one slice of the ids: no per-page Python on the
+        common path, and groups own their bytes (fresh small allocations that malloc
+        reuses, not a page-faulted copy of every 4 MiB batch; bytes need no copy for the
+        native shuffle and plane estimate, where a read-only view would)."""
         gp = self.w.group_pages
         k = 0
         nn = len(newidx)
         while k < nn:
-            pieces = self.pieces          # (a new list after each flush)
             take = min(gp - self.gn, nn - k)
             a = newidx[k]
             b = newidx[k + take - 1]
             if b - a == take - 1:
-                pieces.append(mv[a * PAGE_SIZE:(b + 1) * PAGE_SIZE])
+                self.pieces.append(mv[a * PAGE_SIZE:(b + 1) * PAGE_SIZE].tobytes())
+                self.group_ids.append(ids[a * ID_LEN:(b + 1) * ID_LEN])
             else:
-                pieces.extend(mv[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in newidx[k:k + take])
-            self.group_ids.extend(newids[k:k + take])
+                sel = newidx[k:k + take]
+                self.pieces.append(b"".join([mv[i * PAGE_SIZE:(i + 1) * PAGE_SIZE] for i in sel]))
+                self.group_ids.append(b"".join([ids[i * ID_LEN:(i + 1) * ID_LEN] for i in sel]))
             self.gn += take
             k += take
             if self.gn >= gp:

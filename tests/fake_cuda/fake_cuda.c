@@ -439,7 +439,7 @@ static CUresult transition(const char *call, int pid, CUprocessState from, CUpro
 	struct proc p;
 	CUresult rc;
 	char st = 0, note[64] = "";
-	bool hung = false;
+	bool hung = false, commit = false;
 	int lk = -1;
 
 	if (fake_dir() == NULL) {
@@ -505,15 +505,18 @@ static CUresult transition(const char *call, int pid, CUprocessState from, CUpro
 		}
 	}
 	p.state = to;
-	write_proc(pid, &p);
+	commit = true;
 out:
-	unlock_dir(lk);
+	/* the call is logged before its new state shows: whoever sees the state finds the call */
 	if (extra && extra[0] && note[0])
 		log_call(call, pid, rc, "%s %s", extra, note);
 	else if (extra && extra[0])
 		log_call(call, pid, rc, "%s", extra);
 	else
 		log_call(call, pid, rc, "%s", note);
+	if (commit)
+		write_proc(pid, &p);
+	unlock_dir(lk);
 	return rc;
 }
 

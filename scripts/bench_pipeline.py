@@ -8,7 +8,8 @@ Each data set is written as one pages-*.img (in 1 MiB chunks, as the streamer wo
 a fresh repository, then read back with Snapshot.read_image. Prints MB/s (1 MB = 1e6 bytes)
 and stored bytes / raw bytes (everything the dump added: packs, index, page lists, manifest).
 Times are the median of --reps runs (the machine may be shared); "CPU us/page" is user+system
-CPU of the whole process (all threads) per 4 KiB page of the first dump, median.
+CPU of the whole process (all threads) per 4 KiB page of the first dump, median; "restore
+CPU us/page" the same for reading the snapshot back.
 The page hot loop is the native library (build/lib/libgpusnap_pages.so), the only one gpusnap has.
 """
 
@@ -96,6 +97,7 @@ def write_snapshot(repo, name, images, compress="lz4", group=16, threads=1):
 def read_snapshot(snap, threads=1):
     names = [n for n in snap.image_names()]
     t0 = time.perf_counter()
+    c0 = time.process_time()
     total = [0]
 
     def rd(n):
@@ -111,6 +113,7 @@ def read_snapshot(snap, threads=1):
     else:
         for n in names:
             rd(n)
+    read_snapshot.cpu_s = time.process_time() - c0
     return time.perf_counter() - t0, total[0]
 
 
@@ -132,7 +135,8 @@ def main():
         native.load()
         print(f"# native library: {native.lib_path}")
         print(f"{'impl':<7}{'data':<11}{'codec':<6}{'group':>6}{'thr':>4} {'write MB/s':>11}{'stored/raw':>11}"
-              f"{'restore MB/s':>13}{'  2nd dump MB/s':>15}{'2nd stored/raw':>15}{'CPU us/page':>12}")
+              f"{'restore MB/s':>13}{'  2nd dump MB/s':>15}{'2nd stored/raw':>15}{'CPU us/page':>12}"
+              f"{'restore CPU us/page':>20}")
         sets = [(s, gens[s](n)) for s in a.sets.split(",")]
         impl = "native"
         for setname, data in sets:
@@ -151,19 +155,21 @@ def main():
                           repo = Repository.open(rp, create=True)
                           dt, st, snap = write_snapshot(repo, "b", images, codec, g, thr)
                           rt, got = read_snapshot(snap, thr)
+                          rcpu = read_snapshot.cpu_s
                           assert got == raw, (got, raw)
                           dt2, st2, _ = write_snapshot(repo, "b", images, codec, g, thr)
                           shutil.rmtree(rp)
-                          runs.append((dt, st, rt, dt2, st2))
+                          runs.append((dt, st, rt, dt2, st2, rcpu))
                       med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2]  # noqa: E731
                       dt, rt, dt2 = med(0), med(2), med(3)
                       st, st2 = runs[-1][1], runs[-1][4]
                       cpu = sorted(r[1]["cpu_s"] for r in runs)[len(runs) // 2]
+                      rcpu = med(5)
                       pages = raw / PAGE
                       print(f"{impl:<7}{setname:<11}{codec:<6}{g:>6}{thr:>4} {raw / dt / 1e6:>11.0f}"
                             f"{st['bytes_stored'] / raw:>11.4f}{raw / rt / 1e6:>13.0f}"
                             f"{raw / dt2 / 1e6:>15.0f}{st2['bytes_stored'] / raw:>15.4f}"
-                            f"{cpu / pages * 1e6:>12.2f}", flush=True)
+                            f"{cpu / pages * 1e6:>12.2f}{rcpu / pages * 1e6:>20.2f}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

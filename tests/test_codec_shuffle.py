@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import page_reference as ref
 from gpusnap.repo import codec as C, native
-from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODECS, FormatError, check_blob_fields, KIND_DATA, parse_blob_header
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_ZSTD, CODEC_SHUF4_ZSTD, CODECS, FormatError, check_blob_fields, KIND_DATA, parse_blob_header
 from repo_helpers import PAGE, dump, read_all
 
 np = pytest.importorskip("numpy")
@@ -60,6 +60,18 @@ def test_native_equals_reference_all_lengths(k):
         assert native.unshuffle(want, k) == b, n
         assert native.unshuffle(want, k, native.SHUFFLE_PORTABLE) == b, n
         assert ref.unshuffle(want, k) == b, n
+        out = bytearray(b"\xaa" * (n + 3))              # into a bigger buffer: only its head
+        native.shuffle_into(b, k, out)
+        assert out[:n] == want and out[n:] == b"\xaa" * 3, n
+        native.unshuffle_into(want, k, memoryview(out)[:n], native.SHUFFLE_PORTABLE)
+        assert out[:n] == b and out[n:] == b"\xaa" * 3, n
+
+
+def test_shuffle_into_rejects_short_or_read_only_output():
+    b = os.urandom(100)
+    for out in (bytearray(99), b"x" * 100, memoryview(bytearray(100)).toreadonly()):
+        with pytest.raises(ValueError):
+            native.shuffle_into(b, 4, out)
 
 
 def test_native_accepts_buffers_and_rejects_bad_k():
@@ -152,6 +164,8 @@ def test_native_and_reference_payloads_identical(monkeypatch, impl):
     if impl == "reference":
         monkeypatch.setattr(native, "shuffle", ref.shuffle)
         monkeypatch.setattr(native, "unshuffle", ref.unshuffle)
+        monkeypatch.setattr(native, "shuffle_into", lambda d, k, out: out.__setitem__(slice(0, len(d)), ref.shuffle(d, k)))
+        monkeypatch.setattr(native, "unshuffle_into", lambda d, k, out: out.__setitem__(slice(0, len(d)), ref.unshuffle(d, k)))
         monkeypatch.setattr(native, "plane_bits", ref.plane_bits)
     assert C.compress(data, C.CODEC_AUTO) == want
     assert C.decompress(want[1], want[0], len(data)) == data
@@ -189,8 +203,32 @@ def test_decompress_mutated_payload(data):
     try:
         out = C.decompress(bytes(p), codec, raw_len)
     except FormatError:
-        return
-    assert len(out) == raw_len
+        out = None
+    else:
+        assert len(out) == raw_len
+    into = bytearray(raw_len)
+    try:
+        C.decompress_into(bytes(p), codec, memoryview(into))
+    except FormatError:
+        assert out is None
+    else:
+        assert into == out
+
+
+@pytest.mark.parametrize("codec", [CODEC_NONE, CODEC_LZ4, CODEC_ZSTD, CODEC_SHUF4_ZSTD, CODEC_SHUF2_ZSTD])
+def test_decompress_into_writes_exactly_its_view(codec):
+    """What restore decodes in place (reader.assemble) is what decompress() returns, and
+    nothing outside the view is touched."""
+    r = random.Random(codec)
+    for n in (1, 3, 4, 5, 4095, 4096, 65536, 65539):
+        for data in (r.randbytes(n), bytes(n), _fp32((n + 3) // 4)[:n]):
+            c, p = C.compress(data, codec)
+            buf = bytearray(b"\xaa" * (n + 20))
+            C.decompress_into(p, c, memoryview(buf)[10:10 + n])
+            assert buf[10:10 + n] == data and buf[:10] == buf[10 + n:] == b"\xaa" * 10, (c, n)
+            if c != CODEC_NONE:
+                with pytest.raises(FormatError):
+                    C.decompress_into(p, c, memoryview(bytearray(n + 1)))
 
 
 def test_specific_malformed_payloads():

@@ -77,19 +77,31 @@ def codec_name(codec: int) -> str:
 
 
 # -- shuffle codecs ----------------------------------------------------------------------------
+def _work(n: int) -> bytearray:
+    """This thread's scratch buffer of at least n bytes (reused: no zero-fill per call).
+    A new one replaces it when it is too small (views of the old one may still be alive)."""
+    w = getattr(_tls, "work", None)
+    if w is None or len(w) < n:
+        w = _tls.work = bytearray(max(n, 1 << 16))
+    return w
+
+
 def encode_shuffled(data, k: int, bits: list[int] | None = None) -> bytes | None:
     """Payload of shuffle<k>-zstd (docs/format.md §3), or None when len(data) < k.
     bits: the planes' entropy estimates when known (planes at or above PLANE_TRY_BITS are
-    stored raw without trying zstd); None tries every plane."""
+    stored raw without trying zstd); None tries every plane.
+
+    The planes are shuffled into this thread's scratch buffer and compressed from there;
+    the payload is built by one join (header, planes and tail copied once)."""
     n = len(data)
     m = n // k
     if m == 0:
         return None
-    sh = native.shuffle(data, k)
-    mv = memoryview(sh)
+    mv = memoryview(_work(n))[:n]
+    native.shuffle_into(data, k, mv)
     cctx = _plane_cctx()
     lens = []
-    parts = []
+    parts = [b""]
     for i in range(k):
         plane = mv[i * m:(i + 1) * m]
         if bits is None or bits[i] < PLANE_TRY_BITS:
@@ -101,11 +113,44 @@ def encode_shuffled(data, k: int, bits: list[int] | None = None) -> bytes | None
         lens.append(m)
         parts.append(plane)
     parts.append(mv[m * k:])
-    return struct.pack(f"<{k}I", *lens) + b"".join(parts)
+    parts[0] = struct.pack(f"<{k}I", *lens)
+    return b"".join(parts)
+
+
+def _zstd_into(dctx, payload, out, what: str) -> None:
+    """Decompress the one zstd frame `payload` into all of `out` (a writable view),
+    exactly: a frame declaring or producing another size is FormatError."""
+    m = len(out)
+    try:
+        fcs = zstandard.frame_content_size(payload)
+        if fcs not in (-1, m):
+            raise FormatError(f"zstd frame of {what} declares a different size")
+        r = dctx.stream_reader(payload)
+        got = 0
+        while got < m:
+            k = r.readinto(out[got:])
+            if not k:
+                break
+            got += k
+        extra = r.read(1) if got == m else b""
+    except FormatError:
+        raise
+    except Exception as e:   # zstandard.ZstdError, ValueError
+        raise FormatError(f"cannot decompress {what}: {e}") from None
+    if got != m or extra:
+        raise FormatError(f"{what} decompressed to another size than {m} bytes")
 
 
 def decode_shuffled(payload, k: int, raw_len: int) -> bytes:
     """Inverse of encode_shuffled; any malformed payload is FormatError."""
+    out = bytearray(raw_len)
+    decode_shuffled_into(payload, k, raw_len, memoryview(out))
+    return bytes(out)
+
+
+def decode_shuffled_into(payload, k: int, raw_len: int, out) -> None:
+    """decode_shuffled() written into out (a writable view of raw_len bytes): the planes
+    are decompressed into this thread's scratch buffer and unshuffled straight into out."""
     m = raw_len // k
     t = raw_len - m * k
     hdr = 4 * k
@@ -117,7 +162,7 @@ def decode_shuffled(payload, k: int, raw_len: int) -> bytes:
     if any(ln < 1 or ln > m for ln in lens) or hdr + sum(lens) + t != len(payload):
         raise FormatError("shuffle payload: bad plane lengths")
     mv = memoryview(payload)
-    sh = bytearray(raw_len)
+    sh = memoryview(_work(raw_len))[:raw_len]
     pos = hdr
     dctx = _dctx()
     for i, ln in enumerate(lens):
@@ -125,21 +170,10 @@ def decode_shuffled(payload, k: int, raw_len: int) -> bytes:
         if ln == m:
             sh[i * m:(i + 1) * m] = seg
         else:
-            try:
-                fcs = zstandard.frame_content_size(seg)
-                if fcs not in (-1, m):
-                    raise FormatError("zstd frame of a plane declares a different size")
-                out = dctx.decompress(seg, max_output_size=m)
-            except FormatError:
-                raise
-            except Exception as e:   # zstandard.ZstdError, ValueError
-                raise FormatError(f"cannot decompress plane {i}: {e}") from None
-            if len(out) != m:
-                raise FormatError(f"plane {i} decompressed to {len(out)} bytes, expected {m}")
-            sh[i * m:(i + 1) * m] = out
+            _zstd_into(dctx, seg, sh[i * m:(i + 1) * m], f"plane {i}")
         pos += ln
     sh[m * k:] = mv[pos:]
-    return native.unshuffle(sh, k)
+    native.unshuffle_into(sh, k, out)
 
 
 def estimate_planes(data, k: int = 4) -> list[int]:
@@ -232,3 +266,19 @@ def decompress(payload, codec: int, raw_len: int) -> bytes:
     if len(out) != raw_len:
         raise FormatError(f"blob decompressed to {len(out)} bytes, expected {raw_len}")
     return out
+
+
+def decompress_into(payload, codec: int, out) -> None:
+    """decompress() written into out (a writable memoryview of exactly raw_len bytes):
+    zstd and the shuffle codecs decode in place, without an intermediate bytes object."""
+    raw_len = len(out)
+    if codec == CODEC_ZSTD:
+        _zstd_into(_dctx(), payload, out, "blob")
+    elif codec in SHUFFLE_K:
+        decode_shuffled_into(payload, SHUFFLE_K[codec], raw_len, out)
+    elif codec == CODEC_NONE:
+        if len(payload) != raw_len:
+            raise FormatError("stored length differs from raw length")
+        out[:] = payload
+    else:
+        out[:] = decompress(payload, codec, raw_len)

@@ -10,6 +10,8 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
     shuffle(data, k)          -> bytes: byte planes of k-byte elements (k = 2 or 4), the last
                                  len % k bytes unchanged after them
     unshuffle(data, k)        -> bytes: the inverse
+    shuffle_into(data, k, out), unshuffle_into(data, k, out)
+                              -> the same written into out[:len(data)] (a buffer the caller owns)
     plane_bits(buf, plane_stride, nplanes, step, count)
                               -> sampled order-0 entropy (milli-bits per byte) of each plane:
                                  plane p's samples are buf[p*plane_stride + j*step], j < count
@@ -187,6 +189,34 @@ def shuffle(data, k: int, flags: int = 0) -> bytes:
 
 def unshuffle(data, k: int, flags: int = 0) -> bytes:
     return _shuf("gs_unshuffle", data, k, flags)
+
+
+def _shuf_into(fn_name: str, data, k: int, out, flags: int) -> None:
+    lib = _lib or load()
+    if k not in (2, 4):
+        raise ValueError("element size must be 2 or 4")
+    n = len(data)
+    omv = memoryview(out)
+    if omv.readonly or not omv.c_contiguous or omv.nbytes < n:
+        raise ValueError("output must be a writable contiguous buffer of at least len(data) bytes")
+    if not n:
+        return
+    a, keep = _addr(data)
+    oc = (ctypes.c_char * n).from_buffer(omv)
+    getattr(lib, fn_name)(a, n, k, oc, flags)
+    del keep, oc
+    omv.release()
+
+
+def shuffle_into(data, k: int, out, flags: int = 0) -> None:
+    """shuffle() written into out[:len(data)] (a writable buffer the caller owns and may
+    reuse: no zero-filled output, no copy to bytes)."""
+    _shuf_into("gs_shuffle", data, k, out, flags)
+
+
+def unshuffle_into(data, k: int, out, flags: int = 0) -> None:
+    """unshuffle() written into out[:len(data)] (e.g. straight into its place in an image)."""
+    _shuf_into("gs_unshuffle", data, k, out, flags)
 
 
 def check_planes(buf, plane_stride: int, nplanes: int, step: int, count: int) -> None:

@@ -24,8 +24,9 @@ from typing import Iterator
 import blake3
 
 from gpusnap.repo import native
+from gpusnap.repo.codec import decompress_into
 from gpusnap.repo.format import (BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
-                                 READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
+                                 READ_CHUNK, ZERO_CHUNK, FormatError, blob_id, parse_blob_header)
 from gpusnap.repo.format.locations import Locations, LocationsInvalid
 from gpusnap.repo.store import BlobReader
 
@@ -176,6 +177,25 @@ def _blob(snap, name: str, reader: RunReader, r) -> bytes:
         raise snap.corrupt(f"{name}: {e}", reader.pack_name(r[0])) from None
 
 
+def _decode_into(snap, name: str, reader: RunReader, r, out) -> None:
+    """The blob of run r read, its header checked against the run (as BlobReader.read_at
+    does), and decompressed into out, a view of exactly its raw length."""
+    pack = reader.pack_name(r[0])
+    want = BLOB_HEADER.size + r[6]
+    try:
+        data = os.pread(reader.br.fd(pack), want, r[1])
+        if len(data) != want:
+            raise FormatError(f"pack truncated: blob at offset {r[1]} cut short")
+        h = parse_blob_header(data, 0)
+        if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (r[2], r[3], r[4], r[5], r[6]):
+            raise FormatError(f"blob header at offset {r[1]} disagrees with the index")
+        decompress_into(memoryview(data)[BLOB_HEADER.size:], r[3], out)
+    except FileNotFoundError:
+        raise snap.corrupt(f"{name}: pack missing", pack) from None
+    except (OSError, FormatError) as e:
+        raise snap.corrupt(f"{name}: {e}", pack) from None
+
+
 def _data_blob(snap, name: str, reader: RunReader, r, bid: bytes) -> bytes:
     data = _blob(snap, name, reader, r)
     if blob_id(data) != bid:
@@ -218,6 +238,9 @@ def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
                     raise snap.corrupt(f"{name}: {e}", pack) from None
                 if got != n:
                     raise snap.corrupt(f"{name}: pack truncated", pack)
+            elif s == 0 and n == r[5] and (r[0], r[1]) not in reader.cache:
+                # the whole blob: decoded straight into place (no bytes of it, no copy)
+                _decode_into(snap, name, reader, r, mv[pos:pos + n])
             else:
                 mv[pos:pos + n] = memoryview(_blob(snap, name, reader, r))[s:s + n]
             pos += n

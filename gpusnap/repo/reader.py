@@ -24,9 +24,8 @@ from typing import Iterator
 import blake3
 
 from gpusnap.repo import native
-from gpusnap.repo.codec import decompress_into
 from gpusnap.repo.format import (BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
-                                 READ_CHUNK, ZERO_CHUNK, FormatError, blob_id, parse_blob_header)
+                                 READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
 from gpusnap.repo.format.locations import Locations, LocationsInvalid
 from gpusnap.repo.store import BlobReader
 
@@ -181,15 +180,8 @@ def _decode_into(snap, name: str, reader: RunReader, r, out) -> None:
     """The blob of run r read, its header checked against the run (as BlobReader.read_at
     does), and decompressed into out, a view of exactly its raw length."""
     pack = reader.pack_name(r[0])
-    want = BLOB_HEADER.size + r[6]
     try:
-        data = os.pread(reader.br.fd(pack), want, r[1])
-        if len(data) != want:
-            raise FormatError(f"pack truncated: blob at offset {r[1]} cut short")
-        h = parse_blob_header(data, 0)
-        if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (r[2], r[3], r[4], r[5], r[6]):
-            raise FormatError(f"blob header at offset {r[1]} disagrees with the index")
-        decompress_into(memoryview(data)[BLOB_HEADER.size:], r[3], out)
+        reader.br.read_at(pack, r[1], r[2], r[3], r[4], r[5], r[6], out)
     except FileNotFoundError:
         raise snap.corrupt(f"{name}: pack missing", pack) from None
     except (OSError, FormatError) as e:

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from gpusnap.repo.codec import decompress
+from gpusnap.repo.codec import decompress, decompress_into
 from gpusnap.repo.format import BLOB_HEADER, HEX64, Blob, FormatError, parse_blob_header
 
 
@@ -50,9 +50,10 @@ def pack_sizes(root: Path, packs) -> dict[bytes, int | None]:
 
 
 def decode_blob(data, pos: int, offset: int, kind: int, codec: int, n_pages: int, raw_len: int,
-                stored_len: int) -> bytes:
+                stored_len: int, out=None) -> bytes | None:
     """The payload of the blob whose header is at data[pos:] (at `offset` in its pack),
-    after checking the header against its record (kind..stored_len), decompressed. Raises
+    after checking the header against its record (kind..stored_len), decompressed; with
+    out (a writable view of raw_len bytes), decompressed into it and None returned. Raises
     FormatError."""
     if len(data) - pos < BLOB_HEADER.size + stored_len:
         raise FormatError(f"blob at offset {offset} runs past the end of the pack")
@@ -60,7 +61,11 @@ def decode_blob(data, pos: int, offset: int, kind: int, codec: int, n_pages: int
     if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (kind, codec, n_pages, raw_len, stored_len):
         raise FormatError(f"blob header at offset {offset} disagrees with the index")
     start = pos + BLOB_HEADER.size
-    return decompress(memoryview(data)[start:start + stored_len], codec, raw_len)
+    payload = memoryview(data)[start:start + stored_len]
+    if out is not None:
+        decompress_into(payload, codec, out)
+        return None
+    return decompress(payload, codec, raw_len)
 
 
 class BlobReader:
@@ -92,14 +97,15 @@ class BlobReader:
         return fd
 
     def read_at(self, pack: bytes, offset: int, kind: int, codec: int, n_pages: int, raw_len: int,
-                stored_len: int) -> bytes:
+                stored_len: int, out=None) -> bytes | None:
         """The blob at `offset` of `pack`, whose record says kind..stored_len: read, header
-        checked against the record, decompressed. Raises FormatError / OSError."""
+        checked against the record, decompressed (into out, as decode_blob). Raises
+        FormatError / OSError."""
         want = BLOB_HEADER.size + stored_len
         data = os.pread(self.fd(pack), want, offset)
         if len(data) != want:
             raise FormatError(f"pack truncated: blob at offset {offset} cut short")
-        return decode_blob(data, 0, offset, kind, codec, n_pages, raw_len, stored_len)
+        return decode_blob(data, 0, offset, kind, codec, n_pages, raw_len, stored_len, out)
 
     def read_raw(self, b: Blob) -> bytes:
         """read_at() for a blob record."""

@@ -8,7 +8,8 @@ import stat
 from pathlib import Path
 
 from gpusnap.repo.codec import decompress, decompress_into
-from gpusnap.repo.format import BLOB_HEADER, HEX64, Blob, FormatError, parse_blob_header
+from gpusnap.repo import native
+from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, Blob, FormatError, blob_id, parse_blob_header
 
 
 def pack_path(root: Path, pack_hash: bytes) -> Path:
@@ -66,6 +67,19 @@ def decode_blob(data, pos: int, offset: int, kind: int, codec: int, n_pages: int
         decompress_into(payload, codec, out)
         return None
     return decompress(payload, codec, raw_len)
+
+
+
+def check_decoded(raw, b: Blob) -> str | None:
+    """A decoded blob checked against its record's ids (the native batch page verifier for
+    pages, format.blob_id for data): -> what is wrong, or None."""
+    if b.kind == KIND_PAGES:
+        bad = native.verify(raw, b.n_pages, b.ids)
+        if bad >= 0:
+            return f"page {bad} of the blob at offset {b.offset} fails its checksum"
+    elif blob_id(raw) != b.ids:
+        return f"data blob at offset {b.offset} fails its checksum"
+    return None
 
 
 class BlobReader:

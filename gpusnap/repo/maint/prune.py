@@ -21,15 +21,15 @@ import stat
 from typing import Callable
 
 from gpusnap.errors import CorruptSnapshot, RepositoryError, SnapshotNotFound
-from gpusnap.repo import fsutil, locations, native
+from gpusnap.repo import fsutil, locations
 from gpusnap.repo.codec import compress
-from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError, blob_id
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError
 from gpusnap.repo.maint.prune_plan import (FAILED_LOGS_KEPT, MAX_UNUSED, SMALL_PACK, PackDecision,  # noqa: F401
                                            PrunePlan, Selection, doomed_logs, index_names, index_of, plan,
                                            plan_packs, plan_prune)
 from gpusnap.repo.index import RepoIndex, write_index_file
 from gpusnap.repo.pipeline.packwriter import PackWriter
-from gpusnap.repo.store import BlobReader, pack_path
+from gpusnap.repo.store import BlobReader, check_decoded, pack_path
 
 Fault = Callable[[str], None]
 
@@ -250,19 +250,16 @@ def _delete_packs(repo, p: PrunePlan, fault: Fault) -> int:
 
 
 def _read_checked(reader: BlobReader, idx: RepoIndex, bno: int) -> bytes:
-    """A blob to copy, checked against its ids with the repository's checksum functions
-    (the native batch page verifier; format.blob_id)."""
+    """A blob to copy, checked against its ids (store.check_decoded)."""
     b = idx.blobs[bno]
     try:
         raw = reader.read_raw(b)
     except (OSError, FormatError) as e:
         raise CorruptSnapshot(f"prune stopped: blob in pack {b.pack.hex()} unreadable: {e}",
                               "run gpusnap verify") from None
-    if b.kind == KIND_PAGES:
-        if native.verify(raw, b.n_pages, b.ids) >= 0:
-            raise CorruptSnapshot(f"prune stopped: damaged page in pack {b.pack.hex()}", "run gpusnap verify")
-    elif blob_id(raw) != b.ids:
-        raise CorruptSnapshot(f"prune stopped: damaged blob in pack {b.pack.hex()}", "run gpusnap verify")
+    why = check_decoded(raw, b)
+    if why is not None:
+        raise CorruptSnapshot(f"prune stopped: damaged blob in pack {b.pack.hex()}: {why}", "run gpusnap verify")
     return raw
 
 

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import blake3
 
 from gpusnap.errors import CorruptSnapshot, GpusnapError
-from gpusnap.repo import locations, native
+from gpusnap.repo import locations
 from gpusnap.repo.codec import decompress
 from gpusnap.repo.format import (BLOB_HEADER, KIND_DATA, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError,
                                  blob_id, pack_namer, page_id, parse_pack)
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.repository import Repository, Snapshot
-from gpusnap.repo.store import decode_blob, list_packs, pack_path
+from gpusnap.repo.store import check_decoded, decode_blob, list_packs, pack_path
 
 
 @dataclass
@@ -60,13 +60,7 @@ def _check_blob(data, off, b) -> str | None:
         raw = decode_blob(data, off, off, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len)
     except FormatError as e:
         return str(e) if str(e).startswith("blob") else f"blob at offset {off}: {e}"
-    if b.kind == KIND_PAGES:
-        bad = native.verify(raw, b.n_pages, b.ids)
-        if bad >= 0:
-            return f"page {bad} of the blob at offset {off} fails its checksum"
-    elif blob_id(raw) != b.ids:
-        return f"data blob at offset {off} fails its checksum"
-    return None
+    return check_decoded(raw, b)
 
 
 def _name_matches(data, walked, ph: bytes, recs) -> bool:

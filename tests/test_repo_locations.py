@@ -21,7 +21,7 @@ from repo_helpers import PAGE, dump, read_all, text_page
 
 
 def _packs_named(snap):
-    loc = L.Locations.open(snap.path, L.image_digests(snap.manifest))
+    loc = LF.Locations.open(snap.path, LF.image_digests(snap.manifest))
     try:
         return {name for name, _ in loc.iter_packs()}
     finally:

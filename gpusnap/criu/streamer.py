@@ -286,7 +286,7 @@ class CaptureServer(_Server):
 
     def _stage(self, name: str, fd: int, image) -> None:
         from gpusnap.repo.pipeline.staging import StagingCancelled
-        from gpusnap.repo.pipeline.writer import is_pages_image
+        from gpusnap.repo.pipeline.sinks import is_pages_image
 
         _grow_pipe(fd, CAPTURE_PIPE_SIZE if is_pages_image(name) else PIPE_SIZE)
         try:

@@ -4,10 +4,9 @@ The names below are resolved on first use (PEP 562): `from gpusnap.repo import l
 restore's path must not load the dump side (the page pipeline, its writer and pack writer).
 """
 
-__all__ = ["Repository", "Snapshot", "SnapshotWriter", "ImageSink"]
+__all__ = ["Repository", "Snapshot"]
 
-_WHERE = {"Repository": "gpusnap.repo.repository", "Snapshot": "gpusnap.repo.snapshot",
-          "SnapshotWriter": "gpusnap.repo.pipeline.writer", "ImageSink": "gpusnap.repo.pipeline.writer"}
+_WHERE = {"Repository": "gpusnap.repo.repository", "Snapshot": "gpusnap.repo.snapshot"}
 
 
 def __getattr__(name: str):

@@ -25,8 +25,8 @@ from gpusnap.repo import fsutil
 from gpusnap.repo.format import KIND_PAGES, PAGE_ID_LEN, FormatError, iter_pagelist
 from gpusnap.repo.format.locations import LOC_NAME, LOC_RUN, Locations, LocationsInvalid, encode_locations, image_digests
 
-__all__ = ["LOC_NAME", "Locations", "LocationsInvalid", "MissingData", "Resolver", "build", "check_packs",
-           "image_digests", "index_resolver", "preload_numpy", "refresh", "write_at_commit"]
+__all__ = ["MissingData", "Resolver", "build", "check_packs", "index_resolver", "preload_numpy", "refresh",
+           "write_at_commit"]
 
 
 def check_packs(loc: Locations, root: Path) -> None:

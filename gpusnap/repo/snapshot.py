@@ -13,6 +13,7 @@ import blake3
 from gpusnap.errors import CorruptSnapshot, SnapshotNotFound
 from gpusnap.repo import fsutil, locations, reader
 from gpusnap.repo.format import READ_CHUNK, FormatError, iter_pagelist, parse_manifest
+from gpusnap.repo.format.locations import Locations, LocationsInvalid, image_digests
 from gpusnap.repo.store import pack_path
 
 
@@ -39,7 +40,7 @@ class Snapshot:
         self._images = {im["name"]: im for im in self.manifest["images"]}
         self._image_no = {im["name"]: i for i, im in enumerate(self.manifest["images"])}
         self._loc_mutex = threading.Lock()
-        self._loc = None                  # locations.Locations, False = not usable, None = not tried
+        self._loc = None                  # Locations, False = not usable, None = not tried
         self._built = None                # the one built from the index (reading_locations)
         self.loc_reason: str | None = None
 
@@ -50,14 +51,14 @@ class Snapshot:
         with self._loc_mutex:
             if self._loc is None:
                 try:
-                    loc = locations.Locations.open(self.path, locations.image_digests(self.manifest))
+                    loc = Locations.open(self.path, image_digests(self.manifest))
                     try:
                         locations.check_packs(loc, self.repo.path)
                     except BaseException:
                         loc.close()
                         raise
                     self._loc = loc
-                except locations.LocationsInvalid as e:
+                except LocationsInvalid as e:
                     self._loc = False
                     self.loc_reason = str(e)
             return self._loc or None
@@ -153,7 +154,7 @@ class Snapshot:
         return b"".join(parts), data
 
     # -- the runs readers follow ----------------------------------------------------------
-    def reading_locations(self) -> "locations.Locations":
+    def reading_locations(self) -> "Locations":
         """The locations every read follows: the snapshot's file when usable, else one built
         in memory from the repository index (for a snapshot older than the file, or one whose
         file is damaged or stale). Raises CorruptSnapshot when the index lacks data it needs
@@ -174,8 +175,8 @@ class Snapshot:
                 except OSError as e:
                     raise self.corrupt(f"page list unreadable: {e}") from None
                 try:
-                    built = locations.Locations.from_bytes(data, locations.image_digests(self.manifest))
-                except locations.LocationsInvalid as e:      # (a bug: build() wrote it)
+                    built = Locations.from_bytes(data, image_digests(self.manifest))
+                except LocationsInvalid as e:      # (a bug: build() wrote it)
                     raise self.corrupt(f"locations built from the index unusable: {e}") from None
                 for ph, end in built.iter_packs():
                     try:

@@ -13,6 +13,7 @@ from gpusnap.repo import locations
 from gpusnap.repo.codec import decompress
 from gpusnap.repo.format import (BLOB_HEADER, KIND_DATA, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError,
                                  blob_id, pack_namer, page_id, parse_pack)
+from gpusnap.repo.format.locations import Locations, LocationsInvalid, image_digests
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.repository import Repository, Snapshot
 from gpusnap.repo.store import check_decoded, decode_blob, list_packs, pack_path
@@ -102,13 +103,13 @@ def check_locations(snap, idx) -> tuple[str | None, str | None]:
     with the index (a restore would fail); note: missing/unusable/stale (a restore uses
     the index instead)."""
     try:
-        loc = locations.Locations.open(snap.path, locations.image_digests(snap.manifest))
-    except locations.LocationsInvalid as e:
+        loc = Locations.open(snap.path, image_digests(snap.manifest))
+    except LocationsInvalid as e:
         return None, f"snapshot {snap.path.name}: locations file not used ({e}); restore reads through locations built from the index"
     try:
         try:
             locations.check_packs(loc, snap.repo.path)
-        except locations.LocationsInvalid as e:
+        except LocationsInvalid as e:
             return None, f"snapshot {snap.path.name}: locations file not used ({e}); restore reads through locations built from the index"
         where = {(b.pack, b.offset): b for b in idx.blobs}
         for i, im in enumerate(snap.manifest["images"]):
@@ -142,7 +143,7 @@ def check_locations(snap, idx) -> tuple[str | None, str | None]:
                     pend, ids = pend[k:], ids[k:]
             if pend or next(runs, None) is not None:
                 return f"locations file disagrees with the page list of {im['name']}", None
-    except locations.LocationsInvalid as e:
+    except LocationsInvalid as e:
         return f"locations file damaged: {e}", None
     except CorruptSnapshot as e:
         return str(e), None

@@ -45,7 +45,7 @@ def is_pages_image(filename: str) -> bool:
     return filename.startswith("pages-") and filename.endswith(".img")
 
 
-class _Counters:
+class Counters:
     __slots__ = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw",
                  "bytes_raw", "blobs_total", "blobs_dedup", "blobs_new", "bytes_new_raw", "bytes_new_stored")
 
@@ -75,7 +75,7 @@ class ImageSink:
         self.w = w
         self.filename = filename
         self.no = no
-        self.c = _Counters()
+        self.c = Counters()
         self.size = 0
         self.closed = False
         self.failed = False
@@ -314,7 +314,7 @@ class PagesSink(ImageSink):
         decides from the data it sees; the counters are added up under a lock."""
         q = self._q
         st = _CompressState()
-        c = _Counters()
+        c = Counters()
         try:
             while True:
                 batch = q.get()
@@ -331,7 +331,7 @@ class PagesSink(ImageSink):
                 for k in ("pages_raw", "pages_compressed", "bytes_new_raw", "bytes_new_stored"):
                     setattr(self.c, k, getattr(self.c, k) + getattr(c, k))
 
-    def _store_group(self, st: "_CompressState", c: _Counters, pieces: list, ids: bytes, n: int) -> tuple:
+    def _store_group(self, st: "_CompressState", c: Counters, pieces: list, ids: bytes, n: int) -> tuple:
         """Compress one group (or not): -> the blob for PackWriter.add_many()."""
         raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         w = self.w

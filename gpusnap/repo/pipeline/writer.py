@@ -18,9 +18,9 @@ from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
 from gpusnap.repo.index import write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
-from gpusnap.repo.pipeline.sinks import GROUP_PAGES, DataSink, ImageSink, PagesSink, _Counters, is_pages_image
+from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, DataSink, ImageSink, PagesSink, is_pages_image
 
-__all__ = ["ImageSink", "SnapshotWriter", "is_pages_image"]
+__all__ = ["SnapshotWriter"]
 
 
 class SnapshotWriter:
@@ -49,7 +49,7 @@ class SnapshotWriter:
         self.lock = threading.Lock()
         self.sinks: list[ImageSink] = []
         self.images: dict[str, dict] = {}
-        self.image_counters: list[_Counters] = []
+        self.image_counters: list[Counters] = []
         self.stats: dict = {}
         self.state = "open"
         self._index_dest: Path | None = None   # the dump's index file, once its name is known
@@ -71,8 +71,8 @@ class SnapshotWriter:
         with self.lock:
             self.images[sink.filename] = entry
 
-    def _totals(self) -> _Counters:
-        t = _Counters()
+    def _totals(self) -> Counters:
+        t = Counters()
         for s in self.sinks:
             for k in t.__slots__:
                 setattr(t, k, getattr(t, k) + getattr(s.c, k))

@@ -141,11 +141,11 @@ def _zstd_into(dctx, payload, out, what: str) -> None:
         raise FormatError(f"{what} decompressed to another size than {m} bytes")
 
 
-def decode_shuffled(payload, k: int, raw_len: int) -> bytes:
+def decode_shuffled(payload, k: int, raw_len: int) -> bytearray:
     """Inverse of encode_shuffled; any malformed payload is FormatError."""
     out = bytearray(raw_len)
     decode_shuffled_into(payload, k, raw_len, memoryview(out))
-    return bytes(out)
+    return out
 
 
 def decode_shuffled_into(payload, k: int, raw_len: int, out) -> None:
@@ -240,28 +240,26 @@ def compress(data, codec: int, lz4_first: bool = True) -> tuple[int, bytes]:
     return codec, out
 
 
-def decompress(payload, codec: int, raw_len: int) -> bytes:
+def decompress(payload, codec: int, raw_len: int) -> bytes | bytearray:
     """Decompress exactly raw_len bytes; anything else is FormatError (never a crash or
-    an allocation larger than raw_len)."""
+    an allocation larger than raw_len). zstd and the shuffle codecs decode into a new
+    bytearray (decompress_into), so they return one."""
     if codec == CODEC_NONE:
         if len(payload) != raw_len:
             raise FormatError("stored length differs from raw length")
         return bytes(payload)
-    if codec in SHUFFLE_K:
-        return decode_shuffled(payload, SHUFFLE_K[codec], raw_len)
+    if codec == CODEC_ZSTD or codec in SHUFFLE_K:
+        out = bytearray(raw_len)
+        decompress_into(payload, codec, memoryview(out))
+        return out
     try:
         if codec == CODEC_LZ4:
             out = lz4.block.decompress(payload, uncompressed_size=raw_len)
-        elif codec == CODEC_ZSTD:
-            fcs = zstandard.frame_content_size(payload)
-            if fcs not in (-1, raw_len):
-                raise FormatError("zstd frame declares a different size")
-            out = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
         else:
             raise FormatError(f"unknown codec {codec}")
     except FormatError:
         raise
-    except Exception as e:  # lz4.block.LZ4BlockError, zstandard.ZstdError, ValueError
+    except Exception as e:  # lz4.block.LZ4BlockError, ValueError
         raise FormatError(f"cannot decompress blob: {e}") from None
     if len(out) != raw_len:
         raise FormatError(f"blob decompressed to {len(out)} bytes, expected {raw_len}")

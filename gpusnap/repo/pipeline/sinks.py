@@ -138,7 +138,7 @@ class DataSink(ImageSink):
         self.h.update(data)
         self.buf += data
         while len(self.buf) >= DATA_CHUNK:
-            chunk = bytes(self.buf[:DATA_CHUNK])
+            chunk = bytes(memoryview(self.buf)[:DATA_CHUNK])    # one copy, not slice + bytes
             del self.buf[:DATA_CHUNK]
             self.blobs.append(self._store_data(chunk).hex())
 
@@ -197,9 +197,10 @@ class PagesSink(ImageSink):
             buf += data
             if len(buf) >= BATCH:
                 take = len(buf) - len(buf) % PAGE_SIZE
-                chunk = bytes(buf[:take])
-                del buf[:take]
-                self._process(chunk, take)
+                # _process only reads the batch during the call: hand it the buffer itself
+                # and keep the rest (less than a page) as the new buffer, not a copy of the batch
+                self.buf = buf[take:]
+                self._process(buf, take)
             return
         # No copy of the whole batch: the scan reads the caller's buffer in place (a staging
         # slot, writable) and each new group is copied out of it (_add_new). A read-only view
@@ -372,8 +373,8 @@ class PagesSink(ImageSink):
         buf = self.buf
         if len(buf) >= PAGE_SIZE:
             take = len(buf) - len(buf) % PAGE_SIZE
-            chunk = bytes(buf[:take])
-            del buf[:take]
+            chunk, buf = buf, buf[take:]          # as in _write: no copy of the batch
+            self.buf = buf
             self._process(chunk, take)
         self._flush_group()
         self._hand_over()

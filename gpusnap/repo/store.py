@@ -9,7 +9,9 @@ from pathlib import Path
 
 from gpusnap.repo.codec import decompress, decompress_into
 from gpusnap.repo import native
-from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, Blob, FormatError, blob_id, parse_blob_header
+from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, Blob, FormatError, blob_id, page_id, parse_blob_header
+
+_ZERO_PAGE_ID = page_id(bytes(PAGE_SIZE))
 
 
 def pack_path(root: Path, pack_hash: bytes) -> Path:
@@ -80,6 +82,20 @@ def check_decoded(raw, b: Blob) -> str | None:
     elif blob_id(raw) != b.ids:
         return f"data blob at offset {b.offset} fails its checksum"
     return None
+
+
+
+def decoded_ids(kind: int, n_pages: int, raw) -> bytes:
+    """The ids of a decoded blob, from its content: one native batch scan for pages (a zero
+    page gets format.page_id's id; the writer never groups one, but its id is defined),
+    format.blob_id for data."""
+    if kind != KIND_PAGES:
+        return blob_id(raw)
+    kinds, ids, _ = native.scan(raw, n_pages)
+    for i in range(n_pages):
+        if not kinds[i]:
+            ids[i * PAGE_ID_LEN:(i + 1) * PAGE_ID_LEN] = _ZERO_PAGE_ID
+    return bytes(ids)
 
 
 class BlobReader:

@@ -26,15 +26,13 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from gpusnap.repo import fsutil, native
+from gpusnap.repo import fsutil
 from gpusnap.repo.codec import decompress
-from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, PAGE_ID_LEN, PAGE_SIZE, Blob, FormatError, IndexFile, blob_id, page_id, pack_namer, parse_blob_header, parse_index, parse_pack_header
+from gpusnap.repo.format import BLOB_HEADER, HEX64, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, Blob, FormatError, IndexFile, pack_namer, parse_blob_header, parse_index, parse_pack_header
 from gpusnap.repo.index import RepoIndex, encode_index_file, write_index_file
 from gpusnap.repo.repository import Repository
-from gpusnap.repo.store import list_packs, pack_path
+from gpusnap.repo.store import decoded_ids, list_packs, pack_path
 from gpusnap.repo.trust import quarantine_file
-
-_ZERO_PAGE_ID = page_id(bytes(PAGE_SIZE))
 
 
 @dataclass
@@ -186,16 +184,6 @@ def _walk(fd: int, size: int) -> tuple[list, str | None]:
     return out, problem
 
 
-def _ids_of(h, raw: bytes) -> bytes:
-    if h.kind != KIND_PAGES:
-        return blob_id(raw)
-    kinds, ids, _ = native.scan(raw, h.n_pages)
-    for i in range(h.n_pages):
-        if not kinds[i]:          # (the writer never groups a zero page, but its id is defined)
-            ids[i * PAGE_ID_LEN:(i + 1) * PAGE_ID_LEN] = _ZERO_PAGE_ID
-    return bytes(ids)
-
-
 def _scan_pack(root, ph: bytes, claimed: dict, read_data: bool, rep: RepairReport) -> list[Blob]:
     """The good blobs of one pack, with their ids (module docstring)."""
     name = ph.hex()
@@ -231,7 +219,7 @@ def _scan_pack(root, ph: bytes, claimed: dict, read_data: bool, rep: RepairRepor
                 damaged += 1
                 all_ids.append(None)
                 continue
-            ids = _ids_of(h, raw)
+            ids = decoded_ids(h.kind, h.n_pages, raw)
             all_ids.append(ids)
             if confirmed and ids != cid:
                 damaged += 1          # the name commits to other content: this payload is damaged

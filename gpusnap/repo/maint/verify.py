@@ -11,12 +11,11 @@ import blake3
 from gpusnap.errors import CorruptSnapshot, GpusnapError
 from gpusnap.repo import locations
 from gpusnap.repo.codec import decompress
-from gpusnap.repo.format import (BLOB_HEADER, KIND_DATA, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, PAGE_SIZE, FormatError,
-                                 blob_id, pack_namer, page_id, parse_pack)
+from gpusnap.repo.format import BLOB_HEADER, KIND_DATA, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, FormatError, pack_namer, parse_pack
 from gpusnap.repo.format.locations import Locations, LocationsInvalid, image_digests
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.repository import Repository, Snapshot
-from gpusnap.repo.store import check_decoded, decode_blob, list_packs, pack_path
+from gpusnap.repo.store import check_decoded, decode_blob, decoded_ids, list_packs, pack_path
 
 
 @dataclass
@@ -84,11 +83,7 @@ def _name_matches(data, walked, ph: bytes, recs) -> bool:
                 except FormatError:
                     ok = False
                     break
-                if bh.kind == KIND_PAGES:
-                    mv = memoryview(raw)
-                    ids = b"".join(page_id(mv[s * PAGE_SIZE:(s + 1) * PAGE_SIZE]) for s in range(bh.n_pages))
-                else:
-                    ids = blob_id(raw)
+                ids = decoded_ids(bh.kind, bh.n_pages, raw)     # one native batch scan for pages
             h.update(data[off:off + BLOB_HEADER.size])
             h.update(ids)
         if ok:

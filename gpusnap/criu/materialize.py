@@ -163,24 +163,30 @@ def write_images(snap, d: Path, threads: int | None = None, progress=None, total
     stop = threading.Event()
     done = [0]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-materialize") as ex:
-        futs = [ex.submit(repo_materialize.write_images, snap, d, threads, stop, done)]
-        if progress:
-            while wait(futs, timeout=0.1).not_done:
-                progress(min(done[0], total), total)
-        first: BaseException | None = None
-        written = 0
-        for f in futs:
-            try:
-                written += f.result()
-            except BaseException as e:  # noqa: BLE001 - the first failure wins, the rest stop
-                stop.set()
-                if first is None:
-                    first = e
-        if first is not None:
-            if isinstance(first, OSError) and first.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise NoSpace(f"no room to write the snapshot's images into {d.parent}",
-                              hint="free some space (or memory, for /dev/shm), or restore with --via stream")
-            if isinstance(first, GpusnapError):
+        try:
+            futs = [ex.submit(repo_materialize.write_images, snap, d, threads, stop, done)]
+            if progress:
+                while wait(futs, timeout=0.1).not_done:
+                    progress(min(done[0], total), total)
+            first: BaseException | None = None
+            written = 0
+            for f in futs:
+                try:
+                    written += f.result()
+                except BaseException as e:  # noqa: BLE001 - the first failure wins, the rest stop
+                    stop.set()
+                    if first is None:
+                        first = e
+            if first is not None:
+                if isinstance(first, OSError) and first.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise NoSpace(f"no room to write the snapshot's images into {d.parent}",
+                                  hint="free some space (or memory, for /dev/shm), or restore with --via stream")
+                if isinstance(first, GpusnapError):
+                    raise first
                 raise first
-            raise first
+        except BaseException:
+            # a SIGTERM (_Term) or a progress failure in the wait above: stop the writer
+            # before the executor's shutdown waits for it, or every image is written first
+            stop.set()
+            raise
     return written

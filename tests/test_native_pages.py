@@ -159,7 +159,7 @@ def test_the_checkout_library_loads():
 def test_writer_native_and_reference_write_identical_snapshots(tmp_path, monkeypatch):
     """Same images through the native page functions and through the reference: same page
     lists, same packs (names are content hashes), and each reads back."""
-    from gpusnap.repo import Repository, repository
+    from gpusnap.repo import Repository
     from gpusnap.repo.pipeline import sinks
     rnd = random.Random(5)
     base = os.urandom(300 * PAGE)

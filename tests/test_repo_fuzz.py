@@ -4,7 +4,6 @@ import io
 import json
 
 import blake3
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpusnap.repo import format as F

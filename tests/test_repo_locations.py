@@ -15,7 +15,6 @@ from gpusnap.repo import Repository
 from gpusnap.repo import locations as L
 from gpusnap.repo.format import locations as LF
 from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
-from gpusnap.repo.store import pack_path
 from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
 

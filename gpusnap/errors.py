@@ -184,6 +184,10 @@ class InterruptedAfterCommit(GpusnapError):
     exit_code = 28
     title = "interrupted after the commit"
 
+    def __init__(self, message: str, hint: str | None = None, snapshot: str | None = None):
+        super().__init__(message, hint)
+        self.snapshot = snapshot          # the committed snapshot's directory
+
 
 class AccessDenied(GpusnapError):
     """This user may not read or change the repository (or file): usually another user's."""

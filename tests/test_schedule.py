@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, ROOT, run_gpusnap, run_json
+from conftest import PY, ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.ops import cronexpr, schedule, validate
 from gpusnap.errors import ProcessNotFound, UsageError
 
@@ -325,3 +325,31 @@ def test_not_root_gets_an_error_not_a_traceback(tmp_path):
                        capture_output=True, text=True, env={**os.environ, **env}, cwd="/")
     assert p.returncode == 3 and "Traceback" not in p.stderr and "sudo" in p.stderr, p.stderr
     assert not os.path.exists("/etc/gpusnap-test-not-writable")
+
+
+def test_a_run_interrupted_after_the_commit_logs_the_kept_snapshot(sched_env, sample_job, repo, reference):
+    """A TERM after the commit point (fault hook, docs/faults.md): the log line says the
+    snapshot is kept (not "failed"), names it, and that snapshot restores to the result of an
+    uninterrupted run."""
+    kw = dict(steps=300, mb=8, threads=1)
+    expected = reference(**kw)
+    job = sample_job(**kw, step_ms=20)
+    job.wait_steps(3)
+    p = run_gpusnap("schedule", "add", "--match", f"gpusnap.samples.job {job.out}", "--name", "cut",
+                    "--every", "5m", "--repo", repo, env=sched_env)
+    assert p.returncode == 0, p.stderr
+    s = schedule.load("cut")
+    r = subprocess.run(["sh", "-c", _cron_command(s.path)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "GPUSNAP_FAULT": "commit:snapshot-renamed:TERM"})
+    assert r.returncode == 28, r.stderr
+    [rec] = [json.loads(ln) for ln in open(s.log).read().splitlines()]
+    assert rec["outcome"] == "interrupted-after-commit" and rec["exit_code"] == 28
+    [listed] = run_json("ls", "--repo", repo)["snapshots"]
+    assert rec["snapshot"] == listed["path"]
+    assert run_json("schedule", "ls", env=sched_env)["schedules"][0]["result"] == "interrupted-after-commit"
+    job.kill()
+    try:
+        assert run_json("restore", "cut", "--repo", repo)["pid"] == job.pid
+        assert job.result() == expected
+    finally:
+        kill_pids(job.pids)

@@ -143,7 +143,7 @@ def _interrupted_after_commit(req: DumpRequest, snap, retention_started: bool) -
         parts.append("--keep-last retention did not finish" if retention_started
                      else "--keep-last retention did not run")
         hint += f"; prune with `gpusnap prune --keep-last {req.keep_last} --name {snap.name}`"
-    return InterruptedAfterCommit("; ".join(parts), hint=hint)
+    return InterruptedAfterCommit("; ".join(parts), hint=hint, snapshot=str(snap.path))
 
 
 class _Terminate(BaseException):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from gpusnap.ops import cronexpr, validate
-from gpusnap.errors import GpusnapError, ProcessNotFound
+from gpusnap.errors import GpusnapError, InterruptedAfterCommit, ProcessNotFound
 from gpusnap.ops.schedule.backends import detect_scheduler, legacy_cron_files
 from gpusnap.ops.schedule.record import Schedule, list_schedules, load, private_dir
 
@@ -85,6 +85,11 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     except ProcessNotFound as e:
         error = e
         rec["outcome"] = "no-job"
+    except InterruptedAfterCommit as e:
+        # the snapshot is committed and restorable: not a failed run, nor a clean one
+        error = e
+        rec["outcome"] = "interrupted-after-commit"
+        rec["snapshot"] = e.snapshot
     except GpusnapError as e:
         error = e
         rec["outcome"] = "failed"

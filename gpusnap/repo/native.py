@@ -308,6 +308,7 @@ DECODE_FORMAT = -2   # message: what is wrong (a FormatError's text)
 DECODE_PAGE = -3     # detail: the job's first page that fails its checksum
 DECODE_ARGS = -4
 DECODE_NOMEM = -5
+DECODE_CODEC = -6    # message: why the payload does not decode (the C libraries' words)
 _MSG_LEN = 256
 _tls = threading.local()
 

@@ -265,7 +265,23 @@ def _decode_call(snap, name: str, job: Job, reader: RunReader, a: array, packs: 
     pack = reader.pack_name(packs[piece])
     if code == native.DECODE_IO:
         raise snap.corrupt(f"{name}: {OSError(detail, os.strerror(detail))}", pack)
+    if code == native.DECODE_CODEC:
+        msg = _reference_error(reader, pack, a[piece * native.PIECE_FIELDS + 2:piece * native.PIECE_FIELDS + 8]) or msg
     raise snap.corrupt(f"{name}: {msg}", pack)
+
+
+def _reference_error(reader: RunReader, pack: bytes, rec) -> str | None:
+    """Why the Python decoder (store.BlobReader, which verify and export use) refuses the
+    blob whose payload the native one could not decode, so both say it in the same words
+    (the C libraries word their reasons differently from python-zstandard); None when it
+    does not refuse it. Only ever on this error path."""
+    try:
+        reader.br.read_at(pack, *rec)
+    except FormatError as e:
+        return str(e)
+    except OSError:
+        return None
+    return None
 
 
 def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:

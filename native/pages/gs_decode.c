@@ -11,7 +11,9 @@
  * buffer is touched, a zstd frame must produce exactly the expected bytes (a frame that
  * declares another size is refused), lz4 must produce exactly raw_len, and the shuffle
  * codecs' plane lengths must tile the payload. Errors come back as a code, the failing
- * piece (or page) and, for format errors, the message the Python decoder would give.
+ * piece (or page) and, for format errors, the message the Python decoder gives (for a
+ * payload that does not decode, GS_DEC_CODEC, the libraries' reasons may be worded
+ * differently from python-zstandard's: the caller asks the Python decoder for its words).
  *
  * Scratch buffers and the zstd context are per thread (kept between calls, freed when the
  * thread exits): no allocation per blob.
@@ -54,6 +56,7 @@
 #define GS_DEC_PAGE (-3)   /* err[1] = index of the first page failing its checksum */
 #define GS_DEC_ARGS (-4)   /* the caller's arrays are inconsistent (a bug, not the disk) */
 #define GS_DEC_NOMEM (-5)
+#define GS_DEC_CODEC (-6)  /* the payload does not decode: msg = why (wording of its own) */
 
 #define GS_PIECE_FIELDS 11 /* fd, key, offset, kind, codec, n_pages, raw_len, stored_len, slot, count, dst */
 
@@ -207,7 +210,9 @@ static int read_fully(int fd, struct iovec *iov, int niov, size_t want, int64_t 
 static int zstd_exact(struct gs_err *e, ZSTD_DCtx *d, const uint8_t *src, size_t n, uint8_t *dst, size_t m,
                       const char *what) {
   unsigned long long fcs = ZSTD_getFrameContentSize(src, n);
-  if (fcs != ZSTD_CONTENTSIZE_UNKNOWN && fcs != ZSTD_CONTENTSIZE_ERROR && fcs != m)
+  if (fcs == ZSTD_CONTENTSIZE_ERROR)
+    return fmt_err(e, "cannot decompress %s: error when determining content size", what);
+  if (fcs != ZSTD_CONTENTSIZE_UNKNOWN && fcs != m)
     return fmt_err(e, "zstd frame of %s declares a different size", what);
   size_t r = ZSTD_decompressDCtx(d, dst, m, src, n);
   if (ZSTD_isError(r)) {
@@ -291,8 +296,8 @@ static int decode(struct gs_err *e, struct gs_tls *t, unsigned codec, const uint
  * token: names the caller's reader (its keys): the last blob decoded for a partial piece
  * is kept for the next call of the same token in this thread; 0 keeps nothing.
  * Returns GS_DEC_OK or a GS_DEC_* code with err[0] = the failing piece (-1 for none),
- * err[1] = errno (GS_DEC_IO) or the failing page (GS_DEC_PAGE), and for GS_DEC_FORMAT the
- * message in msg (NUL-terminated, cut to msg_len). */
+ * err[1] = errno (GS_DEC_IO) or the failing page (GS_DEC_PAGE), and for GS_DEC_FORMAT and
+ * GS_DEC_CODEC the message in msg (NUL-terminated, cut to msg_len). */
 GS_EXPORT int gs_decode_job(const int64_t *pieces, size_t npieces, uint8_t *buf, size_t buf_len, size_t npages,
                             const uint8_t *ids, const uint8_t *kinds, int64_t token, int64_t *err, char *msg,
                             size_t msg_len) {
@@ -366,12 +371,12 @@ GS_EXPORT int gs_decode_job(const int64_t *pieces, size_t npieces, uint8_t *buf,
     if (whole) {
       rc = decode(&e, t, (unsigned)codec, t->in + GS_HDR, sl, rl, dst);
       if (rc)
-        return rc;
+        return GS_DEC_CODEC;
     } else {
       t->key = t->off = -1;
       rc = decode(&e, t, (unsigned)codec, t->in + GS_HDR, sl, rl, t->out);
       if (rc)
-        return rc;
+        return GS_DEC_CODEC;
       t->token = token;
       t->key = key;
       t->off = off;

@@ -19,8 +19,8 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-from array import array
 import threading
+from array import array
 from pathlib import Path
 from typing import Iterator
 
@@ -34,7 +34,7 @@ from gpusnap.repo.store import BlobReader, pack_path
 
 PREFETCH_MIN = 8 << 20     # pages images at least this big are read ahead in a thread
 PREFETCH_DEPTH = 3         # chunks (<= 1 MiB each) read ahead
-PAGE_FDS = 64              # pack fds a RunReader keeps open for pages (more only inside one job)
+PAGE_FDS = 16              # pack fds a RunReader keeps open for pages (a job needing more is decoded in parts)
 
 _tokens = itertools.count(1)
 

@@ -16,6 +16,9 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
                               -> sampled order-0 entropy (milli-bits per byte) of each plane:
                                  plane p's samples are buf[p*plane_stride + j*step], j < count
     table_*                   the page-id table of a dump (gs_table.c, used by pipeline/pagetable.py)
+    decode_job(pieces, npieces, buf, npages, ids, kinds, token)
+                              -> None or (code, piece, detail, message): one job of the read path
+                                 (gs_decode.c, used by repo/reader.py assemble)
 
 The library is found at $GPUSNAP_NATIVE_LIB (a build outside the checkout, as
 scripts/gpu-e2e.sh runs it), else <source root>/build/lib/libgpusnap_pages.so, else
@@ -35,7 +38,7 @@ from gpusnap.errors import NativeLibraryMissing
 
 PAGE_SIZE = 4096
 ID_LEN = 16
-ABI_VERSION = 3                  # gs_abi_version() of the library this code binds
+ABI_VERSION = 4                  # gs_abi_version() of the library this code binds
 SHUFFLE_PORTABLE = 1             # flags for shuffle/unshuffle: force the portable C code (tests)
 
 _LIB_NAME = "libgpusnap_pages.so"
@@ -59,6 +62,7 @@ _SIGNATURES = {
     "gs_table_add_runs": ([_vp, _vp, _sz, _vp, _vp], ctypes.c_long),
     "gs_table_get": ([_vp, _vp, _sz, _vp], None),
     "gs_table_claim": ([_vp, _vp, _vp, _vp, _sz, _i64, _vp], ctypes.c_long),
+    "gs_decode_job": ([_vp, _sz, _vp, _sz, _sz, _vp, _vp, _i64, _vp, _vp, _sz], ctypes.c_int),
 }
 
 
@@ -295,3 +299,54 @@ def table_claim(known: int | None, claimed: int, kinds, ids, npages: int, value:
     r = _lib.gs_table_claim(known, claimed, ka, ia, npages, value, out_addr)
     del kkeep, ikeep
     return _checked(r)
+
+
+# -- the read path's decode loop (native/pages/gs_decode.c) -----------------------------------
+PIECE_FIELDS = 11    # per piece: fd, key, offset, kind, codec, n_pages, raw_len, stored_len, slot, count, dst
+DECODE_IO = -1       # detail: errno
+DECODE_FORMAT = -2   # message: what is wrong (a FormatError's text)
+DECODE_PAGE = -3     # detail: the job's first page that fails its checksum
+DECODE_ARGS = -4
+DECODE_NOMEM = -5
+DECODE_CODEC = -6    # message: why the payload does not decode (the C libraries' words)
+_MSG_LEN = 256
+_tls = threading.local()
+
+
+def decode_job(pieces, npieces: int, buf, npages: int, ids, kinds, token: int = 0):
+    """Decode the job's pieces into buf and check its npages pages (gs_decode_job).
+    pieces: a buffer of npieces * PIECE_FIELDS int64 (e.g. array('q')), key = the pack's
+    number for `token` (a reader's own non-zero number: the last blob decoded for part of
+    a job is kept per thread for that token's next job; 0 keeps nothing); buf: the job's
+    writable buffer; ids/kinds: as verify() takes them. -> None when every piece decoded and
+    every page matched, else (code, piece index or -1, errno / page index, message).
+    ValueError for arguments that do not fit together, MemoryError when out of memory."""
+    lib = _lib or load()
+    mv = memoryview(buf)
+    if mv.readonly or not mv.c_contiguous:
+        raise ValueError("output must be a writable contiguous buffer")
+    if len(pieces) * memoryview(pieces).itemsize < npieces * PIECE_FIELDS * 8:
+        raise ValueError("pieces shorter than npieces")
+    if npages and (len(ids) < npages * ID_LEN or len(kinds) < npages):
+        raise ValueError("ids or kinds shorter than npages")
+    st = getattr(_tls, "st", None)
+    if st is None:
+        st = _tls.st = ((ctypes.c_int64 * 2)(), ctypes.create_string_buffer(_MSG_LEN))
+    err, msg = st
+    n = mv.nbytes
+    if not n:
+        return None if not npieces else (DECODE_ARGS, 0, 0, "")
+    bc = (ctypes.c_char * n).from_buffer(mv)
+    pa, pkeep = _addr(pieces)
+    ia, ikeep = _addr(ids) if npages else (None, None)
+    ka, kkeep = _addr(kinds) if npages else (None, None)
+    rc = lib.gs_decode_job(pa, npieces, bc, n, npages, ia, ka, token, err, msg, _MSG_LEN)
+    del bc, pkeep, ikeep, kkeep
+    mv.release()
+    if rc == 0:
+        return None
+    if rc == DECODE_ARGS:
+        raise ValueError(f"decode_job: piece {err[0]} does not fit the buffer")
+    if rc == DECODE_NOMEM:
+        raise MemoryError("decode_job scratch buffers")
+    return rc, err[0], err[1], msg.value.decode("utf-8", "replace")

@@ -2,9 +2,10 @@
 
 plan() walks an image's page list alongside its runs (metadata only, no pack is read) and
 cuts the image into jobs of at most `job_bytes`, each with its place in the output;
-assemble() reads a job's blobs, lays the pages, zero pages and tail out in one buffer and
-checks every page against its id from the page list (one native call, without the GIL)
-and every data blob against its blake3. Sequential reading (read_image: restore's stream
+assemble() hands a job's pages blobs to one native call (native.decode_job, without the
+GIL: each blob read, its header checked, decoded into place, then every page checked
+against its id from the page list), lays the tail out after them and checks every data
+blob against its blake3. Sequential reading (read_image: restore's stream
 feed, export, describe) and the parallel materializer (repo/materialize.py, worker
 threads) run exactly these two functions; they differ only in job size and scheduling.
 
@@ -15,22 +16,27 @@ Nothing read is trusted: a wrong run gives a checksum failure, never a wrong byt
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
+from array import array
 from pathlib import Path
 from typing import Iterator
 
 import blake3
 
 from gpusnap.repo import native
-from gpusnap.repo.format import (BLOB_HEADER, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
+from gpusnap.repo.format import (KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
                                  READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
 from gpusnap.repo.format.locations import Locations, LocationsInvalid
-from gpusnap.repo.store import BlobReader
+from gpusnap.repo.store import BlobReader, pack_path
 
 PREFETCH_MIN = 8 << 20     # pages images at least this big are read ahead in a thread
 PREFETCH_DEPTH = 3         # chunks (<= 1 MiB each) read ahead
+PAGE_FDS = 16              # pack fds a RunReader keeps open for pages (a job needing more is decoded in parts)
+
+_tokens = itertools.count(1)
 
 
 class Job:
@@ -50,19 +56,38 @@ class Job:
 
 
 class RunReader:
-    """Reads the blobs runs point to (one per reading thread): open pack fds and a small
-    FIFO of decompressed blobs, keyed by (pack_no, offset)."""
+    """Reads the blobs runs point to (one per reading thread): open pack fds by pack
+    number for the native decoder of pages (which keeps the last blob it decoded for part
+    of a job for this reader's next job: `token`), and for data blobs a BlobReader and a
+    small FIFO of them, keyed by (pack_no, offset)."""
 
     def __init__(self, root: Path, loc: Locations, cache_blobs: int = 32):
+        self.root = root
         self.loc = loc
         self.br = BlobReader(root)
         self.cache: dict = {}
         self.cache_blobs = cache_blobs
         self.names: dict[int, bytes] = {}
+        self.fds: dict[int, int] = {}
+        self.token = next(_tokens)
 
     def close(self) -> None:
         self.br.close()
         self.cache.clear()
+        self.close_fds()
+
+    def close_fds(self) -> None:
+        for fd in self.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds.clear()
+
+    def open_pack(self, pack_no: int) -> int:
+        """An open fd of the pack (kept until close_fds). Raises OSError."""
+        fd = self.fds[pack_no] = os.open(pack_path(self.root, self.pack_name(pack_no)), os.O_RDONLY | os.O_CLOEXEC)
+        return fd
 
     def pack_name(self, pack_no: int) -> bytes:
         n = self.names.get(pack_no)
@@ -176,18 +201,6 @@ def _blob(snap, name: str, reader: RunReader, r) -> bytes:
         raise snap.corrupt(f"{name}: {e}", reader.pack_name(r[0])) from None
 
 
-def _decode_into(snap, name: str, reader: RunReader, r, out) -> None:
-    """The blob of run r read, its header checked against the run (as BlobReader.read_at
-    does), and decompressed into out, a view of exactly its raw length."""
-    pack = reader.pack_name(r[0])
-    try:
-        reader.br.read_at(pack, r[1], r[2], r[3], r[4], r[5], r[6], out)
-    except FileNotFoundError:
-        raise snap.corrupt(f"{name}: pack missing", pack) from None
-    except (OSError, FormatError) as e:
-        raise snap.corrupt(f"{name}: {e}", pack) from None
-
-
 def _data_blob(snap, name: str, reader: RunReader, r, bid: bytes) -> bytes:
     data = _blob(snap, name, reader, r)
     if blob_id(data) != bid:
@@ -206,48 +219,85 @@ def _pack_of_page(job: Job, reader: RunReader, page: int) -> bytes | None:
     return None
 
 
+def _decode_pages(snap, name: str, job: Job, reader: RunReader, buf: bytearray) -> None:
+    """The job's pages runs decoded into buf and every page checked: one native call
+    (more only when the job needs more than PAGE_FDS packs open at once)."""
+    fds = reader.fds
+    if len(fds) > PAGE_FDS:
+        reader.close_fds()
+    a = array("q")
+    packs: list[int] = []           # pack number of each piece in `a` (for error messages)
+    pos = 0
+    for p in job.pieces:
+        if p[0] == "r":
+            r = p[1]
+            pn = r[0]
+            fd = fds.get(pn)
+            if fd is None:
+                if len(fds) >= PAGE_FDS and packs:
+                    _decode_call(snap, name, job, reader, a, packs, buf, False)
+                    a = array("q")
+                    packs = []
+                    reader.close_fds()
+                try:
+                    fd = reader.open_pack(pn)
+                except FileNotFoundError:
+                    raise snap.corrupt(f"{name}: pack missing", reader.pack_name(pn)) from None
+                except OSError as e:
+                    raise snap.corrupt(f"{name}: {e}", reader.pack_name(pn)) from None
+            a.extend((fd, pn, r[1], r[2], r[3], r[4], r[5], r[6], p[2], p[3], pos))
+            packs.append(pn)
+            pos += p[3] * PAGE_SIZE
+        elif p[0] == "z":
+            pos += p[1]
+    _decode_call(snap, name, job, reader, a, packs, buf, True)
+
+
+def _decode_call(snap, name: str, job: Job, reader: RunReader, a: array, packs: list, buf, check: bool) -> None:
+    npages = job.npages if check else 0
+    ids = b"".join(job.ids) if npages else b""
+    bad = native.decode_job(a, len(packs), buf, npages, ids, job.kinds, reader.token)
+    if bad is None:
+        return
+    code, piece, detail, msg = bad
+    if code == native.DECODE_PAGE:
+        raise snap.corrupt(f"a page of {name} fails its checksum", _pack_of_page(job, reader, detail))
+    pack = reader.pack_name(packs[piece])
+    if code == native.DECODE_IO:
+        raise snap.corrupt(f"{name}: {OSError(detail, os.strerror(detail))}", pack)
+    if code == native.DECODE_CODEC:
+        msg = _reference_error(reader, pack, a[piece * native.PIECE_FIELDS + 2:piece * native.PIECE_FIELDS + 8]) or msg
+    raise snap.corrupt(f"{name}: {msg}", pack)
+
+
+def _reference_error(reader: RunReader, pack: bytes, rec) -> str | None:
+    """Why the Python decoder (store.BlobReader, which verify and export use) refuses the
+    blob whose payload the native one could not decode, so both say it in the same words
+    (the C libraries word their reasons differently from python-zstandard); None when it
+    does not refuse it. Only ever on this error path."""
+    try:
+        reader.br.read_at(pack, *rec)
+    except FormatError as e:
+        return str(e)
+    except OSError:
+        return None
+    return None
+
+
 def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
     """The job's bytes, every page and the tail checked; None for a job of zero pages only."""
     if not job.data:
         return None
     buf = bytearray(job.size)
-    mv = memoryview(buf)
-    pos = 0
-    for p in job.pieces:
-        if p[0] == "r":
-            r = p[1]
-            n = p[3] * PAGE_SIZE
-            s = p[2] * PAGE_SIZE
-            if r[3] == CODEC_NONE:
-                # stored raw: read the pages straight into place (one copy instead of three);
-                # the page checks below catch anything the run might point at wrongly
-                pack = reader.pack_name(r[0])
-                try:
-                    got = os.preadv(reader.br.fd(pack), [mv[pos:pos + n]], r[1] + BLOB_HEADER.size + s)
-                except FileNotFoundError:
-                    raise snap.corrupt(f"{name}: pack missing", pack) from None
-                except OSError as e:
-                    raise snap.corrupt(f"{name}: {e}", pack) from None
-                if got != n:
-                    raise snap.corrupt(f"{name}: pack truncated", pack)
-            elif s == 0 and n == r[5] and (r[0], r[1]) not in reader.cache:
-                # the whole blob: decoded straight into place (no bytes of it, no copy)
-                _decode_into(snap, name, reader, r, mv[pos:pos + n])
-            else:
-                mv[pos:pos + n] = memoryview(_blob(snap, name, reader, r))[s:s + n]
-            pos += n
-        elif p[0] == "z":
-            pos += p[1]
-        else:
-            data = _data_blob(snap, name, reader, p[1], p[2])
-            if len(data) != p[3]:
-                raise snap.corrupt(f"tail of {name} has the wrong length")
-            mv[pos:pos + len(data)] = data
-            pos += len(data)
     if job.npages:
-        bad = native.verify(buf, job.npages, b"".join(job.ids), job.kinds)
-        if bad >= 0:
-            raise snap.corrupt(f"a page of {name} fails its checksum", _pack_of_page(job, reader, bad))
+        _decode_pages(snap, name, job, reader, buf)
+    p = job.pieces[-1]
+    if p[0] == "d":                 # the tail: last in a job, after every page
+        data = _data_blob(snap, name, reader, p[1], p[2])
+        if len(data) != p[3]:
+            raise snap.corrupt(f"tail of {name} has the wrong length")
+        pos = job.size - p[3]
+        buf[pos:job.size] = data
     return buf
 
 

@@ -27,8 +27,9 @@
 
 _Static_assert(GS_CHUNKS == 4, "a page is 4 BLAKE3 chunks");
 
-/* 3: every gs_* function of native/pages in one library (gpusnap/repo/native.py ABI_VERSION) */
-GS_EXPORT int gs_abi_version(void) { return 3; }
+/* 4: every gs_* function of native/pages in one library, gs_decode_job included
+ * (gpusnap/repo/native.py ABI_VERSION) */
+GS_EXPORT int gs_abi_version(void) { return 4; }
 
 static bool page_is_zero(const uint8_t *p) {
   static const uint8_t zero[GS_PAGE];

@@ -1,0 +1,375 @@
+"""The read path's native decode loop (native/pages/gs_decode.c through reader.assemble):
+real repositories written with every codec read back to exactly the original bytes by the
+sequential reader and the parallel materializer, and damaged blobs refused with exactly the
+error the pure-Python decoder (store.BlobReader.read_at, which verify/prune/export use)
+gives for the same blob, never a crash."""
+
+import os
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from gpusnap.errors import CorruptSnapshot
+from gpusnap.repo import Repository, materialize, native
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODEC_ZSTD, KIND_PAGES, FormatError
+from gpusnap.repo.store import BlobReader, pack_path
+from repo_helpers import PAGE, dump, read_all
+
+CODECS = ["none", "lz4", "zstd", "shuffle4-zstd", "shuffle2-zstd", "auto"]
+CODEC_IDS = {"none": CODEC_NONE, "lz4": CODEC_LZ4, "zstd": CODEC_ZSTD, "shuffle4-zstd": CODEC_SHUF4_ZSTD,
+             "shuffle2-zstd": CODEC_SHUF2_ZSTD}
+IMG = "pages-1.img"
+
+
+def _pages():
+    """Zero-heavy, text, fp32 weights, fp16 and random pages, with zero pages between."""
+    rng = np.random.default_rng(5)
+    fp32 = rng.standard_normal(PAGE * 70 // 4).astype(np.float32).tobytes()
+    fp16 = rng.standard_normal(PAGE * 40 // 2).astype(np.float16).tobytes()
+    sparse = bytearray(PAGE * 50)
+    for i in range(0, len(sparse), 700):
+        sparse[i:i + 9] = rng.bytes(9)
+    rnd = rng.bytes(PAGE * 30)
+    text = (b"tensor weight grad loss " * 2000)[:PAGE * 20]
+    # compressible pages first: after groups that do not compress the writer stops trying a while
+    return bytes(sparse) + text + bytes(PAGE * 3) + fp32 + bytes(PAGE * 5) + fp16 + rnd
+
+
+BASE = _pages()
+
+
+def _variant(base: bytes) -> bytes:
+    """Pages of base in another order and cut at other places (runs into the middle of its
+    blobs), new pages, and a tail that is not a whole page."""
+    pg = [base[i:i + PAGE] for i in range(0, len(base), PAGE)]
+    rng = np.random.default_rng(9)
+    out = pg[3:41] + [rng.bytes(PAGE)] + pg[100:97:-1] + pg[150:170] + pg[7:9] + [bytes(PAGE)] + pg[60:130]
+    return b"".join(out) + b"tail of the image"
+
+
+def _read_every_way(snap, name, threads=2):
+    """The image as read by each path: sequential, materialized to files, parallel stream."""
+    seq = read_all(snap, name)
+    out = snap.path.parent.parent / f"out-{snap.path.name}-{threads}"
+    out.mkdir(mode=0o700)
+    materialize.write_images(snap, out, threads, threading.Event(), [0])
+    files = (out / name).read_bytes()
+    par = b"".join(materialize.iter_image_parallel(snap, name, threads))
+    return seq, files, par
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_codec_reads_back_exactly(tmp_path, monkeypatch, codec):
+    """Both snapshots read back exactly, also with jobs that cut blobs in two (5 pages: the
+    writer's blobs are 16) and one worker, so the blob kept between two jobs is used."""
+    monkeypatch.setattr(materialize, "JOB_BYTES", 5 * PAGE)
+    repo = Repository.open(tmp_path / "repo", create=True)
+    img2 = _variant(BASE)
+    s1, _ = dump(repo, {IMG: BASE, "core-1.img": b"core" * 100}, name="one", compress=codec)
+    s2, _ = dump(repo, {IMG: img2}, name="two", compress=codec)
+    used = {r[3] for r in s1.reading_locations().iter_runs(s1.image_no(IMG))}
+    if codec in CODEC_IDS:
+        assert used <= {CODEC_IDS[codec], CODEC_NONE} and (codec == "none" or CODEC_IDS[codec] in used), used
+    else:
+        assert {CODEC_LZ4, CODEC_SHUF4_ZSTD} <= used, used      # auto chose per blob
+    runs2 = list(s2.reading_locations().iter_runs(s2.image_no(IMG)))
+    assert any(r[7] != 0 or r[8] != r[4] for r in runs2 if r[2] == KIND_PAGES)   # partial blobs
+    for s, img in ((s1, BASE), (s2, img2)):
+        for got in _read_every_way(s, IMG):
+            assert got == img
+        seq, files, par = _read_every_way(s, IMG, threads=1)
+        assert files == img and par == img
+    assert read_all(s1, "core-1.img") == b"core" * 100
+
+
+def test_jobs_over_many_packs_decode_in_parts(tmp_path, monkeypatch):
+    """A job whose pages lie in more packs than a reader keeps open is decoded in parts
+    (here: one pack at a time), to the same bytes, and its pages are still all checked."""
+    from gpusnap.repo import reader
+
+    monkeypatch.setattr(reader, "PAGE_FDS", 1)
+    monkeypatch.setattr(materialize, "JOB_BYTES", 64 * PAGE)
+    repo = Repository.open(tmp_path / "repo", create=True)
+    img2 = _variant(BASE)
+    dump(repo, {IMG: BASE}, name="one", compress="auto")
+    s2, _ = dump(repo, {IMG: img2}, name="two", compress="auto")
+    loc = s2.reading_locations()
+    assert len({r[0] for r in loc.iter_runs(s2.image_no(IMG))}) >= 2
+    for got in _read_every_way(s2, IMG):
+        assert got == img2
+    # a damaged page in the first part is still found by the check at the end of the job
+    pp, name, r = _runs(s2, CODEC_NONE)[0]
+    _patch(pp, r[1] + 16 + r[7] * PAGE + 5, b"\x99")
+    with pytest.raises(CorruptSnapshot, match=f"a page of {IMG} fails its checksum") as e:
+        read_all(Repository.open(repo.path).snapshot(s2.path.name), IMG)
+    assert str(pp) in str(e.value)
+
+
+# -- damage --------------------------------------------------------------------------------
+def _runs(snap, codec=None):
+    """[(pack path, pack name, run)] of the image's pages runs (stored with codec)."""
+    loc = snap.reading_locations()
+    out = []
+    for r in loc.iter_runs(snap.image_no(IMG)):
+        if r[2] == KIND_PAGES and (codec is None or r[3] == codec):
+            name = loc.pack(r[0])[0]
+            out.append((pack_path(snap.repo.path, name), name, r))
+    return out
+
+
+def _patch(path, offset, data: bytes):
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _reference(repo, name, r) -> str:
+    """What the pure-Python decoder says about this blob: its FormatError, or, when it
+    decodes, the page checksum failure that follows."""
+    br = BlobReader(repo.path)
+    try:
+        br.read_at(name, r[1], r[2], r[3], r[4], r[5], r[6])
+    except FormatError as e:
+        return f"{IMG}: {e}"
+    finally:
+        br.close()
+    return f"a page of {IMG} fails its checksum"
+
+
+def _refused_alike(snap, pp, name, r, parallel_exact=True, fresh=True):
+    """Every read path refuses the image with the Python decoder's message and the pack.
+    fresh=False: read through `snap` itself (its packs were checked before the damage)."""
+    want = f"damaged: {_reference(snap.repo, name, r)} (pack {pp})"
+    s = Repository.open(snap.repo.path).snapshot(snap.path.name) if fresh else snap
+    with pytest.raises(CorruptSnapshot) as e:
+        read_all(s, IMG)
+    assert want in str(e.value)
+    for threads in (1, 3):
+        out = snap.path.parent.parent / f"out-{threads}-{os.urandom(4).hex()}"
+        out.mkdir(mode=0o700)
+        with pytest.raises(CorruptSnapshot) as e:
+            materialize.write_images(s, out, threads, threading.Event(), [0])
+        assert (want if parallel_exact else str(pp)) in str(e.value)
+        with pytest.raises(CorruptSnapshot) as e:
+            b"".join(materialize.iter_image_parallel(s, IMG, threads))
+        assert (want if parallel_exact else str(pp)) in str(e.value)
+    return want
+
+
+@pytest.fixture
+def small_jobs(monkeypatch):
+    monkeypatch.setattr(materialize, "JOB_BYTES", 7 * PAGE)
+
+
+def _snap(tmp_path, codec):
+    repo = Repository.open(tmp_path / "repo", create=True)
+    s, _ = dump(repo, {IMG: BASE}, compress=codec)
+    return s
+
+
+def _flip(path, offset, mask=0x5A) -> bytes:
+    """XOR one byte of the file; -> its old value."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        old = os.pread(fd, 1, offset)
+    finally:
+        os.close(fd)
+    _patch(path, offset, bytes([old[0] ^ mask]))
+    return old
+
+
+@pytest.mark.parametrize("codec", ["none", "lz4", "zstd", "shuffle4-zstd", "shuffle2-zstd"])
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.95])
+def test_flipped_payload_byte(tmp_path, small_jobs, codec, where):
+    s = _snap(tmp_path, codec)
+    pp, name, r = _runs(s, CODEC_IDS[codec])[1]
+    _flip(pp, r[1] + 16 + int(r[6] * where))
+    _refused_alike(s, pp, name, r)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    (0, b"GX", "bad blob header magic"),
+    (6, b"\x01\x00", "bad blob header magic"),                      # reserved
+    (2, b"\x07", "unknown blob kind 7"),
+    (2, b"\x02", "data blob with bad length / page count"),
+    (3, b"\x09", "unknown codec id 9"),
+    (4, b"\x0f\x00", "page blob with inconsistent page count / length"),
+    (3, b"\x01", ""),                                               # another codec
+    (12, b"\x01\x00\x00\x00", ""),                                   # another stored length
+    (8, b"\x00\x10\x01\x00", "page blob with inconsistent page count / length"),   # another raw length
+])
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_wrong_header_field(tmp_path, small_jobs, codec, field, value, message):
+    s = _snap(tmp_path, codec)
+    pp, name, r = _runs(s, CODEC_IDS[codec])[2]
+    _patch(pp, r[1] + field, value)
+    assert message in _refused_alike(s, pp, name, r)
+
+
+@pytest.mark.parametrize("codec", ["none", "lz4", "shuffle4-zstd"])
+def test_truncated_pack(tmp_path, small_jobs, codec):
+    """A pack cut short after the snapshot checked its packs (opening a snapshot refuses a
+    short pack before any read: tests/test_repo_corruption.py)."""
+    s = _snap(tmp_path, codec)
+    assert s.reading_locations() is s.locations()          # checked now, not again
+    pp, name, r = _runs(s, CODEC_IDS[codec])[1]
+    os.chmod(pp, 0o600)
+    os.truncate(pp, r[1] + 16 + r[6] // 2)
+    # the parallel paths may meet a later blob of the same pack first
+    want = _refused_alike(s, pp, name, r, parallel_exact=False, fresh=False)
+    assert f"{IMG}: pack truncated: blob at offset {r[1]} cut short" in want
+
+
+def test_missing_pack(tmp_path, small_jobs):
+    s = _snap(tmp_path, "zstd")
+    assert s.reading_locations() is s.locations()
+    pp, name, r = _runs(s)[0]
+    os.unlink(pp)
+    for it in (lambda: read_all(s, IMG), lambda: b"".join(materialize.iter_image_parallel(s, IMG, 2))):
+        with pytest.raises(CorruptSnapshot, match=f"{IMG}: pack missing") as e:
+            it()
+        assert str(pp) in str(e.value)
+
+
+def _raw_frame(content_size: int | None, payload_len: int, window_log: int = 20) -> bytes:
+    """A zstd frame of exactly payload_len bytes whose content is one raw block, declaring
+    content_size (None: not declared; then a window descriptor instead)."""
+    if content_size is None:
+        head = b"\x28\xb5\x2f\xfd" + bytes([0x00, (window_log - 10) << 3])
+    else:
+        head = b"\x28\xb5\x2f\xfd" + bytes([0xE0]) + struct.pack("<Q", content_size)   # single segment, 8-byte size
+    n = payload_len - len(head) - 3
+    assert n > 0
+    return head + struct.pack("<I", (n << 3) | 1)[:3] + b"\x42" * n                    # last block, raw
+
+
+def _rle_frame(block: int, nblocks: int, payload_len: int) -> bytes:
+    """A zstd frame without a declared size of nblocks RLE blocks of `block` bytes, padded
+    with a last raw block to exactly payload_len bytes."""
+    head = b"\x28\xb5\x2f\xfd" + bytes([0x00, (17 - 10) << 3])
+    body = b"".join(struct.pack("<I", (block << 3) | 2)[:3] + b"\x07" for _ in range(nblocks))
+    n = payload_len - len(head) - len(body) - 3
+    assert n > 0
+    return head + body + struct.pack("<I", (n << 3) | 1)[:3] + b"\x07" * n
+
+
+@pytest.mark.parametrize("case", ["declares-larger", "declares-smaller", "produces-less", "produces-more", "garbage"])
+def test_lying_zstd_frame(tmp_path, small_jobs, case):
+    s = _snap(tmp_path, "zstd")
+    pp, name, r = _runs(s, CODEC_ZSTD)[1]
+    raw_len, stored = r[5], r[6]
+    assert stored > 64
+    frame = {
+        "declares-larger": lambda: _raw_frame(raw_len + PAGE, stored),
+        "declares-smaller": lambda: _raw_frame(raw_len - PAGE, stored),
+        "produces-less": lambda: _raw_frame(raw_len, stored),
+        "produces-more": lambda: _rle_frame(1 << 16, raw_len // (1 << 16) + 2, stored),
+        "garbage": lambda: b"\x28\xb5\x2f\xfd" + b"\xff" * (stored - 4),
+    }[case]()
+    assert len(frame) == stored
+    _patch(pp, r[1] + 16, frame)
+    want = _refused_alike(s, pp, name, r)
+    if case.startswith("declares"):
+        assert "zstd frame of blob declares a different size" in want
+    elif case == "produces-more":
+        assert f"blob decompressed to another size than {raw_len} bytes" in want
+    else:
+        assert "cannot decompress blob" in want
+
+
+@pytest.mark.parametrize("case", ["too-long", "zero", "shifted", "sum-short", "plane-declares"])
+@pytest.mark.parametrize("codec", ["shuffle4-zstd", "shuffle2-zstd"])
+def test_lying_shuffle_planes(tmp_path, small_jobs, codec, case):
+    s = _snap(tmp_path, codec)
+    k = 4 if codec == "shuffle4-zstd" else 2
+    pp, name, r = _runs(s, CODEC_IDS[codec])[0]
+    with open(pp, "rb") as f:
+        f.seek(r[1] + 16)
+        payload = f.read(r[6])
+    m = r[5] // k
+    lens = list(struct.unpack_from(f"<{k}I", payload))
+    z = [i for i in range(k) if lens[i] < m]        # planes stored as zstd frames
+    assert z, lens
+    if case == "too-long":
+        lens[0] = m + 1
+    elif case == "zero":
+        lens[-1] = 0
+    elif case == "shifted":                          # the sum still tiles the payload
+        i = z[0]
+        j = (i + 1) % k
+        lens[i] -= 1
+        lens[j] += 1
+    elif case == "sum-short":
+        lens[z[0]] -= 1
+    if case == "plane-declares":                    # a plane's frame declares another size
+        start = 4 * k + sum(lens[:z[0]])
+        frame = _raw_frame(m + 8, lens[z[0]])
+        _patch(pp, r[1] + 16 + start, frame)
+    else:
+        _patch(pp, r[1] + 16, struct.pack(f"<{k}I", *lens))
+    want = _refused_alike(s, pp, name, r)
+    if case in ("too-long", "zero", "sum-short"):
+        assert "shuffle payload: bad plane lengths" in want
+    elif case == "plane-declares":
+        assert f"zstd frame of plane {z[0]} declares a different size" in want
+
+
+@pytest.mark.parametrize("codec", ["lz4", "zstd", "shuffle4-zstd", "shuffle2-zstd", "none"])
+def test_random_damage_never_crashes(tmp_path, small_jobs, codec):
+    """Many single-byte changes in headers and payloads, one at a time: each read gives
+    what the Python decoder says about the damaged blob (its error, the page checksum
+    failure, or, for a change the decoder does not feel such as a zstd window size, the
+    exact bytes), and never a crash."""
+    s = _snap(tmp_path, codec)
+    rng = np.random.default_rng(3)
+    runs = _runs(s, CODEC_IDS[codec])
+    br = BlobReader(s.repo.path)
+    refused = 0
+    for t in range(40):
+        pp, name, r = runs[int(rng.integers(len(runs)))]
+        before = br.read_at(name, *r[1:7])
+        off = r[1] + int(rng.integers(16 + r[6]))
+        old = _flip(pp, off, int(rng.integers(1, 256)))
+        try:
+            after = br.read_at(name, *r[1:7])
+        except FormatError:
+            after = None
+        fresh = Repository.open(s.repo.path).snapshot(s.path.name)
+        if after is not None and bytes(after) == bytes(before):
+            assert read_all(fresh, IMG) == BASE
+        else:
+            refused += 1
+            with pytest.raises(CorruptSnapshot) as e:
+                read_all(fresh, IMG)
+            assert f"damaged: {_reference(s.repo, name, r)} (pack {pp})" in str(e.value)
+        _patch(pp, off, old)
+    br.close()
+    assert refused >= 30
+    assert read_all(Repository.open(s.repo.path).snapshot(s.path.name), IMG) == BASE
+
+
+def test_decode_job_refuses_pieces_outside_the_buffer(tmp_path):
+    """The binding's own checks: a piece that would write past the job's buffer is refused
+    before anything is read (ValueError, not a write out of bounds)."""
+    from array import array
+
+    s = _snap(tmp_path, "lz4")
+    pp, name, r = _runs(s)[0]
+    fd = os.open(pp, os.O_RDONLY)
+    try:
+        buf = bytearray(PAGE * 2)
+        a = array("q", (fd, 0, r[1], r[2], r[3], r[4], r[5], r[6], 0, 2, PAGE))
+        with pytest.raises(ValueError):
+            native.decode_job(a, 1, buf, 0, b"", b"")
+        a = array("q", (fd, 0, r[1], r[2], r[3], r[4], r[5], r[6], 0, 1, 0))
+        assert native.decode_job(a, 1, buf, 0, b"", b"") is None
+        assert bytes(buf[:PAGE]) == BASE[:PAGE]
+        # a record that contradicts the format is refused as the locations check would
+        a = array("q", (fd, 0, r[1], r[2], r[3], r[4], r[4] * PAGE + 1, r[6], 0, 1, 0))
+        code, piece, _, msg = native.decode_job(a, 1, buf, 0, b"", b"")
+        assert (code, piece, msg) == (native.DECODE_FORMAT, 0, "page blob with inconsistent page count / length")
+    finally:
+        os.close(fd)

@@ -38,6 +38,7 @@ command -v ss >/dev/null 2>&1 || pkgs+=(iproute2)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 compgen -G '/usr/share/cargo/registry/blake3-*/c/blake3.c' >/dev/null || pkgs+=(librust-blake3-dev)
 [ -f /usr/include/lz4.h ] || pkgs+=(liblz4-dev)
+[ -f /usr/include/zstd.h ] || pkgs+=(libzstd-dev)
 if [ ${#pkgs[@]} -gt 0 ]; then
   say "installing ${pkgs[*]}"
   apt_update

@@ -295,3 +295,86 @@ def table_claim(known: int | None, claimed: int, kinds, ids, npages: int, value:
     r = _lib.gs_table_claim(known, claimed, ka, ia, npages, value, out_addr)
     del kkeep, ikeep
     return _checked(r)
+
+
+# -- the storing phase's compress loop (native/pages/gs_encode.c) ---------------------------
+# gs_enc_new's parameters, in the C code's order: codec.py's and sinks.py's constants and
+# PLANE_PARAMS, handed over so that those files stay their one definition.
+ENC_PARAM_NAMES = ("gain_limit", "auto_lz4_good", "auto_est_gain", "plane_try_bits", "plane_samples",
+                   "zstd_level", "skip_max", "lz4_futile", "lz4_probe", "window_log", "hash_log",
+                   "chain_log", "search_log", "min_match", "target_length", "strategy")
+ENC_STATE_NAMES = ("skip", "skip_next", "lz4_futile", "since_probe")
+_ENC_ERRORS = {-1: "bad arguments", -3: "output buffer too small", -4: "a compression library failed"}
+_ENC_SIGNATURES = {
+    "gs_enc_new": ([_vp, _sz], _vp),
+    "gs_enc_free": ([_vp], None),
+    "gs_encode_groups": ([_vp, _vp, _vp, _sz, ctypes.c_int, _vp, _vp, _sz, _vp], _i64),
+}
+_enc_lib = None
+
+
+def _encoder_lib():
+    """The library with gs_encode.c's functions bound (a build from before them is
+    NativeLibraryMissing, as any other stale build)."""
+    global _enc_lib
+    lib = _lib or load()
+    if _enc_lib is not lib:
+        try:
+            for name, (args, res) in _ENC_SIGNATURES.items():
+                f = getattr(lib, name)
+                f.argtypes, f.restype = args, res
+        except AttributeError:
+            raise NativeLibraryMissing(f"gpusnap's native page library at {lib_path} has no compress loop",
+                                       hint="run `make setup` in the gpusnap checkout") from None
+        _enc_lib = lib
+    return lib
+
+
+class Encoder:
+    """One compressor thread's native encoder (gs_encode.c): its zstd contexts, scratch
+    buffers and heuristic state (`state`, int64 skip, skip_next, lz4_futile, since_probe,
+    carried from batch to batch). Not for two threads at once."""
+
+    def __init__(self, params: dict):
+        lib = _encoder_lib()
+        p = (ctypes.c_double * len(ENC_PARAM_NAMES))(*(float(params[k]) for k in ENC_PARAM_NAMES))
+        self._h = lib.gs_enc_new(p, len(ENC_PARAM_NAMES))
+        if not self._h:
+            raise MemoryError("native encoder (or parameters zstd refuses)")
+        self.state = (ctypes.c_int64 * len(ENC_STATE_NAMES))(0, 1, 0, 0)
+
+    def encode(self, raws: list, codec: int) -> tuple[list[int], bytearray]:
+        """Encode the groups raws (bytes or other buffers) with codec (codec.CODEC_AUTO or a
+        stored codec) -> (res, out): res[2*g], res[2*g+1] = group g's codec and payload
+        length; the payloads of the compressed groups lie one after the other in out; a
+        CODEC_NONE group's payload is its raw bytes. The GIL is released for the batch."""
+        lib = _enc_lib or _encoder_lib()
+        if self._h is None:
+            raise ValueError("encoder is closed")
+        n = len(raws)
+        if all(type(r) is bytes for r in raws):
+            ptrs = (ctypes.c_char_p * n)(*raws)     # points at the bytes' own buffers
+            keep = None
+        else:
+            keep = [_addr(r) for r in raws]
+            ptrs = (ctypes.c_void_p * n)(*[a for a, _ in keep])
+        lens = (ctypes.c_size_t * n)(*map(len, raws))
+        total = sum(lens)
+        out = bytearray(max(total, 1))
+        oc = (ctypes.c_char * len(out)).from_buffer(out)
+        res = (ctypes.c_int64 * (2 * n))()
+        r = lib.gs_encode_groups(self._h, ptrs, lens, n, codec, self.state, oc, total, res)
+        del oc, keep
+        if r < 0:
+            if r == -2:
+                raise MemoryError("native encoder")
+            raise RuntimeError(f"native encoder: {_ENC_ERRORS.get(r, r)}")
+        return list(res), out
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h is not None and _lib is not None:
+            _lib.gs_enc_free(h)
+
+    def __del__(self):
+        self.close()

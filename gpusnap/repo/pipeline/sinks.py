@@ -14,8 +14,9 @@ import blake3
 
 from gpusnap.errors import NoSpace, RepositoryError
 from gpusnap.repo import native
-from gpusnap.repo.codec import CODEC_AUTO, compress
-from gpusnap.repo.format import (CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
+from gpusnap.repo import codec as _codec
+from gpusnap.repo.codec import compress
+from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
                                  PL_ZERO, encode_pl_tail)
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
 from gpusnap.repo.pipeline import pagetable
@@ -57,15 +58,42 @@ class Counters:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+def encoder_params() -> dict:
+    """The native encoder's constants (native.Encoder): codec.py's and this module's."""
+    p = _codec.PLANE_PARAMS
+    return {"gain_limit": _codec.GAIN_LIMIT, "auto_lz4_good": _codec.AUTO_LZ4_GOOD,
+            "auto_est_gain": _codec.AUTO_EST_GAIN, "plane_try_bits": _codec.PLANE_TRY_BITS,
+            "plane_samples": _codec.PLANE_SAMPLES, "zstd_level": _codec.ZSTD_LEVEL,
+            "skip_max": SKIP_MAX, "lz4_futile": LZ4_FUTILE, "lz4_probe": LZ4_PROBE,
+            "window_log": p.window_log, "hash_log": p.hash_log, "chain_log": p.chain_log,
+            "search_log": p.search_log, "min_match": p.min_match, "target_length": p.target_length,
+            "strategy": p.strategy}
+
+
 class _CompressState:
-    """One compressor thread's heuristics (PagesSink._store_group)."""
-    __slots__ = ("skip", "skip_next", "lz4_futile", "since_probe")
+    """One compressor thread's native encoder and heuristics (PagesSink._store_batch): its
+    state (native.Encoder.state) is carried from batch to batch:
+      skip         groups left to store raw without trying (after a group that did not
+                   compress: 1, then doubling up to SKIP_MAX while they keep failing)
+      skip_next
+      lz4_futile   auto: groups in a row where lz4 lost to shuffle4-zstd; from LZ4_FUTILE on,
+                   lz4 is no longer tried first (its attempt was ~20 % of the compressor's
+                   time on fp32 state) ...
+      since_probe  ... except on every LZ4_PROBE-th group"""
+    __slots__ = ("enc",)
 
     def __init__(self):
-        self.skip = 0             # groups left to store raw without trying
-        self.skip_next = 1
-        self.lz4_futile = 0       # groups in a row where lz4 lost to shuffle4-zstd
-        self.since_probe = 0
+        self.enc = native.Encoder(encoder_params())
+
+    def __getattr__(self, name):
+        try:
+            i = native.ENC_STATE_NAMES.index(name)
+        except ValueError:
+            raise AttributeError(name) from None
+        return self.enc.state[i]
+
+    def close(self) -> None:
+        self.enc.close()
 
 
 class ImageSink:
@@ -314,7 +342,7 @@ class PagesSink(ImageSink):
         them (blob order in packs is free). Its heuristics' state is its own, so each thread
         decides from the data it sees; the counters are added up under a lock."""
         q = self._q
-        st = _CompressState()
+        st = None
         c = Counters()
         try:
             while True:
@@ -324,42 +352,45 @@ class PagesSink(ImageSink):
                 if self._err is not None:
                     continue              # drain after an error so the producer never blocks
                 try:
-                    self.w.packer.add_many([self._store_group(st, c, *g) for g in batch])
+                    if st is None:
+                        st = _CompressState()
+                    self.w.packer.add_many(self._store_batch(st, c, batch))
                 except BaseException as e:    # reported to the next write()/close()
                     self._err = e
         finally:
+            if st is not None:
+                st.close()
             with self._count_lock:
                 for k in ("pages_raw", "pages_compressed", "bytes_new_raw", "bytes_new_stored"):
                     setattr(self.c, k, getattr(self.c, k) + getattr(c, k))
 
-    def _store_group(self, st: "_CompressState", c: Counters, pieces: list, ids: bytes, n: int) -> tuple:
-        """Compress one group (or not): -> the blob for PackWriter.add_many()."""
-        raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        w = self.w
-        if st.skip or w.codec == CODEC_NONE:
-            st.skip = max(st.skip - 1, 0)
-            codec, payload = CODEC_NONE, raw
-        else:
-            lz4_first = w.codec != CODEC_AUTO or st.lz4_futile < LZ4_FUTILE or st.since_probe >= LZ4_PROBE
-            codec, payload = compress(raw, w.codec, lz4_first=lz4_first)
-            st.since_probe = 0 if lz4_first else st.since_probe + 1
+    def _store_batch(self, st: _CompressState, c: Counters, batch: list) -> list:
+        """Compress a batch of groups (or not) in one native call without the GIL
+        (native.Encoder: codec.compress's choices and payloads, with the skip and lz4-first
+        heuristics carried in st) -> the blobs for PackWriter.add_many(). A compressed
+        payload is a view of the batch's output buffer; a raw one is the group's bytes."""
+        raws = [p[0] if len(p) == 1 else b"".join(p) for p, _, _ in batch]
+        res, out = st.enc.encode(raws, self.w.codec)
+        mv = memoryview(out)
+        blobs = []
+        off = raw_pages = stored = 0
+        for i, (_, ids, n) in enumerate(batch):
+            raw = raws[i]
+            codec, ln = res[2 * i], res[2 * i + 1]
             if codec == CODEC_NONE:
                 payload = raw
-                st.skip = st.skip_next
-                st.skip_next = min(st.skip_next * 2, SKIP_MAX)
+                raw_pages += n
             else:
-                st.skip_next = 1
-            # auto: after LZ4_FUTILE groups in a row where lz4 lost to the float codec, stop
-            # trying lz4 first (its attempt was ~20 % of the compressor's time on fp32
-            # state) except on every LZ4_PROBE-th group
-            st.lz4_futile = st.lz4_futile + 1 if codec == CODEC_SHUF4_ZSTD else 0
-        if codec == CODEC_NONE:
-            c.pages_raw += n
-        else:
-            c.pages_compressed += n
-        c.bytes_new_raw += len(raw)
-        c.bytes_new_stored += len(payload)
-        return (KIND_PAGES, codec, n, len(raw), payload, ids)
+                payload = mv[off:off + ln]
+                off += ln
+            stored += ln
+            blobs.append((KIND_PAGES, codec, n, len(raw), payload, ids))
+        npages = sum(g[2] for g in batch)
+        c.pages_raw += raw_pages
+        c.pages_compressed += npages - raw_pages
+        c.bytes_new_raw += sum(map(len, raws))
+        c.bytes_new_stored += stored
+        return blobs
 
     def _stop_compressor(self) -> None:
         # abort() (main thread) and close() (the image's drain thread) may both get here

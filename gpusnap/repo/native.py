@@ -336,14 +336,16 @@ class Encoder:
     carried from batch to batch). Not for two threads at once."""
 
     def __init__(self, params: dict):
+        self._h = None
         lib = _encoder_lib()
         p = (ctypes.c_double * len(ENC_PARAM_NAMES))(*(float(params[k]) for k in ENC_PARAM_NAMES))
         self._h = lib.gs_enc_new(p, len(ENC_PARAM_NAMES))
         if not self._h:
             raise MemoryError("native encoder (or parameters zstd refuses)")
         self.state = (ctypes.c_int64 * len(ENC_STATE_NAMES))(0, 1, 0, 0)
+        self._out = ctypes.create_string_buffer(1)
 
-    def encode(self, raws: list, codec: int) -> tuple[list[int], bytearray]:
+    def encode(self, raws: list, codec: int) -> tuple[list[int], bytes]:
         """Encode the groups raws (bytes or other buffers) with codec (codec.CODEC_AUTO or a
         stored codec) -> (res, out): res[2*g], res[2*g+1] = group g's codec and payload
         length; the payloads of the compressed groups lie one after the other in out; a
@@ -360,16 +362,17 @@ class Encoder:
             ptrs = (ctypes.c_void_p * n)(*[a for a, _ in keep])
         lens = (ctypes.c_size_t * n)(*map(len, raws))
         total = sum(lens)
-        out = bytearray(max(total, 1))
-        oc = (ctypes.c_char * len(out)).from_buffer(out)
+        if len(self._out) < total:        # this encoder's output buffer, reused (no zero fill per batch)
+            self._out = ctypes.create_string_buffer(total)
         res = (ctypes.c_int64 * (2 * n))()
-        r = lib.gs_encode_groups(self._h, ptrs, lens, n, codec, self.state, oc, total, res)
-        del oc, keep
+        r = lib.gs_encode_groups(self._h, ptrs, lens, n, codec, self.state, self._out, total, res)
+        del keep
         if r < 0:
             if r == -2:
                 raise MemoryError("native encoder")
             raise RuntimeError(f"native encoder: {_ENC_ERRORS.get(r, r)}")
-        return list(res), out
+        # the payloads copied out once, compressed bytes only: the caller may keep them
+        return list(res), ctypes.string_at(self._out, r) if r else b""
 
     def close(self) -> None:
         h, self._h = self._h, None

@@ -105,9 +105,10 @@ def batch_of(kind: str, seed: int, count: int = 40) -> list[bytes]:
     return out
 
 
-def native_run(groups, codec, batch_sizes=None, enc=None):
+def native_run(groups, codec, batch_sizes=None, enc=None, in_place=True):
     """Encode groups in batches (sizes from batch_sizes, cycled; default: one batch) with one
-    encoder -> ([(codec, payload)], [state after each batch's last group])."""
+    encoder -> ([(codec, payload)], [state after each batch's last group]). in_place=False:
+    an output buffer of just the groups' size (payloads also built in scratch and copied)."""
     enc = enc or native.Encoder(sinks.encoder_params())
     out, states = [], []
     i = 0
@@ -116,7 +117,7 @@ def native_run(groups, codec, batch_sizes=None, enc=None):
         size = len(groups) - i if not batch_sizes else batch_sizes[k % len(batch_sizes)]
         k += 1
         part = groups[i:i + size]
-        res, buf = enc.encode(part, codec)
+        res, buf = enc.encode(part, codec, in_place=in_place)
         off = 0
         for j, g in enumerate(part):
             c, ln = res[2 * j], res[2 * j + 1]
@@ -209,6 +210,17 @@ def test_payloads_byte_identical(kind):
             want, _ = ref_run(groups, codec)
             got, _ = native_run(groups, codec)
             assert got == want, C.codec_name(codec)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=[C.codec_name(c) for c in CODECS])
+def test_output_without_room(codec):
+    """An output buffer of just the groups' size: attempts that do not fit in place are made
+    in scratch buffers and copied; the result is the same."""
+    groups = batch_of("mixed", seed=4)
+    want = native_run(groups, codec)[0]
+    assert native_run(groups, codec, in_place=False)[0] == want
+    # one group per batch: no room beyond the group itself for any attempt
+    assert native_run(groups, codec, batch_sizes=[1], in_place=False)[0] == want
 
 
 def test_buffers_other_than_bytes():

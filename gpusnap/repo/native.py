@@ -309,7 +309,11 @@ _ENC_SIGNATURES = {
     "gs_enc_new": ([_vp, _sz], _vp),
     "gs_enc_free": ([_vp], None),
     "gs_encode_groups": ([_vp, _vp, _vp, _sz, ctypes.c_int, _vp, _vp, _sz, _vp], _i64),
+    "gs_enc_out_cap": ([_vp, _sz], _sz),
+    "gs_enc_buf_new": ([_sz], _vp),
+    "gs_enc_buf_free": ([_vp], None),
 }
+_OUT_ROUND = 1 << 16     # output buffers' sizes rounded up to this (ctypes keeps a type per size)
 _enc_lib = None
 
 
@@ -343,13 +347,13 @@ class Encoder:
         if not self._h:
             raise MemoryError("native encoder (or parameters zstd refuses)")
         self.state = (ctypes.c_int64 * len(ENC_STATE_NAMES))(0, 1, 0, 0)
-        self._out = ctypes.create_string_buffer(1)
 
-    def encode(self, raws: list, codec: int) -> tuple[list[int], bytes]:
+    def encode(self, raws: list, codec: int, in_place: bool = True) -> tuple[list[int], memoryview | bytes]:
         """Encode the groups raws (bytes or other buffers) with codec (codec.CODEC_AUTO or a
         stored codec) -> (res, out): res[2*g], res[2*g+1] = group g's codec and payload
-        length; the payloads of the compressed groups lie one after the other in out; a
-        CODEC_NONE group's payload is its raw bytes. The GIL is released for the batch."""
+        length; the payloads of the compressed groups lie one after the other in out (a
+        memoryview whose native buffer lives as long as it or a view of it); a CODEC_NONE
+        group's payload is its raw bytes. The GIL is released for the batch."""
         lib = _enc_lib or _encoder_lib()
         if self._h is None:
             raise ValueError("encoder is closed")
@@ -361,18 +365,30 @@ class Encoder:
             keep = [_addr(r) for r in raws]
             ptrs = (ctypes.c_void_p * n)(*[a for a, _ in keep])
         lens = (ctypes.c_size_t * n)(*map(len, raws))
-        total = sum(lens)
-        if len(self._out) < total:        # this encoder's output buffer, reused (no zero fill per batch)
-            self._out = ctypes.create_string_buffer(total)
+        # an uninitialized buffer in which every attempt is made in place (gs_enc_out_cap);
+        # in_place=False (tests): just the groups' size, some payloads then go through scratch
+        if in_place:
+            cap = -(-max(lib.gs_enc_out_cap(lens, n), 1) // _OUT_ROUND) * _OUT_ROUND
+        else:
+            cap = max(sum(lens), 1)
+        p = lib.gs_enc_buf_new(cap)
+        if not p:
+            raise MemoryError("native encoder output")
+        owner = _OutBuf(p)
         res = (ctypes.c_int64 * (2 * n))()
-        r = lib.gs_encode_groups(self._h, ptrs, lens, n, codec, self.state, self._out, total, res)
+        r = lib.gs_encode_groups(self._h, ptrs, lens, n, codec, self.state, p, cap, res)
         del keep
         if r < 0:
             if r == -2:
                 raise MemoryError("native encoder")
             raise RuntimeError(f"native encoder: {_ENC_ERRORS.get(r, r)}")
-        # the payloads copied out once, compressed bytes only: the caller may keep them
-        return list(res), ctypes.string_at(self._out, r) if r else b""
+        if r == 0:
+            return list(res), b""
+        # the payloads stay where the encoder wrote them: a view of the buffer, freed with
+        # the last view of it (the pack writer's, once written)
+        arr = (ctypes.c_char * cap).from_address(p)
+        arr._owner = owner
+        return list(res), memoryview(arr).cast("B")[:r]
 
     def close(self) -> None:
         h, self._h = self._h, None
@@ -381,3 +397,16 @@ class Encoder:
 
     def __del__(self):
         self.close()
+
+
+class _OutBuf:
+    """Frees one gs_enc_buf_new() buffer when the ctypes array over it (and so every view
+    of it) is gone."""
+    __slots__ = ("p",)
+
+    def __init__(self, p: int):
+        self.p = p
+
+    def __del__(self):
+        if _lib is not None:
+            _lib.gs_enc_buf_free(self.p)

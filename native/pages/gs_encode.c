@@ -54,7 +54,14 @@ typedef struct {
   uint8_t *sp;   /* the shuffle payload being built */
   uint8_t *lz;   /* lz4 or zstd output */
   size_t shuf_cap, sp_cap, lz_cap;
+  uint8_t *place; /* the current group's payload in the caller's output, when it has room */
+  size_t place_cap;
 } gs_enc;
+
+/* The output buffers of gs_encode_groups as the Python binding allocates them (uninitialized,
+ * owned by the payloads' views, freed when the last of them is gone). */
+GS_EXPORT void *gs_enc_buf_new(size_t n) { return malloc(n ? n : 1); }
+GS_EXPORT void gs_enc_buf_free(void *p) { free(p); }
 
 GS_EXPORT void gs_enc_free(void *h) {
   gs_enc *e = h;
@@ -134,19 +141,25 @@ static int64_t zframe(ZSTD_CCtx *c, uint8_t *dst, size_t cap, const uint8_t *src
   return ZSTD_isError(r) ? E_CODEC : (int64_t)r;
 }
 
-/* lz4 block of src into e->lz; -> its size, or < 0 */
-static int64_t lz4_block(gs_enc *e, const uint8_t *src, size_t n) {
+/* Where an attempt of up to need bytes is written: straight into the group's place in the
+ * output when it has room (the chosen payload is then not copied again), else buf. */
+static uint8_t *target(gs_enc *e, size_t need, uint8_t *buf) { return e->place_cap >= need ? e->place : buf; }
+
+/* lz4 block of src into *dst (the group's place when use_place and it has room, else
+ * e->lz); -> its size, or < 0 */
+static int64_t lz4_block(gs_enc *e, const uint8_t *src, size_t n, int use_place, uint8_t **dst) {
   if (n > LZ4_MAX_INPUT_SIZE)
     return E_ARGS;
   size_t bound = (size_t)LZ4_compressBound((int)n);
-  if (grow(&e->lz, &e->lz_cap, bound))
+  if ((!use_place || e->place_cap < bound) && grow(&e->lz, &e->lz_cap, bound))
     return E_NOMEM;
+  uint8_t *d = *dst = use_place ? target(e, bound, e->lz) : e->lz;
   /* as python-lz4's lz4.block.compress (mode "default"): a fresh stream, no dictionary,
    * acceleration 1 (its output differs from LZ4_compress_default's for small inputs) */
   LZ4_stream_t *s = LZ4_initStream(e->lz4_state, sizeof(LZ4_stream_t));
   if (!s)
     return E_CODEC;
-  int r = LZ4_compress_fast_continue(s, (const char *)src, (char *)e->lz, (int)n, (int)bound, 1);
+  int r = LZ4_compress_fast_continue(s, (const char *)src, (char *)d, (int)n, (int)bound, 1);
   return r > 0 ? r : E_CODEC;
 }
 
@@ -165,39 +178,46 @@ static void estimate4(gs_enc *e, const uint8_t *src, size_t n, uint32_t bits[4])
   gs_plane_bits(src, 1, 4, step * 4, count, bits);
 }
 
-/* codec.encode_shuffled(data, k, bits) into e->sp; -> its size, 0 when n < k ("None"), or < 0.
- * bits NULL: every plane is tried with zstd. */
-static int64_t shuffled(gs_enc *e, const uint8_t *src, size_t n, unsigned k, const uint32_t *bits) {
+/* The bytes a shuffle<k> payload of n bytes may need. */
+static size_t shuffled_bound(size_t n, unsigned k) {
+  size_t m = n / k;
+  return 4 * k + k * ZSTD_compressBound(m) + (n - m * k);
+}
+
+/* codec.encode_shuffled(data, k, bits) into *dst (the group's place or e->sp); -> its size,
+ * 0 when n < k ("None"), or < 0. bits NULL: every plane is tried with zstd. */
+static int64_t shuffled(gs_enc *e, const uint8_t *src, size_t n, unsigned k, const uint32_t *bits,
+                        uint8_t **dst) {
   size_t m = n / k;
   if (m == 0)
     return 0;
-  size_t tail = n - m * k;
-  size_t bound = ZSTD_compressBound(m);
-  if (grow(&e->shuf, &e->shuf_cap, n) || grow(&e->sp, &e->sp_cap, 4 * k + k * bound + tail))
+  size_t tail = n - m * k, need = shuffled_bound(n, k);
+  if (grow(&e->shuf, &e->shuf_cap, n) || (e->place_cap < need && grow(&e->sp, &e->sp_cap, need)))
     return E_NOMEM;
+  uint8_t *d = *dst = target(e, need, e->sp);
   gs_shuffle(src, n, k, e->shuf, 0);
   size_t pos = 4 * k;
   for (unsigned i = 0; i < k; i++) {
     const uint8_t *plane = e->shuf + i * m;
     size_t len = m;
     if (!bits || (int64_t)bits[i] < e->try_bits) {
-      int64_t z = zframe(e->plane, e->sp + pos, e->sp_cap - pos, plane, m);
+      int64_t z = zframe(e->plane, d + pos, need - pos, plane, m);
       if (z < 0)
         return z;
       if ((size_t)z < m)
         len = (size_t)z;
     }
     if (len == m)
-      memcpy(e->sp + pos, plane, m);
+      memcpy(d + pos, plane, m);
     uint32_t le = (uint32_t)len;
-    uint8_t *h = e->sp + 4 * i;
+    uint8_t *h = d + 4 * i;
     h[0] = (uint8_t)le;
     h[1] = (uint8_t)(le >> 8);
     h[2] = (uint8_t)(le >> 16);
     h[3] = (uint8_t)(le >> 24);
     pos += len;
   }
-  memcpy(e->sp + pos, e->shuf + m * k, tail);
+  memcpy(d + pos, e->shuf + m * k, tail);
   return (int64_t)(pos + tail);
 }
 
@@ -210,30 +230,31 @@ typedef struct {
 
 static int fits(gs_enc *e, int64_t len, size_t n) { return (double)len <= (double)n * e->gain_limit; }
 
-/* codec._auto(data, lz4_first) */
+/* codec._auto(data, lz4_first); lz4's attempt goes to e->lz, shuffle4-zstd's to the place */
 static int auto_codec(gs_enc *e, const uint8_t *src, size_t n, int lz4_first, choice *c) {
   uint32_t bits[4];
+  uint8_t *sd, *ld;
   if (!lz4_first && n >= 4) {
     estimate4(e, src, n, bits);
-    int64_t sp = shuffled(e, src, n, 4, bits);
+    int64_t sp = shuffled(e, src, n, 4, bits, &sd);
     if (sp < 0)
       return (int)sp;
     if (sp > 0 && fits(e, sp, n)) {
-      *c = (choice){C_SHUF4, e->sp, (size_t)sp};
+      *c = (choice){C_SHUF4, sd, (size_t)sp};
       return 0;
     }
   }
-  int64_t lz = lz4_block(e, src, n);
+  int64_t lz = lz4_block(e, src, n, 0, &ld);
   if (lz < 0)
     return (int)lz;
   if ((double)lz <= (double)n * e->lz4_good) {
-    *c = (choice){C_LZ4, e->lz, (size_t)lz};
+    *c = (choice){C_LZ4, ld, (size_t)lz};
     return 0;
   }
   int64_t best_len = (int64_t)n;
   *c = (choice){C_NONE, NULL, n};
   if (fits(e, lz, n)) {
-    *c = (choice){C_LZ4, e->lz, (size_t)lz};
+    *c = (choice){C_LZ4, ld, (size_t)lz};
     best_len = lz;
   }
   if (n < 4 || !lz4_first)
@@ -243,11 +264,11 @@ static int auto_codec(gs_enc *e, const uint8_t *src, size_t n, int lz4_first, ch
   for (int i = 0; i < 4; i++)
     est += (int64_t)bits[i] >= e->try_bits ? m : m * (int64_t)bits[i] / 8000 + 64;
   if ((double)est < (double)best_len * e->est_gain) {
-    int64_t sp = shuffled(e, src, n, 4, bits);
+    int64_t sp = shuffled(e, src, n, 4, bits, &sd);
     if (sp < 0)
       return (int)sp;
     if (sp > 0 && sp < best_len && fits(e, sp, n))
-      *c = (choice){C_SHUF4, e->sp, (size_t)sp};
+      *c = (choice){C_SHUF4, sd, (size_t)sp};
   }
   return 0;
 }
@@ -258,21 +279,19 @@ static int compress_one(gs_enc *e, const uint8_t *src, size_t n, int codec, int 
   if (codec == C_AUTO)
     return auto_codec(e, src, n, lz4_first, c);
   int64_t len;
-  const uint8_t *p;
+  uint8_t *p;
   if (codec == C_LZ4) {
-    len = lz4_block(e, src, n);
-    p = e->lz;
+    len = lz4_block(e, src, n, 1, &p);
   } else if (codec == C_ZSTD) {
     size_t bound = ZSTD_compressBound(n);
-    if (grow(&e->lz, &e->lz_cap, bound))
+    if (e->place_cap < bound && grow(&e->lz, &e->lz_cap, bound))
       return E_NOMEM;
-    len = zframe(e->zstd, e->lz, e->lz_cap, src, n);
-    p = e->lz;
+    p = target(e, bound, e->lz);
+    len = zframe(e->zstd, p, bound, src, n);
   } else if (codec == C_SHUF4 || codec == C_SHUF2) {
-    len = shuffled(e, src, n, codec == C_SHUF4 ? 4 : 2, NULL);
+    len = shuffled(e, src, n, codec == C_SHUF4 ? 4 : 2, NULL, &p);
     if (len == 0)
       return 0;
-    p = e->sp;
   } else {
     return 0;
   }
@@ -283,13 +302,32 @@ static int compress_one(gs_enc *e, const uint8_t *src, size_t n, int codec, int 
   return 0;
 }
 
+/* The output capacity with which gs_encode_groups writes every payload in its place (no
+ * copy): the groups' bytes plus the most any attempt may need beyond a group's size. */
+GS_EXPORT size_t gs_enc_out_cap(const size_t *lens, size_t ngroups) {
+  size_t total = 0, slack = 0;
+  for (size_t g = 0; g < ngroups; g++) {
+    size_t n = lens[g], need = ZSTD_compressBound(n);
+    if (n <= LZ4_MAX_INPUT_SIZE && (size_t)LZ4_compressBound((int)n) > need)
+      need = (size_t)LZ4_compressBound((int)n);
+    for (unsigned k = 2; k <= 4; k += 2)
+      if (shuffled_bound(n, k) > need)
+        need = shuffled_bound(n, k);
+    total += n;
+    if (need - n > slack)
+      slack = need - n;
+  }
+  return total + slack;
+}
+
 /* Encode ngroups groups (src[g]: lens[g] bytes) with codec (-1 auto, or a stored codec id),
  * carrying the sink's heuristic state (int64[4]: skip, skip_next, lz4_futile, since_probe)
  * from group to group exactly as PagesSink did per group in Python.
  * res: int64[2 * ngroups]: per group the codec used and the payload's length. The payloads
  * of compressed groups are written one after the other into out (out_cap bytes; the sum of
- * lens always suffices: a compressed payload is smaller than its group); a C_NONE group's
- * payload is its raw bytes and takes no room in out.
+ * lens always suffices: a compressed payload is smaller than its group; with
+ * gs_enc_out_cap's capacity every attempt is made in place, none is copied); a C_NONE
+ * group's payload is its raw bytes and takes no room in out.
  * -> bytes used in out, or < 0: -1 bad arguments, -2 out of memory, -3 out too small,
  * -4 a compression library failed. On an error the state and res are unspecified. */
 GS_EXPORT int64_t gs_encode_groups(void *h, const uint8_t *const *src, const size_t *lens,
@@ -308,6 +346,8 @@ GS_EXPORT int64_t gs_encode_groups(void *h, const uint8_t *const *src, const siz
     } else {
       int lz4_first = codec != C_AUTO || st[S_LZ4_FUTILE] < e->lz4_futile ||
                       st[S_SINCE_PROBE] >= e->lz4_probe;
+      e->place = out + used;
+      e->place_cap = out_cap - used;
       int r = compress_one(e, src[g], n, codec, lz4_first, &c);
       if (r < 0)
         return r;
@@ -325,7 +365,8 @@ GS_EXPORT int64_t gs_encode_groups(void *h, const uint8_t *const *src, const siz
     if (c.codec != C_NONE) {
       if (c.len > out_cap - used)
         return E_SPACE;
-      memcpy(out + used, c.p, c.len);
+      if (c.p != out + used)
+        memcpy(out + used, c.p, c.len);
       used += c.len;
     }
   }

@@ -368,7 +368,7 @@ class PagesSink(ImageSink):
         """Compress a batch of groups (or not) in one native call without the GIL
         (native.Encoder: codec.compress's choices and payloads, with the skip and lz4-first
         heuristics carried in st) -> the blobs for PackWriter.add_many(). A compressed
-        payload is a view of the batch's output (bytes); a raw one is the group's bytes."""
+        payload is a view of the batch's native output buffer; a raw one is the group's bytes."""
         raws = [p[0] if len(p) == 1 else b"".join(p) for p, _, _ in batch]
         res, out = st.enc.encode(raws, self.w.codec)
         mv = memoryview(out)

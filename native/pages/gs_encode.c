@@ -8,11 +8,15 @@
  * (docs/format.md §3): lz4 block without size; zstd frame at ZSTD_LEVEL without content
  * size; shuffle<k>-zstd = k u32 LE plane lengths, each plane a zstd frame with the plane
  * parameters (PLANE_PARAMS) or raw, then the tail. tests/test_native_encode.py compares the
- * two group by group. The constants come from Python (gs_enc_new) so codec.py and sinks.py
- * stay their one definition.
+ * two group by group: byte for byte, except plain zstd frames, which libzstd versions
+ * (the system's vs python-zstandard's bundled one) may make a few bytes apart. The
+ * constants come from Python (gs_enc_new) so codec.py and sinks.py stay their one
+ * definition.
  *
  * An encoder (gs_enc_new) holds one thread's compression contexts and scratch buffers:
- * one encoder per compressor thread, never used by two threads at once.
+ * one encoder per compressor thread, never used by two threads at once. Attempts are made
+ * straight in the group's place in the caller's output when it has room (gs_enc_out_cap),
+ * so the chosen payload is not copied again.
  */
 #include <lz4.h>
 #include <stddef.h>

@@ -72,7 +72,7 @@ def encoder_params() -> dict:
 
 class _CompressState:
     """One compressor thread's native encoder and heuristics (PagesSink._store_batch): its
-    state (native.Encoder.state) is carried from batch to batch:
+    state (native.Encoder.state, native.ENC_STATE_NAMES) is carried from batch to batch:
       skip         groups left to store raw without trying (after a group that did not
                    compress: 1, then doubling up to SKIP_MAX while they keep failing)
       skip_next
@@ -84,13 +84,6 @@ class _CompressState:
 
     def __init__(self):
         self.enc = native.Encoder(encoder_params())
-
-    def __getattr__(self, name):
-        try:
-            i = native.ENC_STATE_NAMES.index(name)
-        except ValueError:
-            raise AttributeError(name) from None
-        return self.enc.state[i]
 
     def close(self) -> None:
         self.enc.close()
@@ -185,8 +178,8 @@ class PagesSink(ImageSink):
     Two stages per image: the writing thread scans each batch (zero test and page ids in
     native code without the GIL, gpusnap/repo/native.py), builds the page list and
     decides dedup; full groups of new pages go to this sink's compressor thread, which
-    compresses them (lz4/zstd release the GIL on large buffers) and hands them to the
-    pack writer. So one big image keeps two cores busy."""
+    compresses each batch of them in one native call without the GIL (native.Encoder) and
+    hands them to the pack writer. So one big image keeps two cores busy."""
 
     QUEUE_MAX = 4         # batches of groups waiting for the compressors (~1 MiB each)
 

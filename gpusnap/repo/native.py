@@ -19,6 +19,8 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
     decode_job(pieces, npieces, buf, npages, ids, kinds, token)
                               -> None or (code, piece, detail, message): one job of the read path
                                  (gs_decode.c, used by repo/reader.py assemble)
+    buffer_address(buf)       -> (address, keep-alive) of a buffer, for the bindings here and in
+                                 repo/encoder.py (the storing phase's compress loop, gs_encode.c)
 
 The library is found at $GPUSNAP_NATIVE_LIB (a build outside the checkout, as
 scripts/gpu-e2e.sh runs it), else <source root>/build/lib/libgpusnap_pages.so, else
@@ -123,7 +125,7 @@ def _load():
         hint="run `make setup` in the gpusnap checkout (it builds build/lib/libgpusnap_pages.so)")
 
 
-def _addr(buf) -> tuple[int, object]:
+def buffer_address(buf) -> tuple[int, object]:
     """Address of a readable buffer (bytes, bytearray, memoryview) and an object keeping it alive."""
     if type(buf) is bytes:
         return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value, buf
@@ -146,7 +148,7 @@ def scan(buf, npages: int) -> tuple[bytearray, bytearray, int]:
     ids = bytearray(npages * ID_LEN)
     if not npages:
         return kinds, ids, 0
-    a, keep = _addr(buf)
+    a, keep = buffer_address(buf)
     kc = (ctypes.c_char * npages).from_buffer(kinds)
     ic = (ctypes.c_char * (npages * ID_LEN)).from_buffer(ids)
     nd = lib.gs_scan(a, npages, kc, ic)
@@ -160,9 +162,9 @@ def verify(buf, npages: int, ids, kinds=None) -> int:
         raise ValueError("buffer, ids or kinds shorter than npages")
     if not npages:
         return -1
-    a, keep = _addr(buf)
-    ia, ikeep = _addr(ids)
-    ka, kkeep = _addr(kinds) if kinds is not None else (None, None)
+    a, keep = buffer_address(buf)
+    ia, ikeep = buffer_address(ids)
+    ka, kkeep = buffer_address(kinds) if kinds is not None else (None, None)
     r = lib.gs_verify(a, npages, ia, ka)
     del keep, ikeep, kkeep
     return r
@@ -180,7 +182,7 @@ def _shuf(fn_name: str, data, k: int, flags: int) -> bytes:
     if not n:
         return b""
     out = bytearray(n)
-    a, keep = _addr(data)
+    a, keep = buffer_address(data)
     oc = (ctypes.c_char * n).from_buffer(out)
     getattr(lib, fn_name)(a, n, k, oc, flags)
     del keep, oc
@@ -205,7 +207,7 @@ def _shuf_into(fn_name: str, data, k: int, out, flags: int) -> None:
         raise ValueError("output must be a writable contiguous buffer of at least len(data) bytes")
     if not n:
         return
-    a, keep = _addr(data)
+    a, keep = buffer_address(data)
     oc = (ctypes.c_char * n).from_buffer(omv)
     getattr(lib, fn_name)(a, n, k, oc, flags)
     del keep, oc
@@ -237,7 +239,7 @@ def plane_bits(buf, plane_stride: int, nplanes: int, step: int, count: int) -> l
     if not count:
         return [8000] * nplanes
     out = (_U32x4 if nplanes <= 4 else ctypes.c_uint32 * nplanes)()
-    a, keep = _addr(buf)
+    a, keep = buffer_address(buf)
     lib.gs_plane_bits(a, plane_stride, nplanes, step, count, out)
     del keep
     return list(out[:nplanes])
@@ -271,7 +273,7 @@ def _checked(r: int) -> int:
 
 
 def table_add_run(t: int, ids, n: int, base: int) -> int:
-    a, keep = _addr(ids)
+    a, keep = buffer_address(ids)
     r = _lib.gs_table_add_run(t, a, n, base)
     del keep
     return _checked(r)
@@ -279,7 +281,7 @@ def table_add_run(t: int, ids, n: int, base: int) -> int:
 
 def table_add_runs(t: int, ids, nruns: int, bases_addr: int, counts_addr: int) -> int:
     """bases_addr: nruns int64 locations; counts_addr: nruns uint32 counts."""
-    a, keep = _addr(ids)
+    a, keep = buffer_address(ids)
     r = _lib.gs_table_add_runs(t, a, nruns, bases_addr, counts_addr)
     del keep
     return _checked(r)
@@ -287,15 +289,15 @@ def table_add_runs(t: int, ids, nruns: int, bases_addr: int, counts_addr: int) -
 
 def table_get(t: int, ids, n: int, out_addr: int) -> None:
     """Writes n int64 locations (-1 where absent) at out_addr."""
-    a, keep = _addr(ids)
+    a, keep = buffer_address(ids)
     _lib.gs_table_get(t, a, n, out_addr)
     del keep
 
 
 def table_claim(known: int | None, claimed: int, kinds, ids, npages: int, value: int, out_addr: int) -> int:
     """-> how many uint32 page indices were written at out_addr."""
-    ka, kkeep = _addr(kinds)
-    ia, ikeep = _addr(ids)
+    ka, kkeep = buffer_address(kinds)
+    ia, ikeep = buffer_address(ids)
     r = _lib.gs_table_claim(known, claimed, ka, ia, npages, value, out_addr)
     del kkeep, ikeep
     return _checked(r)
@@ -337,9 +339,9 @@ def decode_job(pieces, npieces: int, buf, npages: int, ids, kinds, token: int = 
     if not n:
         return None if not npieces else (DECODE_ARGS, 0, 0, "")
     bc = (ctypes.c_char * n).from_buffer(mv)
-    pa, pkeep = _addr(pieces)
-    ia, ikeep = _addr(ids) if npages else (None, None)
-    ka, kkeep = _addr(kinds) if npages else (None, None)
+    pa, pkeep = buffer_address(pieces)
+    ia, ikeep = buffer_address(ids) if npages else (None, None)
+    ka, kkeep = buffer_address(kinds) if npages else (None, None)
     rc = lib.gs_decode_job(pa, npieces, bc, n, npages, ia, ka, token, err, msg, _MSG_LEN)
     del bc, pkeep, ikeep, kkeep
     mv.release()

@@ -13,9 +13,9 @@ import threading
 import blake3
 
 from gpusnap.errors import NoSpace, RepositoryError
-from gpusnap.repo import native
-from gpusnap.repo.codec import CODEC_AUTO, compress
-from gpusnap.repo.format import (CODEC_NONE, CODEC_SHUF4_ZSTD, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
+from gpusnap.repo import encoder, native
+from gpusnap.repo.codec import compress
+from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
                                  PL_ZERO, encode_pl_tail)
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
 from gpusnap.repo.pipeline import pagetable
@@ -23,9 +23,6 @@ from gpusnap.repo.pipeline import pagetable
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
 DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
-# After a group fails to compress, skip trying for this many groups (doubling up to
-# the max), then probe again: incompressible memory costs no wasted compressor time.
-SKIP_MAX = 8
 # Compressor threads per pages image: compression (lz4, zstd, the native shuffle) runs
 # without the GIL; on fp32 state one thread is busy ~80 % of CRIU's stream phase. One core
 # is left to CRIU and the page scan: on 2 cores a second compressor gained nothing (the
@@ -37,8 +34,6 @@ def _compress_workers() -> int:
 
 
 COMPRESS_WORKERS = _compress_workers()
-LZ4_FUTILE = 4            # auto: lz4 lost this many groups in a row: stop trying it first...
-LZ4_PROBE = 16            # ...except on every 16th group
 
 
 def is_pages_image(filename: str) -> bool:
@@ -55,17 +50,6 @@ class Counters:
 
     def as_dict(self):
         return {k: getattr(self, k) for k in self.__slots__}
-
-
-class _CompressState:
-    """One compressor thread's heuristics (PagesSink._store_group)."""
-    __slots__ = ("skip", "skip_next", "lz4_futile", "since_probe")
-
-    def __init__(self):
-        self.skip = 0             # groups left to store raw without trying
-        self.skip_next = 1
-        self.lz4_futile = 0       # groups in a row where lz4 lost to shuffle4-zstd
-        self.since_probe = 0
 
 
 class ImageSink:
@@ -157,8 +141,8 @@ class PagesSink(ImageSink):
     Two stages per image: the writing thread scans each batch (zero test and page ids in
     native code without the GIL, gpusnap/repo/native.py), builds the page list and
     decides dedup; full groups of new pages go to this sink's compressor thread, which
-    compresses them (lz4/zstd release the GIL on large buffers) and hands them to the
-    pack writer. So one big image keeps two cores busy."""
+    compresses each batch of them in one native call without the GIL (encoder.Encoder) and
+    hands them to the pack writer. So one big image keeps two cores busy."""
 
     QUEUE_MAX = 4         # batches of groups waiting for the compressors (~1 MiB each)
 
@@ -314,7 +298,7 @@ class PagesSink(ImageSink):
         them (blob order in packs is free). Its heuristics' state is its own, so each thread
         decides from the data it sees; the counters are added up under a lock."""
         q = self._q
-        st = _CompressState()
+        st = None
         c = Counters()
         try:
             while True:
@@ -324,42 +308,45 @@ class PagesSink(ImageSink):
                 if self._err is not None:
                     continue              # drain after an error so the producer never blocks
                 try:
-                    self.w.packer.add_many([self._store_group(st, c, *g) for g in batch])
+                    if st is None:
+                        st = encoder.Encoder()
+                    self.w.packer.add_many(self._store_batch(st, c, batch))
                 except BaseException as e:    # reported to the next write()/close()
                     self._err = e
         finally:
+            if st is not None:
+                st.close()
             with self._count_lock:
                 for k in ("pages_raw", "pages_compressed", "bytes_new_raw", "bytes_new_stored"):
                     setattr(self.c, k, getattr(self.c, k) + getattr(c, k))
 
-    def _store_group(self, st: "_CompressState", c: Counters, pieces: list, ids: bytes, n: int) -> tuple:
-        """Compress one group (or not): -> the blob for PackWriter.add_many()."""
-        raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        w = self.w
-        if st.skip or w.codec == CODEC_NONE:
-            st.skip = max(st.skip - 1, 0)
-            codec, payload = CODEC_NONE, raw
-        else:
-            lz4_first = w.codec != CODEC_AUTO or st.lz4_futile < LZ4_FUTILE or st.since_probe >= LZ4_PROBE
-            codec, payload = compress(raw, w.codec, lz4_first=lz4_first)
-            st.since_probe = 0 if lz4_first else st.since_probe + 1
+    def _store_batch(self, enc: encoder.Encoder, c: Counters, batch: list) -> list:
+        """Compress a batch of groups (or not) in one native call without the GIL
+        (encoder.Encoder: codec.compress's choices and payloads, with the skip and lz4-first
+        heuristics carried in st) -> the blobs for PackWriter.add_many(). A compressed
+        payload is a view of the batch's native output buffer; a raw one is the group's bytes."""
+        raws = [p[0] if len(p) == 1 else b"".join(p) for p, _, _ in batch]
+        res, out = enc.encode(raws, self.w.codec)
+        mv = memoryview(out)
+        blobs = []
+        off = raw_pages = stored = 0
+        for i, (_, ids, n) in enumerate(batch):
+            raw = raws[i]
+            codec, ln = res[2 * i], res[2 * i + 1]
             if codec == CODEC_NONE:
                 payload = raw
-                st.skip = st.skip_next
-                st.skip_next = min(st.skip_next * 2, SKIP_MAX)
+                raw_pages += n
             else:
-                st.skip_next = 1
-            # auto: after LZ4_FUTILE groups in a row where lz4 lost to the float codec, stop
-            # trying lz4 first (its attempt was ~20 % of the compressor's time on fp32
-            # state) except on every LZ4_PROBE-th group
-            st.lz4_futile = st.lz4_futile + 1 if codec == CODEC_SHUF4_ZSTD else 0
-        if codec == CODEC_NONE:
-            c.pages_raw += n
-        else:
-            c.pages_compressed += n
-        c.bytes_new_raw += len(raw)
-        c.bytes_new_stored += len(payload)
-        return (KIND_PAGES, codec, n, len(raw), payload, ids)
+                payload = mv[off:off + ln]
+                off += ln
+            stored += ln
+            blobs.append((KIND_PAGES, codec, n, len(raw), payload, ids))
+        npages = sum(g[2] for g in batch)
+        c.pages_raw += raw_pages
+        c.pages_compressed += npages - raw_pages
+        c.bytes_new_raw += sum(map(len, raws))
+        c.bytes_new_stored += stored
+        return blobs
 
     def _stop_compressor(self) -> None:
         # abort() (main thread) and close() (the image's drain thread) may both get here

@@ -1,0 +1,292 @@
+"""The storing phase's native compress loop (native/pages/gs_encode.c via encoder.Encoder, used
+by PagesSink._store_batch) against the Python path it replaced: codec.compress() with the
+sink's per-thread heuristics (skip after a group that did not compress, lz4 tried first or
+not), kept here as the reference. For float, bf16, zero-heavy, text, random and mixed groups
+and every codec: the native payloads decode (with the Python decoder) to exactly the groups,
+the chosen codecs equal the reference's group by group with the same heuristic state after
+every group, across batches of any size; and a dump through the real writer reads back
+exactly, with packs whose blobs are the reference's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpusnap.repo import Repository, codec as C, encoder
+from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF4_ZSTD, CODEC_ZSTD, KIND_PAGES, parse_pack
+from gpusnap.repo.pipeline import sinks
+from repo_helpers import PAGE, dump, read_all, text_page
+
+np = pytest.importorskip("numpy")
+
+G = 16 * PAGE
+CODECS = [C.codec_id(n) for n in C.CHOICES]        # auto and every stored codec
+
+
+# -- the reference: the Python path PagesSink took per group before the native loop --------
+class RefState:
+    def __init__(self):
+        self.skip, self.skip_next, self.lz4_futile, self.since_probe = 0, 1, 0, 0
+
+    def tuple(self):
+        return (self.skip, self.skip_next, self.lz4_futile, self.since_probe)
+
+
+def ref_store(st: RefState, raw: bytes, codec: int) -> tuple[int, bytes]:
+    if st.skip or codec == CODEC_NONE:
+        st.skip = max(st.skip - 1, 0)
+        return CODEC_NONE, raw
+    lz4_first = codec != C.CODEC_AUTO or st.lz4_futile < encoder.LZ4_FUTILE or st.since_probe >= encoder.LZ4_PROBE
+    c, payload = C.compress(raw, codec, lz4_first=lz4_first)
+    st.since_probe = 0 if lz4_first else st.since_probe + 1
+    if c == CODEC_NONE:
+        payload = raw
+        st.skip = st.skip_next
+        st.skip_next = min(st.skip_next * 2, encoder.SKIP_MAX)
+    else:
+        st.skip_next = 1
+    st.lz4_futile = st.lz4_futile + 1 if c == CODEC_SHUF4_ZSTD else 0
+    return c, payload
+
+
+def ref_run(groups, codec):
+    st = RefState()
+    out, states = [], []
+    for g in groups:
+        out.append(ref_store(st, g, codec))
+        states.append(st.tuple())
+    return out, states
+
+
+# -- data --------------------------------------------------------------------------------------
+def fp32(rng, n=G):
+    return rng.normal(0, 0.02, n // 4).astype(np.float32).tobytes()
+
+
+def bf16(rng, n=G):
+    f = rng.normal(0, 0.02, n // 2).astype(np.float32)
+    return (f.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def zero_heavy(rng, n=G):
+    b = bytearray(n)
+    for i in rng.integers(0, n, n // 200):
+        b[int(i)] = int(rng.integers(1, 256))
+    return bytes(b)
+
+
+def text(rng, n=G):
+    r = random.Random(int(rng.integers(1 << 30)))
+    return b"".join(text_page(r) for _ in range(-(-n // PAGE)))[:n]
+
+
+def rand(rng, n=G):
+    return rng.bytes(n)
+
+
+KINDS = {"fp32": fp32, "bf16": bf16, "zero": zero_heavy, "text": text, "random": rand}
+
+
+def batch_of(kind: str, seed: int, count: int = 40) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    if kind != "mixed":
+        return [KINDS[kind](rng) for _ in range(count)]
+    # runs that drive the heuristics: random runs (skip doubling to SKIP_MAX), long float
+    # runs (lz4 stops being tried first, probes every LZ4_PROBE groups), text after floats
+    # (lz4 first again), odd sizes (partial groups, lengths not a multiple of 4, shorter
+    # than one element)
+    out = []
+    for kind, n in [("random", 12), ("fp32", 30), ("text", 3), ("fp32", 6), ("random", 3), ("zero", 2),
+                    ("bf16", 4), ("fp32", 20), ("random", 1), ("fp32", 2), ("text", 1)]:
+        out += [KINDS[kind](rng) for _ in range(n)]
+    out += [fp32(rng, 3 * PAGE), text(rng, 4099), fp32(rng, 4097 * 4 + 3), rand(rng, 5000), text(rng, 3),
+            text(rng, 1), zero_heavy(rng, 7), fp32(rng, 64), fp32(rng, PAGE)]
+    return out
+
+
+def native_run(groups, codec, batch_sizes=None, enc=None, in_place=True):
+    """Encode groups in batches (sizes from batch_sizes, cycled; default: one batch) with one
+    encoder -> ([(codec, payload)], [state after each batch's last group]). in_place=False:
+    an output buffer of just the groups' size (payloads also built in scratch and copied)."""
+    enc = enc or encoder.Encoder(encoder.encoder_params())
+    out, states = [], []
+    i = 0
+    k = 0
+    while i < len(groups):
+        size = len(groups) - i if not batch_sizes else batch_sizes[k % len(batch_sizes)]
+        k += 1
+        part = groups[i:i + size]
+        res, buf = enc.encode(part, codec, in_place=in_place)
+        off = 0
+        for j, g in enumerate(part):
+            c, ln = res[2 * j], res[2 * j + 1]
+            if c == CODEC_NONE:
+                assert ln == len(g)
+                out.append((c, g))
+            else:
+                out.append((c, bytes(buf[off:off + ln])))
+                off += ln
+        states.append(tuple(enc.state))
+        i += size
+    return out, states
+
+
+def check_same(groups, got, want):
+    """got (native) and want (reference): same codec per group, payloads that decode to the
+    group, sizes within 1 % of the group per group and within 1 % of the reference's in all
+    (the system's libzstd 1.5.4 frames some level-3 zstd groups a few bytes differently
+    from python-zstandard's bundled 1.5.7)."""
+    assert [c for c, _ in got] == [c for c, _ in want]
+    for g, (c, p), (_, q) in zip(groups, got, want):
+        assert bytes(C.decompress(p, c, len(g))) == g
+        assert abs(len(p) - len(q)) <= len(g) // 100
+    total = sum(len(p) for _, p in got)
+    ref_total = sum(len(q) for _, q in want)
+    assert abs(total - ref_total) <= ref_total // 100
+
+
+# -- tests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", CODECS, ids=[C.codec_name(c) for c in CODECS])
+@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+def test_batch_equals_python_path(kind, codec):
+    groups = batch_of(kind, seed=len(kind))
+    want, want_states = ref_run(groups, codec)
+    got, states = native_run(groups, codec)
+    check_same(groups, got, want)
+    assert states == [want_states[-1]]
+
+
+@pytest.mark.parametrize("codec", [C.CODEC_AUTO, CODEC_LZ4, CODEC_ZSTD], ids=["auto", "lz4", "zstd"])
+def test_state_sequence_group_by_group(codec):
+    """One group per call: the heuristic state after every group is the reference's."""
+    groups = batch_of("mixed", seed=5)
+    want, want_states = ref_run(groups, codec)
+    got, states = native_run(groups, codec, batch_sizes=[1])
+    check_same(groups, got, want)
+    assert states == want_states
+    # the mix really drives the heuristics: skips, lz4 no longer first, probes, codec changes
+    assert max(s[0] for s in want_states) == encoder.SKIP_MAX or codec != C.CODEC_AUTO
+    if codec == C.CODEC_AUTO:
+        assert max(s[2] for s in want_states) > encoder.LZ4_PROBE
+        assert max(s[3] for s in want_states) == encoder.LZ4_PROBE
+        assert {CODEC_NONE, CODEC_LZ4, CODEC_SHUF4_ZSTD} <= {c for c, _ in want}
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 3], [7], [16, 1], [5, 30]])
+def test_state_carried_across_batches(sizes):
+    """Batches of any size with one encoder give what one batch gives (the sink's thread keeps
+    its state from batch to batch); a fresh encoder starts from the initial state."""
+    groups = batch_of("mixed", seed=11)
+    want, want_states = ref_run(groups, C.CODEC_AUTO)
+    enc = encoder.Encoder(encoder.encoder_params())
+    got, states = native_run(groups, C.CODEC_AUTO, batch_sizes=sizes, enc=enc)
+    check_same(groups, got, want)
+    ends = []
+    i = k = 0
+    while i < len(groups):
+        i = min(i + sizes[k % len(sizes)], len(groups))
+        k += 1
+        ends.append(want_states[i - 1])
+    assert states == ends
+    again, _ = native_run(groups[:20], C.CODEC_AUTO)          # a fresh encoder
+    assert [c for c, _ in again] == [c for c, _ in want[:20]]
+    enc.close()
+    with pytest.raises(ValueError):
+        enc.encode(groups[:1], C.CODEC_AUTO)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "mixed"])
+def test_payloads_byte_identical(kind):
+    """auto (the default), lz4, the shuffle codecs and none: the native payloads are the
+    Python path's byte for byte, so packs keep their names. liblz4 is called as python-lz4
+    calls it (a fresh stream: LZ4_compress_default frames some inputs differently), the
+    plane frames' fast strategy gives the same bytes in libzstd 1.5.4 and 1.5.7. Plain zstd
+    (level 3, not the default) is left out: there the two versions differ by a few bytes on
+    some groups (the 1 % checks above hold)."""
+    groups = batch_of(kind, seed=3, count=12)
+    for codec in CODECS:
+        if codec != CODEC_ZSTD:
+            want, _ = ref_run(groups, codec)
+            got, _ = native_run(groups, codec)
+            assert got == want, C.codec_name(codec)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=[C.codec_name(c) for c in CODECS])
+def test_output_without_room(codec):
+    """An output buffer of just the groups' size: attempts that do not fit in place are made
+    in scratch buffers and copied; the result is the same."""
+    groups = batch_of("mixed", seed=4)
+    want = native_run(groups, codec)[0]
+    assert native_run(groups, codec, in_place=False)[0] == want
+    # one group per batch: no room beyond the group itself for any attempt
+    assert native_run(groups, codec, batch_sizes=[1], in_place=False)[0] == want
+
+
+def test_buffers_other_than_bytes():
+    """bytearray and memoryview groups (the sink hands bytes) encode the same."""
+    groups = batch_of("mixed", seed=2)[:30]
+    got, _ = native_run(groups, C.CODEC_AUTO)
+    views, _ = native_run([bytearray(g) if i % 2 else memoryview(g) for i, g in enumerate(groups)], C.CODEC_AUTO)
+    assert [(c, bytes(p)) for c, p in views] == got
+
+
+def test_bad_arguments():
+    enc = encoder.Encoder(encoder.encoder_params())
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        enc.encode([b"x" * 100], 9)
+    assert enc.encode([], C.CODEC_AUTO)[0] == []
+    bad = dict(encoder.encoder_params(), window_log=99)          # zstd refuses it
+    with pytest.raises(MemoryError):
+        encoder.Encoder(bad)
+
+
+# -- through the real writer -------------------------------------------------------------------
+@pytest.fixture
+def repo(tmp_path):
+    return Repository.open(tmp_path / "repo", create=True)
+
+
+def _pack_blobs(repo):
+    out = []
+    for p in sorted((repo.path / "packs").rglob("*")):
+        if p.is_file():
+            data = p.read_bytes()
+            for off, h in parse_pack(data):
+                out.append((h, data[off + 16:off + 16 + h.stored_len]))
+    return out
+
+
+@pytest.mark.parametrize("compress", ["auto", "zstd", "shuffle2-zstd", "none"])
+def test_repository_round_trip(repo, monkeypatch, compress):
+    """A pages image of every kind through repo.new_snapshot (one compressor thread, so blobs
+    lie in group order): it reads back exactly, the packs' blobs are the reference's choices
+    for the same groups, and the counters add up to what the packs hold."""
+    monkeypatch.setattr(sinks, "COMPRESS_WORKERS", 1)
+    rng = np.random.default_rng(7)
+    pages = []
+    for kind, n in [("fp32", 200), ("random", 90), ("text", 40), ("fp32", 300), ("bf16", 64), ("zero", 32),
+                    ("random", 20), ("fp32", 100)]:
+        data = KINDS[kind](rng, n * PAGE)
+        pages += [data[i * PAGE:(i + 1) * PAGE] for i in range(n)]
+    pages.insert(100, pages[5])           # a page seen before (dedup)
+    pages.insert(300, bytes(PAGE))        # a zero page
+    img = b"".join(pages)
+    snap, stats = dump(repo, {"pages-1.img": img}, compress=compress)
+    assert read_all(snap, "pages-1.img") == img
+
+    blobs = [(h, p) for h, p in _pack_blobs(repo) if h.kind == KIND_PAGES]
+    raws = [bytes(C.decompress(p, h.codec, h.raw_len)) for h, p in blobs]
+    # the groups are the new pages in order, GROUP_PAGES at a time
+    new = [p for i, p in enumerate(pages) if p != bytes(PAGE) and p not in pages[:i]]
+    assert b"".join(raws) == b"".join(new)
+    assert [h.n_pages for h, _ in blobs[:-1]] == [16] * (len(blobs) - 1)
+    want, _ = ref_run(raws, C.codec_id(compress))
+    got = [(h.codec, p) for h, p in blobs]
+    check_same(raws, got, want)
+    assert stats["pages_compressed"] == sum(h.n_pages for h, _ in blobs if h.codec != CODEC_NONE)
+    assert stats["pages_raw"] == sum(h.n_pages for h, _ in blobs if h.codec == CODEC_NONE)
+    assert stats["bytes_new_raw"] == len(b"".join(new))
+    assert stats["bytes_new_stored"] == sum(h.stored_len for h, _ in blobs)
+    if compress == "auto":
+        assert {CODEC_NONE, CODEC_LZ4, CODEC_SHUF4_ZSTD} <= {h.codec for h, _ in blobs}

@@ -23,13 +23,15 @@ from gpusnap.repo.pipeline import pagetable
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
 DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
-# Compressor threads per pages image: compression (lz4, zstd, the native shuffle) runs
-# without the GIL; on fp32 state one thread is busy ~80 % of CRIU's stream phase. One core
-# is left to CRIU and the page scan: on 2 cores a second compressor gained nothing (the
-# cores were the limit), so it takes 3 or more (up to 4). GPUSNAP_COMPRESS_THREADS=N sets it.
+# Compressor threads per pages image (up to 4): each batch is compressed in one native call
+# without the GIL (repo/encoder.py). From 4 cores on, the ingest overlaps CRIU's stream
+# (ops/dump.py), so one core is left to CRIU and the page scan; on 2-3 cores it starts only
+# once the job resumed, and two compressors shortened fp32 storing by ~15 % on 2 cores
+# (docs/benchmark.md). GPUSNAP_COMPRESS_THREADS=N sets it.
 def _compress_workers() -> int:
     env = os.environ.get("GPUSNAP_COMPRESS_THREADS", "")
-    n = int(env) if env.isdigit() else (os.cpu_count() or 1) - 1
+    cores = os.cpu_count() or 1
+    n = int(env) if env.isdigit() else max(cores - 1, min(cores, 2))
     return max(1, min(4, n))
 
 

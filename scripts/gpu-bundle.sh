@@ -6,7 +6,8 @@
 #                         it works whatever glibc the target has
 #   gpu-bundle/plugins/   the CUDA plugin, freshly built (build/plugins/gpusnap_cuda.so), and
 #                         NATIVE.sha256: the digest of the native sources it was built from
-#   gpu-bundle/lib/       the page library (build/lib/libgpusnap_pages.so)
+#   gpu-bundle/lib/       the page library (build/lib/libgpusnap_pages.so), and in deps/ the
+#                         libzstd and liblz4 it links, for a target without them
 #   gpu-bundle/wheels/    gpusnap's Python dependencies, cuda-bindings (the one CUDA backend) and
 #                         cuda-pathfinder included, for the CPython versions $GPUSNAP_BUNDLE_PYTHONS
 #   gpu-bundle/python/    Debian's pycriu (pure Python)
@@ -107,6 +108,13 @@ chmod +x "$B/bin/criu"
 cp build/plugins/gpusnap_cuda.so "$B/plugins/"
 mkdir -p "$B/lib"
 cp build/lib/libgpusnap_pages.so "$B/lib/"   # gpusnap needs it (no Python fallback)
+# the codec libraries it links (libzstd, liblz4), for a target without them: gpu-e2e.sh points
+# the loader here only when the target's own are missing
+mkdir -p "$B/lib/deps"
+for so in $(ldd build/lib/libgpusnap_pages.so | awk '$1 ~ /^lib(zstd|lz4)\.so/ {print $3}'); do
+  cp -L "$so" "$B/lib/deps/"
+done
+[ "$(ls "$B/lib/deps" | wc -l)" = 2 ] || die "libzstd and liblz4 of the page library not found (ldd build/lib/libgpusnap_pages.so)"
 # what they were built from: gpu-e2e.sh compares it with the checkout it runs in (native_digest
 # is the same function there)
 native_digest() {

@@ -97,9 +97,15 @@ cleanup() {
   set +e   # collect whatever there is
   for p in "${job_pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
   collect
-  if [ "${GPUSNAP_E2E_KEEP:-0}" = 1 ]; then say "work directory kept: $work"; else sleep 0.5; rm -rf "$work"; fi
-  say "logs: $logs"
-  [ -z "$VERDICT_LINE" ] || { echo "${VERDICT_LINE:0:400}"; echo "${VERDICT_LINE:0:400}" >"$logs/verdict.txt"; }
+  [ -z "$VERDICT_LINE" ] || echo "${VERDICT_LINE:0:400}" >"$logs/verdict.txt"
+  if [ "${GPUSNAP_E2E_KEEP:-0}" = 1 ]; then
+    say "work directory kept: $work"; say "logs: $logs"
+  else
+    sleep 0.5; rm -rf "$work"
+    # without OUT the logs lived in the work directory
+    if [ -n "${OUT:-}" ]; then say "logs: $logs"; else say "logs removed with $work (OUT=DIR or GPUSNAP_E2E_KEEP=1 keeps them)"; fi
+  fi
+  [ -z "$VERDICT_LINE" ] || echo "${VERDICT_LINE:0:400}"
   exit "$rc"
 }
 trap cleanup EXIT
@@ -256,7 +262,17 @@ if [ "${GPUSNAP_PLUGIN_DIR:-}" = "$B/plugins" ] \
    && [ "$(cat "$B/plugins/NATIVE.sha256" 2>/dev/null)" != "$(native_digest)" ]; then
   die 2 "$B was built from other native sources than this checkout's: rerun scripts/gpu-bundle.sh"
 fi
-[ -f "$B/lib/libgpusnap_pages.so" ] && export GPUSNAP_NATIVE_LIB=$B/lib/libgpusnap_pages.so
+if [ -f "$B/lib/libgpusnap_pages.so" ]; then
+  export GPUSNAP_NATIVE_LIB=$B/lib/libgpusnap_pages.so
+  # the codec libraries it links: the target's own, else the bundle's copies
+  if command -v ldd >/dev/null && ldd "$GPUSNAP_NATIVE_LIB" | grep -q "not found" && [ -d "$B/lib/deps" ]; then
+    export LD_LIBRARY_PATH="$B/lib/deps${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    say "libzstd/liblz4 from the bundle ($B/lib/deps): the target has none"
+  fi
+  if command -v ldd >/dev/null && ldd "$GPUSNAP_NATIVE_LIB" | grep -q "not found"; then
+    die 2 "the page library cannot load here: $(ldd "$GPUSNAP_NATIVE_LIB" | grep "not found" | tr -s ' \t' ' ')"
+  fi
+fi
 
 "$GPUSNAP_CRIU" check >"$logs/criu-check.txt" 2>&1 || {
   cat "$logs/criu-check.txt" >&2

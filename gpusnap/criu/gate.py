@@ -104,6 +104,12 @@ class PostDumpGate:
     def close(self) -> None:
         self._stop.set()
         try:
+            # wakes the thread's accept() at once (closing alone leaves it in its 0.2 s poll:
+            # ~0.1 s added to every dump's wall time)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self._listener.close()
         except OSError:
             pass

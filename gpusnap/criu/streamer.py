@@ -130,6 +130,10 @@ class _Server:
         """Stop everything now (e.g. CRIU failed); errors stay readable through error()."""
         self._stop.set()
         self._shutdown_conn()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)   # wakes an accept() still waiting
+        except OSError:
+            pass
         self._main.join(2)
         self._close()
 

@@ -85,12 +85,17 @@ def _slurm_output(tmp: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted(tmp.glob("slurm-*.out")))
 
 
+_pending_since: dict[int, float] = {}
+
+
 def _requeued_and_running(c: SlurmCluster, job: int):
     info = c.job(job)
     if (info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
-            and c.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip() == "idle"):
-        # Skip Slurm's requeue delay, but only once the node has finished with the old instance:
-        # a batch started while the node still cleans up the previous one fails at launch.
+            and c.run("sinfo", "-h", "-o", "%t", check=False).stdout.strip() == "idle"
+            and time.monotonic() - _pending_since.setdefault(job, time.monotonic()) > 2.5):
+        # Skip Slurm's requeue delay, but only once the node has finished with the old instance
+        # and a new second has begun: slurmd refuses a credential issued in the second it
+        # revoked the old one in ("Job credential revoked", the launch fails with exit 1).
         c.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     return info.get("JobState") == "RUNNING" and int(info.get("Restarts", "0")) >= 1
 

@@ -34,20 +34,14 @@
 #include <zstd.h>
 #include <zstd_errors.h>
 
-#define GS_EXPORT __attribute__((visibility("default")))
+#include "gs_internal.h"
 
-#define GS_PAGE 4096u
 #define GS_HDR 16u
 #define GS_MAX_GROUP_PAGES 256u            /* format.MAX_GROUP_PAGES */
 #define GS_MAX_BLOB_RAW (4u << 20)         /* format.MAX_BLOB_RAW */
 #define GS_SCRATCH (GS_MAX_GROUP_PAGES * GS_PAGE) /* the largest pages blob */
 #define GS_KIND_PAGES 1
 #define GS_KIND_DATA 2
-#define GS_CODEC_NONE 0
-#define GS_CODEC_LZ4 1
-#define GS_CODEC_ZSTD 2
-#define GS_CODEC_SHUF4 3
-#define GS_CODEC_SHUF2 4
 
 /* return codes of gs_decode_job (gpusnap/repo/native.py DECODE_*) */
 #define GS_DEC_OK 0
@@ -60,8 +54,6 @@
 
 #define GS_PIECE_FIELDS 11 /* fd, key, offset, kind, codec, n_pages, raw_len, stored_len, slot, count, dst */
 
-int gs_unshuffle(const uint8_t *src, size_t n, unsigned k, uint8_t *dst, unsigned flags);
-long gs_verify(const uint8_t *buf, size_t npages, const uint8_t *ids, const uint8_t *kinds);
 
 /* ---- per-thread state ---------------------------------------------------------------- */
 struct gs_tls {

@@ -25,15 +25,10 @@
 #include <string.h>
 #include <zstd.h>
 
-#define GS_EXPORT __attribute__((visibility("default")))
+#include "gs_internal.h"
 
-/* gs_shuffle.c */
-int gs_shuffle(const uint8_t *src, size_t n, unsigned k, uint8_t *dst, unsigned flags);
-int gs_plane_bits(const uint8_t *buf, size_t plane_stride, unsigned nplanes, size_t step,
-                  size_t count, uint32_t *out);
-
-/* docs/format.md §3 codec ids; AUTO is never stored */
-enum { C_AUTO = -1, C_NONE = 0, C_LZ4 = 1, C_ZSTD = 2, C_SHUF4 = 3, C_SHUF2 = 4 };
+/* "auto": chosen per group, never stored (the stored ids are gs_internal.h's) */
+enum { C_AUTO = -1 };
 
 /* gs_enc_new's params[], in this order (gpusnap/repo/native.py ENC_PARAM_NAMES) */
 enum {
@@ -225,7 +220,7 @@ static int64_t shuffled(gs_enc *e, const uint8_t *src, size_t n, unsigned k, con
   return (int64_t)(pos + tail);
 }
 
-/* The payload chosen for one group: codec, and where its bytes are (NULL for C_NONE). */
+/* The payload chosen for one group: codec, and where its bytes are (NULL for GS_CODEC_NONE). */
 typedef struct {
   int codec;
   const uint8_t *p;
@@ -244,7 +239,7 @@ static int auto_codec(gs_enc *e, const uint8_t *src, size_t n, int lz4_first, ch
     if (sp < 0)
       return (int)sp;
     if (sp > 0 && fits(e, sp, n)) {
-      *c = (choice){C_SHUF4, sd, (size_t)sp};
+      *c = (choice){GS_CODEC_SHUF4, sd, (size_t)sp};
       return 0;
     }
   }
@@ -252,13 +247,13 @@ static int auto_codec(gs_enc *e, const uint8_t *src, size_t n, int lz4_first, ch
   if (lz < 0)
     return (int)lz;
   if ((double)lz <= (double)n * e->lz4_good) {
-    *c = (choice){C_LZ4, ld, (size_t)lz};
+    *c = (choice){GS_CODEC_LZ4, ld, (size_t)lz};
     return 0;
   }
   int64_t best_len = (int64_t)n;
-  *c = (choice){C_NONE, NULL, n};
+  *c = (choice){GS_CODEC_NONE, NULL, n};
   if (fits(e, lz, n)) {
-    *c = (choice){C_LZ4, ld, (size_t)lz};
+    *c = (choice){GS_CODEC_LZ4, ld, (size_t)lz};
     best_len = lz;
   }
   if (n < 4 || !lz4_first)
@@ -272,28 +267,28 @@ static int auto_codec(gs_enc *e, const uint8_t *src, size_t n, int lz4_first, ch
     if (sp < 0)
       return (int)sp;
     if (sp > 0 && sp < best_len && fits(e, sp, n))
-      *c = (choice){C_SHUF4, sd, (size_t)sp};
+      *c = (choice){GS_CODEC_SHUF4, sd, (size_t)sp};
   }
   return 0;
 }
 
 /* codec.compress(data, codec, lz4_first) */
 static int compress_one(gs_enc *e, const uint8_t *src, size_t n, int codec, int lz4_first, choice *c) {
-  *c = (choice){C_NONE, NULL, n};
+  *c = (choice){GS_CODEC_NONE, NULL, n};
   if (codec == C_AUTO)
     return auto_codec(e, src, n, lz4_first, c);
   int64_t len;
   uint8_t *p;
-  if (codec == C_LZ4) {
+  if (codec == GS_CODEC_LZ4) {
     len = lz4_block(e, src, n, 1, &p);
-  } else if (codec == C_ZSTD) {
+  } else if (codec == GS_CODEC_ZSTD) {
     size_t bound = ZSTD_compressBound(n);
     if (e->place_cap < bound && grow(&e->lz, &e->lz_cap, bound))
       return E_NOMEM;
     p = target(e, bound, e->lz);
     len = zframe(e->zstd, p, bound, src, n);
-  } else if (codec == C_SHUF4 || codec == C_SHUF2) {
-    len = shuffled(e, src, n, codec == C_SHUF4 ? 4 : 2, NULL, &p);
+  } else if (codec == GS_CODEC_SHUF4 || codec == GS_CODEC_SHUF2) {
+    len = shuffled(e, src, n, codec == GS_CODEC_SHUF4 ? 4 : 2, NULL, &p);
     if (len == 0)
       return 0;
   } else {
@@ -330,7 +325,7 @@ GS_EXPORT size_t gs_enc_out_cap(const size_t *lens, size_t ngroups) {
  * res: int64[2 * ngroups]: per group the codec used and the payload's length. The payloads
  * of compressed groups are written one after the other into out (out_cap bytes; the sum of
  * lens always suffices: a compressed payload is smaller than its group; with
- * gs_enc_out_cap's capacity every attempt is made in place, none is copied); a C_NONE
+ * gs_enc_out_cap's capacity every attempt is made in place, none is copied); a GS_CODEC_NONE
  * group's payload is its raw bytes and takes no room in out.
  * -> bytes used in out, or < 0: -1 bad arguments, -2 out of memory, -3 out too small,
  * -4 a compression library failed. On an error the state and res are unspecified. */
@@ -338,14 +333,14 @@ GS_EXPORT int64_t gs_encode_groups(void *h, const uint8_t *const *src, const siz
                                    size_t ngroups, int codec, int64_t *state, uint8_t *out,
                                    size_t out_cap, int64_t *res) {
   gs_enc *e = h;
-  if (!e || !state || !res || (ngroups && (!src || !lens)) || codec < C_AUTO || codec > C_SHUF2)
+  if (!e || !state || !res || (ngroups && (!src || !lens)) || codec < C_AUTO || codec > GS_CODEC_SHUF2)
     return E_ARGS;
   int64_t *st = state;
   size_t used = 0;
   for (size_t g = 0; g < ngroups; g++) {
     size_t n = lens[g];
-    choice c = {C_NONE, NULL, n};
-    if (st[S_SKIP] || codec == C_NONE) {
+    choice c = {GS_CODEC_NONE, NULL, n};
+    if (st[S_SKIP] || codec == GS_CODEC_NONE) {
       st[S_SKIP] = st[S_SKIP] > 1 ? st[S_SKIP] - 1 : 0;
     } else {
       int lz4_first = codec != C_AUTO || st[S_LZ4_FUTILE] < e->lz4_futile ||
@@ -356,17 +351,17 @@ GS_EXPORT int64_t gs_encode_groups(void *h, const uint8_t *const *src, const siz
       if (r < 0)
         return r;
       st[S_SINCE_PROBE] = lz4_first ? 0 : st[S_SINCE_PROBE] + 1;
-      if (c.codec == C_NONE) {
+      if (c.codec == GS_CODEC_NONE) {
         st[S_SKIP] = st[S_SKIP_NEXT];
         st[S_SKIP_NEXT] = st[S_SKIP_NEXT] * 2 < e->skip_max ? st[S_SKIP_NEXT] * 2 : e->skip_max;
       } else {
         st[S_SKIP_NEXT] = 1;
       }
-      st[S_LZ4_FUTILE] = c.codec == C_SHUF4 ? st[S_LZ4_FUTILE] + 1 : 0;
+      st[S_LZ4_FUTILE] = c.codec == GS_CODEC_SHUF4 ? st[S_LZ4_FUTILE] + 1 : 0;
     }
     res[2 * g] = c.codec;
     res[2 * g + 1] = (int64_t)c.len;
-    if (c.codec != C_NONE) {
+    if (c.codec != GS_CODEC_NONE) {
       if (c.len > out_cap - used)
         return E_SPACE;
       if (c.p != out + used)

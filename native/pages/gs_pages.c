@@ -18,9 +18,8 @@
 #include "blake3.h"
 #include "blake3_impl.h"
 
-#define GS_EXPORT __attribute__((visibility("default")))
+#include "gs_internal.h"
 
-#define GS_PAGE 4096u
 #define GS_ID 16u
 #define GS_CHUNKS (GS_PAGE / BLAKE3_CHUNK_LEN) /* 4 */
 #define GS_LANES 16u                          /* pages hashed side by side */

@@ -26,7 +26,7 @@
 #define GS_HAVE_AVX2 0
 #endif
 
-#define GS_EXPORT __attribute__((visibility("default")))
+#include "gs_internal.h"
 
 #define GS_SHUF_PORTABLE 1u /* flags: force the portable implementation */
 

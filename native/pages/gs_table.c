@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GS_EXPORT __attribute__((visibility("default")))
+#include "gs_internal.h"
 #define GS_ID 16u
 #define GS_EMPTY INT64_MIN /* value of a free slot; stored values are never INT64_MIN */
 #define GS_MIN_CAP 1024u

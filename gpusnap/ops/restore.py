@@ -26,6 +26,7 @@ from gpusnap.criu import netlock
 from gpusnap.system import paths, proc
 from gpusnap.ops import restore_files, restore_needs
 from gpusnap.criu import runner
+from gpusnap.criu import pbwire, sparse
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.repo import materialize as repo_materialize
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError
@@ -85,8 +86,8 @@ def pidns_init(snap) -> bool:
     if not snap.has_image("pstree.img"):
         return False
     try:
-        for msg in restore_files._entries(b"".join(snap.read_image("pstree.img"))):
-            return dict(restore_files._fields(msg)).get(1) == 1
+        for msg in pbwire.entries(b"".join(snap.read_image("pstree.img"))):
+            return dict(pbwire.fields(msg)).get(1) == 1
     except ValueError as e:
         raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable process tree: {e}") from None
     return False
@@ -245,11 +246,14 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
     fixes = restore_files.prepare(snap)
     check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
     phases = {"preflight": round(time.monotonic() - t0, 3)}
+    t = time.monotonic()
+    sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
+    phases["sparse"] = round(time.monotonic() - t, 3)
     where = None
     try:
         if mode == "stream":
             try:
-                pid = _via_stream(repository, snap, info, env, flags, progress, phases, check)
+                pid = _via_stream(repository, snap, info, env, flags, progress, phases, check, sp)
             except CriuFailed as e:
                 # A hugetlb mapping made after the dump's preflight looked: the stream cannot
                 # carry it, image files can (restore_needs.py).
@@ -258,9 +262,9 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
                 mode = "files"
                 if not own_pidns:
                     _check_pids_free(pids)
-                pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
+                pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check, sp)
         else:
-            pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check)
+            pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check, sp)
     except BaseException:
         fixes.undo()
         raise
@@ -333,7 +337,7 @@ def restore_threads(stream: bool) -> int:
     return max(1, min(8, cores - 1 if stream else cores))
 
 
-def _via_stream(repository, snap, info, env, flags, progress, phases, pids) -> int | None:
+def _via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -> int | None:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
 
@@ -342,9 +346,12 @@ def _via_stream(repository, snap, info, env, flags, progress, phases, pids) -> i
     def source(name: str):
         if not snap.has_image(name):
             return None
+        if sp is not None and name in sp.pagemaps:
+            return (b for b in (sp.pagemaps[name],))
+        drop = sp.drop.get(name) if sp is not None else None
         if threads > 1 and repo_materialize.parallel_ok(snap, name):
-            return repo_materialize.iter_image_parallel(snap, name, threads)
-        return snap.read_image(name)
+            return repo_materialize.iter_image_parallel(snap, name, threads, drop)
+        return snap.read_image(name, drop)
 
     server = ServeServer(workdir, source).start()
     t = time.monotonic()
@@ -359,14 +366,14 @@ def _via_stream(repository, snap, info, env, flags, progress, phases, pids) -> i
     return pid
 
 
-def _via_files(repository, snap, info, env, flags, progress, phases, pids) -> tuple[int | None, str]:
+def _via_files(repository, snap, info, env, flags, progress, phases, pids, sp) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     from gpusnap.criu import materialize   # the files path only: the stream path never loads it
 
     with materialize.images_dir(snap, repository.path) as (images, plan):
         t = time.monotonic()
         materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
-                                 progress=progress, total=total)
+                                 progress=progress, total=total, sparse=sp)
         phases["materialize"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))

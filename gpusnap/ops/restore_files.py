@@ -17,15 +17,15 @@ crashes later, the log is longer than the snapshot expects. Here, before CRIU ru
 
 Nothing is changed unless every file passes; if the restore then fails, the moved bytes are
 put back (undo). The entries come from CRIU's files.img (or reg-files.img of older CRIUs),
-read with a small protobuf walker instead of pycriu (whose import alone costs 0.1 s).
+read at the wire level (criu/pbwire.py) instead of through pycriu (whose import alone costs 0.1 s).
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass, field
 
+from gpusnap.criu import pbwire
 from gpusnap.errors import CorruptSnapshot, FilesChanged
 
 O_ACCMODE = 0o3
@@ -33,8 +33,6 @@ O_WRONLY = 0o1
 O_APPEND = 0o2000
 FD_TYPE_REG = 1
 REMAP_LINKED, REMAP_GHOST, REMAP_PROCFS = 0, 1, 2
-IMG_COMMON_MAGIC = 0x54564319
-IMG_SERVICE_MAGIC = 0x55105940
 COPY_CHUNK = 1 << 20
 # kernel files that exist only while the job runs (e.g. its own /proc/PID/maps, which zdtm's
 # maps09 keeps open): not files the job wrote or read in the sense checked here
@@ -55,66 +53,9 @@ class RegFile:
         return self.flags & O_ACCMODE != 0
 
 
-# -- a minimal protobuf reader (wire types 0, 1, 2, 5) -----------------------------------------
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    v = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        v |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return v, pos
-        shift += 7
-        if shift > 70:
-            raise ValueError("varint too long")
-
-
-def _fields(buf: bytes):
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, pos = _varint(buf, pos)
-        elif wt == 2:
-            n, pos = _varint(buf, pos)
-            v = buf[pos:pos + n]
-            if len(v) != n:
-                raise ValueError("truncated field")
-            pos += n
-        elif wt == 1:
-            v = buf[pos:pos + 8]
-            pos += 8
-        elif wt == 5:
-            v = buf[pos:pos + 4]
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wt}")
-        yield num, v
-
-
-def _entries(raw: bytes):
-    """The protobuf entries of a CRIU image (magic words, then u32 length + message each)."""
-    pos = 4
-    if len(raw) < 4:
-        return
-    if struct.unpack_from("<I", raw, 0)[0] in (IMG_COMMON_MAGIC, IMG_SERVICE_MAGIC):
-        pos = 8
-    while pos + 4 <= len(raw):
-        (n,) = struct.unpack_from("<I", raw, pos)
-        pos += 4
-        if pos + n > len(raw):
-            raise ValueError("truncated entry")
-        yield raw[pos:pos + n]
-        pos += n
-
-
 def _reg(msg: bytes) -> RegFile:
     d: dict = {}
-    for num, v in _fields(msg):
+    for num, v in pbwire.fields(msg):
         d[num] = v
     return RegFile(id=d.get(1, 0), flags=d.get(2, 0), pos=d.get(3, 0),
                    name=bytes(d.get(6, b"")).decode(errors="surrogateescape"),
@@ -126,10 +67,10 @@ def reg_files(snap) -> list[RegFile]:
     out: list[RegFile] = []
     try:
         if snap.has_image("files.img"):
-            for msg in _entries(b"".join(snap.read_image("files.img"))):
+            for msg in pbwire.entries(b"".join(snap.read_image("files.img"))):
                 typ = None
                 reg = None
-                for num, v in _fields(msg):
+                for num, v in pbwire.fields(msg):
                     if num == 1:
                         typ = v
                     elif num == 3:
@@ -137,7 +78,7 @@ def reg_files(snap) -> list[RegFile]:
                 if typ == FD_TYPE_REG and reg is not None:
                     out.append(_reg(reg))
         if snap.has_image("reg-files.img"):
-            out.extend(_reg(m) for m in _entries(b"".join(snap.read_image("reg-files.img"))))
+            out.extend(_reg(m) for m in pbwire.entries(b"".join(snap.read_image("reg-files.img"))))
     except ValueError as e:
         raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable files image: {e}") from None
     return out
@@ -149,8 +90,8 @@ def _remapped_ids(snap) -> set[int]:
     if not snap.has_image("remap-fpath.img"):
         return ids
     try:
-        for msg in _entries(b"".join(snap.read_image("remap-fpath.img"))):
-            for num, v in _fields(msg):
+        for msg in pbwire.entries(b"".join(snap.read_image("remap-fpath.img"))):
+            for num, v in pbwire.fields(msg):
                 if num == 1:
                     ids.add(v)
     except ValueError as e:

@@ -52,9 +52,10 @@ def parallel_ok(snap, name: str) -> bool:
     return im["type"] == "pages" and int(im.get("size", 0)) > JOB_BYTES
 
 
-def iter_image_parallel(snap, name: str, threads: int):
-    """The image's bytes in order, like Snapshot.read_image, built by `threads` workers a
-    bounded window ahead (2 jobs per worker). For the stream path."""
+def iter_image_parallel(snap, name: str, threads: int, drop: list | None = None):
+    """The image's bytes in order, like Snapshot.read_image (less the zero-page runs
+    `drop`), built by `threads` workers a bounded window ahead (2 jobs per worker). For the
+    stream path."""
     from collections import deque
 
     loc = snap.reading_locations()
@@ -69,7 +70,7 @@ def iter_image_parallel(snap, name: str, threads: int):
     ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-read")
     window: deque = deque()
     try:
-        jobs = reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES)
+        jobs = reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES, drop)
         more = True
         while more or window:
             while more and len(window) < 2 * threads:
@@ -99,11 +100,14 @@ def _create(d: Path, name: str) -> int:
     return os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
-def _write_sequential(snap, d: Path, name: str, stop: threading.Event, done: list) -> int:
+def _write_sequential(snap, d: Path, name: str, stop: threading.Event, done: list, sparse=None) -> int:
     fd = _create(d, name)
     pos = written = 0
     try:
-        it = snap.read_image(name)
+        if sparse is not None and name in sparse.pagemaps:
+            it = (b for b in (sparse.pagemaps[name],))   # (a generator: closed below)
+        else:
+            it = snap.read_image(name, sparse.drop.get(name) if sparse is not None else None)
         try:
             for chunk in it:
                 if stop.is_set():
@@ -125,10 +129,11 @@ def _write_sequential(snap, d: Path, name: str, stop: threading.Event, done: lis
     return written
 
 
-def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list) -> int:
+def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list, sparse=None) -> int:
     """Write every image of `snap` into directory `d` (which must be empty and private);
     returns the bytes written (holes excluded). Raises CorruptSnapshot on any bad byte, and
-    OSError on a write failure; `stop` set by the caller ends the work early."""
+    OSError on a write failure; `stop` set by the caller ends the work early. sparse: a
+    criu/sparse.py plan (zero-page runs left out, pagemaps to match)."""
     loc = snap.reading_locations()
     names = sorted(snap.image_names(), key=lambda n: -int(snap.image(n).get("size", 0) or 0))
     big = [n for n in names if parallel_ok(snap, n)]
@@ -137,7 +142,7 @@ def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list)
     lock = threading.Lock()
     all_readers: list = []
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-images") as ex:
-        futs = [ex.submit(_write_sequential, snap, d, n, stop, done) for n in small]
+        futs = [ex.submit(_write_sequential, snap, d, n, stop, done, sparse) for n in small]
         readers = _Readers(snap.repo.path, loc) if big else None
         try:
             for name in big:
@@ -146,7 +151,9 @@ def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list)
                 pending: set = set()
                 try:
                     total = 0
-                    for job in reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES):
+                    drop = sparse.drop.get(name) if sparse is not None else None
+                    size = sparse.size.get(name, im["size"]) if sparse is not None else im["size"]
+                    for job in reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES, drop):
                         if stop.is_set():
                             break
                         total = job.pos + job.size
@@ -158,8 +165,8 @@ def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list)
                     fin, pending = wait(pending)
                     for f in fin:
                         written += f.result()
-                    if total != im["size"]:
-                        raise snap.corrupt(f"image {name} rebuilds to {total} bytes, not {im['size']}")
+                    if total != size:
+                        raise snap.corrupt(f"image {name} rebuilds to {total} bytes, not {size}")
                     os.ftruncate(fd, total)
                 finally:
                     # no job may still write through this fd once it is closed (or reused)

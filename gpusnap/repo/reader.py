@@ -137,17 +137,39 @@ def _runs(snap, name: str, loc: Locations, image_no: int):
     return next_run, end
 
 
-def plan(snap, name: str, loc: Locations, image_no: int, job_bytes: int) -> Iterator[Job]:
-    """The jobs of one pages image, in order (metadata only: no pack is read here)."""
+def _dropped(drop: list, di: int, first: int, n: int) -> tuple[int, int]:
+    """Of the zero pages [first, first + n), how many the sorted runs `drop` (from index di
+    on) leave out; -> (count, next di)."""
+    out = 0
+    while di < len(drop) and drop[di][0] < first + n:
+        lo, hi = max(first, drop[di][0]), min(first + n, drop[di][0] + drop[di][1])
+        if drop[di][0] < first and hi <= first:
+            raise ValueError("a run to leave out covers pages that are not zero")
+        out += max(0, hi - lo)
+        if drop[di][0] + drop[di][1] > first + n:
+            break
+        di += 1
+    return out, di
+
+
+def plan(snap, name: str, loc: Locations, image_no: int, job_bytes: int,
+         drop: list | None = None) -> Iterator[Job]:
+    """The jobs of one pages image, in order (metadata only: no pack is read here). drop:
+    sorted (first page, count) runs of zero pages to leave out (criu/sparse.py)."""
     next_run, end = _runs(snap, name, loc, image_no)
     job = Job(0)
     run = None
     slot = left = 0
+    page = di = 0
+    drop = drop or []
     for rec in snap.iter_page_refs(name):
         kind = rec[0]
         if kind == "pages":
             ids = rec[1]
             n = len(ids) // PAGE_ID_LEN
+            if di < len(drop) and drop[di][0] < page + n:
+                raise ValueError(f"{name}: a run to leave out covers pages that are not zero")
+            page += n
             o = 0
             while o < n:
                 if not left:
@@ -167,7 +189,9 @@ def plan(snap, name: str, loc: Locations, image_no: int, job_bytes: int) -> Iter
                     yield job
                     job = Job(job.pos + job.size)
         elif kind == "zero":
-            rem = rec[1] * PAGE_SIZE
+            skip, di = _dropped(drop, di, page, rec[1]) if drop else (0, 0)
+            page += rec[1]
+            rem = (rec[1] - skip) * PAGE_SIZE
             while rem:
                 k = min(rem, max(PAGE_SIZE, job_bytes - job.size))
                 job.pieces.append(("z", k))
@@ -180,13 +204,15 @@ def plan(snap, name: str, loc: Locations, image_no: int, job_bytes: int) -> Iter
                     yield job
                     job = Job(job.pos + job.size)
         else:                       # the tail: last in a page list, after every page
-            if left:
+            if left or di < len(drop):
                 raise snap.corrupt(f"locations file of {name} disagrees with its page list")
             job.pieces.append(("d", next_run(KIND_DATA), rec[2], rec[1]))
             job.size += rec[1]
             job.data = True
     if left:
         raise snap.corrupt(f"locations file of {name} disagrees with its page list")
+    if di < len(drop):
+        raise ValueError(f"{name}: a run to leave out lies past the image's end")
     end()
     if job.size:
         yield job
@@ -301,10 +327,10 @@ def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
     return buf
 
 
-def _read_pages(snap, name: str, loc: Locations, image_no: int) -> Iterator:
+def _read_pages(snap, name: str, loc: Locations, image_no: int, drop: list | None = None) -> Iterator:
     reader = RunReader(snap.repo.path, loc)
     try:
-        for job in plan(snap, name, loc, image_no, READ_CHUNK):
+        for job in plan(snap, name, loc, image_no, READ_CHUNK, drop):
             buf = assemble(snap, name, job, reader)
             if buf is None:         # all zero: the shared zero chunk (a hole for the materializer)
                 buf = ZERO_CHUNK if job.size == READ_CHUNK else bytes(job.size)
@@ -337,14 +363,14 @@ def _read_blobs(snap, im: dict, loc: Locations, image_no: int) -> Iterator[bytes
         reader.close()
 
 
-def read_image(snap, im: dict, loc: Locations, image_no: int) -> Iterator:
+def read_image(snap, im: dict, loc: Locations, image_no: int, drop: list | None = None) -> Iterator:
     """The original bytes of one image in chunks of at most READ_CHUNK (bytes or bytearray;
-    an all-zero chunk of READ_CHUNK is ZERO_CHUNK itself). Big pages images are built one
-    step ahead in a helper thread (the checks run without the GIL) while the caller uses
-    the previous chunk."""
+    an all-zero chunk of READ_CHUNK is ZERO_CHUNK itself), less the zero-page runs `drop`
+    (pages images only). Big pages images are built one step ahead in a helper thread (the
+    checks run without the GIL) while the caller uses the previous chunk."""
     if im["type"] == "blob":
         return _read_blobs(snap, im, loc, image_no)
-    it = _read_pages(snap, im["name"], loc, image_no)
+    it = _read_pages(snap, im["name"], loc, image_no, drop)
     if int(im.get("size", 0)) >= PREFETCH_MIN:
         return _prefetched(it)
     return it

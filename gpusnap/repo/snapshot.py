@@ -198,8 +198,9 @@ class Snapshot:
         self.reading_locations()
 
     # -- reading ----------------------------------------------------------------------------
-    def read_image(self, filename) -> Iterator:
+    def read_image(self, filename, drop: list | None = None) -> Iterator:
         """The original bytes of an image, in chunks of at most 1 MiB (repo/reader.py); every
-        page and blob is checked against its checksum before it is yielded."""
+        page and blob is checked against its checksum before it is yielded. drop: zero-page
+        runs to leave out of a pages image (criu/sparse.py)."""
         im = self.image(filename)
-        yield from reader.read_image(self, im, self.reading_locations(), self._image_no[filename])
+        yield from reader.read_image(self, im, self.reading_locations(), self._image_no[filename], drop)

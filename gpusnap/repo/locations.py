@@ -102,8 +102,9 @@ def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
         if pno is None:
             pno = packs[b.pack] = len(pack_list)
             pack_list.append([b.pack, 0])
-        if pack_list[pno][1] < b.end:
-            pack_list[pno][1] = b.end
+        end = b.end
+        if pack_list[pno][1] < end:
+            pack_list[pno][1] = end
         runs.extend(rpack(pno, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len, slot, count))
         nruns += 1
 

@@ -16,6 +16,10 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
                               -> sampled order-0 entropy (milli-bits per byte) of each plane:
                                  plane p's samples are buf[p*plane_stride + j*step], j < count
     table_*                   the page-id table of a dump (gs_table.c, used by pipeline/pagetable.py)
+    run_starts(locs, cur, length)
+                              -> (starts, k): where runs of consecutive slots start in a batch of
+                                 page locations, or k = -1 - i for the first locs[i] < 0
+                                 (gs_table.c, used by repo/locations.py build)
     decode_job(pieces, npieces, buf, npages, ids, kinds, token)
                               -> None or (code, piece, detail, message): one job of the read path
                                  (gs_decode.c, used by repo/reader.py assemble)
@@ -35,12 +39,13 @@ from __future__ import annotations
 import ctypes
 import threading
 import os
+from array import array
 
 from gpusnap.errors import NativeLibraryMissing
 
 PAGE_SIZE = 4096
 ID_LEN = 16
-ABI_VERSION = 4                  # gs_abi_version() of the library this code binds
+ABI_VERSION = 5                  # gs_abi_version() of the library this code binds
 SHUFFLE_PORTABLE = 1             # flags for shuffle/unshuffle: force the portable C code (tests)
 
 _LIB_NAME = "libgpusnap_pages.so"
@@ -64,6 +69,8 @@ _SIGNATURES = {
     "gs_table_add_runs": ([_vp, _vp, _sz, _vp, _vp], ctypes.c_long),
     "gs_table_get": ([_vp, _vp, _sz, _vp], None),
     "gs_table_claim": ([_vp, _vp, _vp, _vp, _sz, _i64, _vp], ctypes.c_long),
+    "gs_table_fill": ([_vp, _vp, _sz, _vp], _sz),
+    "gs_run_starts": ([_vp, _sz, _i64, _i64, _vp], _i64),
     "gs_decode_job": ([_vp, _sz, _vp, _sz, _sz, _vp, _vp, _i64, _vp, _vp, _sz], ctypes.c_int),
 }
 
@@ -301,6 +308,31 @@ def table_claim(known: int | None, claimed: int, kinds, ids, npages: int, value:
     r = _lib.gs_table_claim(known, claimed, ka, ia, npages, value, out_addr)
     del kkeep, ikeep
     return _checked(r)
+
+
+def table_fill(t: int, ids, n: int, out_addr: int) -> int:
+    """Fills the int64 locations at out_addr that are < 0 with those of ids (n ids) the table
+    has. -> how many are still < 0."""
+    a, keep = buffer_address(ids)
+    r = _lib.gs_table_fill(t, a, n, out_addr)
+    del keep
+    return r
+
+
+def run_starts(locs, cur: int, length: int) -> tuple[array, int]:
+    """locs: array('q') of page locations in page-list order; (cur, length): the run pending
+    before them (length 0: none). -> (starts, k): starts[:k] are the indices where a new run
+    starts (a run goes on while a location is the previous one + 1 and its slot is not 0);
+    k < 0: locs[-1 - k] is the first location < 0."""
+    lib = _lib or load()
+    if not isinstance(locs, array) or locs.typecode != "q":
+        raise ValueError("locs must be an array('q')")
+    n = len(locs)
+    starts = array("q", [0]) * n
+    if not n:
+        return starts, 0
+    k = lib.gs_run_starts(locs.buffer_info()[0], n, cur, length, starts.buffer_info()[0])
+    return starts, k
 
 
 # -- the read path's decode loop (native/pages/gs_decode.c) -----------------------------------

@@ -215,3 +215,43 @@ out:
   pthread_mutex_unlock(&claimed->mu);
   return nnew;
 }
+
+/* For each i with out[i] < 0: out[i] = location of ids[i], or left as it is when absent (a
+ * second table fills in what the first did not have; Python never visits a page). Returns
+ * how many out[i] are still < 0. */
+GS_EXPORT size_t gs_table_fill(struct gs_table *t, const uint8_t *ids, size_t n, int64_t *out) {
+  size_t left = 0;
+  pthread_mutex_lock(&t->mu);
+  for (size_t i = 0; i < n; i++) {
+    if (out[i] >= 0)
+      continue;
+    int64_t v = get(t, ids + i * GS_ID);
+    if (v >= 0)
+      out[i] = v;
+    else
+      left++;
+  }
+  pthread_mutex_unlock(&t->mu);
+  return left;
+}
+
+/* Where runs start in a batch of page locations (blob_no << 8 | slot, in page-list order), for
+ * the locations file (gpusnap/repo/locations.py build): a run goes on while the next page is
+ * the next slot of the same blob, i.e. its location is the previous one + 1 and its slot is not
+ * 0. `cur`, `length`: the run pending before locs[0] (length 0: none), which locs[0] may
+ * continue. Writes the indices i where a new run starts to starts[] (at most n) and returns
+ * how many; or -1 - i when locs[i] < 0 (the first page without a location), starts unused. */
+GS_EXPORT int64_t gs_run_starts(const int64_t *locs, size_t n, int64_t cur, int64_t length, int64_t *starts) {
+  for (size_t i = 0; i < n; i++)
+    if (locs[i] < 0)
+      return -1 - (int64_t)i;
+  int64_t k = 0;
+  int64_t prev = length > 0 && cur >= 0 && cur <= INT64_MAX - length ? cur + length - 1 : -2;
+  for (size_t i = 0; i < n; i++) {
+    int64_t v = locs[i];
+    if (v != prev + 1 || (v & 0xFF) == 0)
+      starts[k++] = (int64_t)i;
+    prev = v;
+  }
+  return k;
+}

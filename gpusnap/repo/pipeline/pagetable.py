@@ -88,6 +88,17 @@ class PageTable:
             native.table_get(self._t, ids, n, out.buffer_info()[0])
         return out
 
+    def fill(self, ids, out: array) -> int:
+        """For each i with out[i] < 0, out[i] = the location of id i of `ids` (n*16 bytes)
+        where the table has it (a second table completes a first one's get_many()).
+        out: array('q') of n entries. -> how many are still < 0."""
+        n = _check_ids(ids)
+        if not isinstance(out, array) or out.typecode != "q" or len(out) != n:
+            raise ValueError("out must be an array('q') with one entry per id")
+        if not n:
+            return 0
+        return native.table_fill(self._t, ids, n, out.buffer_info()[0])
+
 
 def claim(known: PageTable | None, claimed: PageTable, kinds, ids, npages: int) -> list[int]:
     """The dedup decision for a batch: indices i < npages (kinds[i] != 0) whose id is in

@@ -34,7 +34,6 @@ class SnapshotWriter:
         self.meta = dict(meta or {})
         self.group_pages = group_pages
         self.created = time.time()
-        locations.preload_numpy()         # needed at commit; loads while the dump streams
         # records whose pack is missing or short are left out: never dedup against them
         idx = repo.index(check_packs=True)
         self.index = idx                  # for the locations file at commit (locations.py)

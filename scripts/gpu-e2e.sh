@@ -12,7 +12,7 @@
 #
 # For a lent GPU machine without network: CRIU, its libraries, the plugin and the Python
 # wheels (cuda-bindings, gpusnap's CUDA backend, included) come from gpu-bundle/
-# (scripts/gpu-bundle.sh). PyTorch and numpy must be on the machine.
+# (scripts/gpu-bundle.sh). PyTorch must be on the machine.
 # Run as root from the repository:
 #
 #   scripts/gpu-e2e.sh                           # the GPU run
@@ -201,10 +201,8 @@ fi
 gpusnap() { "$VPY" -m gpusnap "$@"; }
 "$VPY" -c 'import gpusnap.cli, lz4, zstandard, blake3, typer, rich' \
   || die 2 "gpusnap's Python dependencies do not import with $VPY"
-# numpy is not in the bundle (PyTorch's environment brings it) but every dump needs it (the
-# page locations are computed with it at commit)
-"$VPY" -c 'import numpy' 2>/dev/null \
-  || die 2 "numpy does not import with $VPY (the bundle leaves it to the machine's PyTorch environment): install numpy there"
+# numpy is not in the bundle: dump and restore do not use it (verify, prune and ls sizes do,
+# and this check runs none of them)
 # the one CUDA backend of gpusnap: without it gpusnap sees no driver and dumps no GPU state
 cuda_py=$("$VPY" -c 'import cuda.bindings.driver, cuda.pathfinder, cuda.bindings as b; print(b.__version__, b.__file__)' 2>&1) \
   || die 2 "import cuda.bindings.driver fails with $VPY${site:+ and $site}: $(tail -n1 <<<"$cuda_py")"

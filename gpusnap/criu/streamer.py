@@ -382,6 +382,7 @@ class ServeServer(_Server):
     def __init__(self, images_dir, source: ImageSource):
         super().__init__(images_dir)
         self._source = source
+        self.keep: list = []      # buffers whose pages a pipe may still reference (criu/pipefeed.py)
 
     def _handle(self, name: str) -> None:
         try:
@@ -395,19 +396,22 @@ class ServeServer(_Server):
         self._spawn(self._feed, name, fd, chunks)
 
     def _feed(self, name: str, fd: int, chunks: Iterable[bytes]) -> None:
+        from gpusnap.criu.pipefeed import Feeder
+        from gpusnap.repo.pipeline.sinks import is_pages_image
+
         _grow_pipe(fd)
+        feeder = Feeder(fd, CHUNK)
+        feeder.splice = feeder.splice and is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
         try:
             for chunk in chunks:
                 if self.failed:
                     return
-                view = memoryview(chunk)
-                while view:
-                    n = os.write(fd, view[:CHUNK])
-                    view = view[n:]
+                feeder.write(chunk)
                 self._count(name, len(chunk))
         except BrokenPipeError:
             pass  # CRIU stopped reading this image; its exit status tells whether that was fine
         except BaseException as e:  # noqa: BLE001
             self._record(_as_gpusnap_error(e, name))
         finally:
+            self.keep.extend(feeder.held())    # CRIU may not have read them yet: kept to the end
             os.close(fd)

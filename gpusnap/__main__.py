@@ -1,5 +1,5 @@
 """Allows `python -m gpusnap`."""
 
-from gpusnap.cli import main
+from gpusnap.cli import run
 
-main()
+run()

@@ -170,3 +170,25 @@ def test_dump_help_offers_every_codec():
     cmd = typer.main.get_command(app).commands["dump"]
     opt = next(p for p in cmd.params if "--compress" in getattr(p, "opts", ()))
     assert opt.metavar == "|".join(CHOICES)
+
+
+def test_a_run_builds_only_its_command_the_same_way():
+    """main() builds just the command it runs (cli.build_app(name)); that command must be the
+    very one the full app has: same options, defaults, settings and help, for every command."""
+    import typer.main
+
+    from gpusnap.cli import _TOP_LEVEL, app, build_app
+
+    def shape(cmd):
+        params = [(p.name, tuple(p.opts), p.default, p.required, getattr(p, "help", None), p.metavar)
+                  for p in cmd.params]
+        subs = {n: shape(c) for n, c in getattr(cmd, "commands", {}).items()}
+        return (cmd.name, cmd.help, dict(cmd.context_settings), params, subs)
+
+    full = typer.main.get_command(app)
+    assert len(_TOP_LEVEL) == len(full.commands) > 10
+    for name in sorted(_TOP_LEVEL):
+        one = typer.main.get_command(build_app(name))
+        assert list(one.commands) == [name]
+        assert shape(one.commands[name]) == shape(full.commands[name]), name
+        assert [p.name for p in one.params] == [p.name for p in full.params]   # the root's --version

@@ -22,41 +22,60 @@ import typer
 
 from gpusnap import __version__
 from gpusnap.cli import machine, repo, snapshots
-from gpusnap.cli.common import app, schedule_app
+from gpusnap.cli.common import APP, SCHEDULE_APP
 from gpusnap.errors import GpusnapError, UsageError
 from gpusnap.render.output import OUTPUT
 
+# (group, name, function, settings): group None is the top level, "schedule" the schedule group
 _COMMANDS = [
-    (app, "dump", snapshots.dump, {}),
-    (app, "restore", snapshots.restore, {}),
-    (app, "ls", repo.ls_cmd, {}),
-    (app, "inspect", repo.inspect, {}),
-    (app, "verify", repo.verify, {}),
-    (app, "repair", repo.repair, {}),
-    (app, "prune", repo.prune, {}),
-    (app, "forget", repo.forget, {}),
-    (app, "export", snapshots.export_cmd, {}),
-    (app, "import", snapshots.import_cmd, {}),
-    (app, "doctor", machine.doctor, {}),
-    (app, "ps", machine.ps, {}),
-    (schedule_app, "add", machine.schedule_add, {}),
-    (schedule_app, "ls", machine.schedule_ls, {}),
-    (schedule_app, "rm", machine.schedule_rm, {}),
-    (schedule_app, "run", machine.schedule_run, {}),
-    (app, "run", snapshots.run, {"context_settings": {"allow_interspersed_args": False}}),
-    (app, "slurm-run", snapshots.slurm_run, {"context_settings": {"allow_interspersed_args": False}}),
+    (None, "dump", snapshots.dump, {}),
+    (None, "restore", snapshots.restore, {}),
+    (None, "ls", repo.ls_cmd, {}),
+    (None, "inspect", repo.inspect, {}),
+    (None, "verify", repo.verify, {}),
+    (None, "repair", repo.repair, {}),
+    (None, "prune", repo.prune, {}),
+    (None, "forget", repo.forget, {}),
+    (None, "export", snapshots.export_cmd, {}),
+    (None, "import", snapshots.import_cmd, {}),
+    (None, "doctor", machine.doctor, {}),
+    (None, "ps", machine.ps, {}),
+    ("schedule", "add", machine.schedule_add, {}),
+    ("schedule", "ls", machine.schedule_ls, {}),
+    ("schedule", "rm", machine.schedule_rm, {}),
+    ("schedule", "run", machine.schedule_run, {}),
+    (None, "run", snapshots.run, {"context_settings": {"allow_interspersed_args": False}}),
+    (None, "slurm-run", snapshots.slurm_run, {"context_settings": {"allow_interspersed_args": False}}),
 ]
-for _group, _name, _fn, _kw in _COMMANDS:
-    _group.command(_name, **_kw)(_fn)
+_TOP_LEVEL = {group or name for group, name, _, _ in _COMMANDS}
 
 
-@app.callback(invoke_without_command=True)
 def _root(
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
 ) -> None:
     if version:
         sys.stdout.write(f"gpusnap {__version__}\n")
         raise typer.Exit(0)
+
+
+def build_app(only: str | None = None) -> typer.Typer:
+    """The `gpusnap` app with every command, or with only the top-level command (or group) `only`.
+
+    Typer turns every registered command's signature into a click command each time the app
+    runs, 10-20 ms for all of them; a run that names its command builds just that one (main())."""
+    top = typer.Typer(**APP)
+    top.callback(invoke_without_command=True)(_root)
+    groups = {None: top}
+    if only in (None, "schedule"):
+        groups["schedule"] = typer.Typer(**SCHEDULE_APP)
+        top.add_typer(groups["schedule"], name="schedule")
+    for group, name, fn, kw in _COMMANDS:
+        if only is None or (group or name) == only:
+            groups[group].command(name, **kw)(fn)
+    return top
+
+
+app = build_app()   # every command: --help, completions, tests
 
 
 def report_error(e: GpusnapError, force_json: bool = False, code: int | None = None) -> None:
@@ -78,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
 
     OUTPUT.reset()
     try:
-        rv = app(args=argv, prog_name="gpusnap", standalone_mode=False)
+        args = sys.argv[1:] if argv is None else argv
+        runner = build_app(args[0]) if args and args[0] in _TOP_LEVEL else app
+        rv = runner(args=args, prog_name="gpusnap", standalone_mode=False)
         if isinstance(rv, int) and rv:
             sys.exit(rv)
     except GpusnapError as e:

@@ -1,4 +1,4 @@
-"""What every command shares: the typer apps, the --repo and --json options, the output, and
+"""What every command shares: the typer apps' settings, the --repo and --json options, the output, and
 turning the command line's ways of naming a job or a repository into library arguments.
 
 `--json` sets the output mode as soon as it is parsed (an eager option callback), so an error
@@ -16,7 +16,8 @@ import typer
 from gpusnap.errors import UsageError
 from gpusnap.render.output import OUTPUT
 
-app = typer.Typer(
+# the typer apps' settings: cli.build_app() makes the apps from them
+APP = dict(
     name="gpusnap",
     help="Transparent snapshots of running processes, GPU state included, with CRIU.\n\n"
          "Dump a running job (it keeps running), restore it after a crash, reboot or preemption, "
@@ -27,8 +28,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_show_locals=False,  # locals may hold job memory: never print them
 )
-schedule_app = typer.Typer(help="Periodic snapshots from cron, with retention.", no_args_is_help=True)
-app.add_typer(schedule_app, name="schedule")
+SCHEDULE_APP = dict(help="Periodic snapshots from cron, with retention.", no_args_is_help=True)
 
 
 def _json_mode(value: bool) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 from pathlib import Path
 
 
@@ -31,7 +30,7 @@ def fsync_dir(path: Path) -> None:
 def create_tmp(tmpdir: Path, prefix: str) -> tuple[Path, int]:
     """A new private file in `tmpdir`, created exclusively (O_EXCL) in the directory itself,
     never through a symlink put in its place (O_NOFOLLOW on the directory)."""
-    name = f"{prefix}{secrets.token_hex(8)}.tmp"
+    name = f"{prefix}{os.urandom(8).hex()}.tmp"   # = secrets.token_hex(8), without loading OpenSSL (~5 ms)
     dfd = open_dir(tmpdir)
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,

@@ -10,7 +10,6 @@ import fcntl
 import json
 import logging
 import os
-import secrets
 import socket
 import threading
 import time
@@ -106,6 +105,8 @@ class Repository:
         fsutil.mkdir_private(path)
         for d in SUBDIRS:
             fsutil.mkdir_private(path / d)
+        import secrets      # here only: it loads OpenSSL (~5 ms), which no dump or restore needs
+
         cfg = make_config(secrets.token_hex(16), time.time())
         fsutil.write_file_atomic(path / "tmp", path / "config", encode_config(cfg))
         fsutil.fsync_dir(path)

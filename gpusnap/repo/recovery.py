@@ -4,7 +4,6 @@ and which snapshots need data the index no longer holds (shared with repair)."""
 
 from __future__ import annotations
 
-import logging
 import os
 
 from gpusnap.errors import CorruptSnapshot
@@ -13,7 +12,12 @@ from gpusnap.repo.index import RepoIndex, index_pack_names, write_index_file
 from gpusnap.repo.store import pack_sizes
 from gpusnap.repo.trust import QUARANTINE, quarantine_file
 
-log = logging.getLogger("gpusnap")
+
+def warn(msg: str, *args) -> None:
+    """A warning on the "gpusnap" logger; logging is loaded only when there is one (~3 ms)."""
+    import logging
+
+    logging.getLogger("gpusnap").warning(msg, *args)
 
 
 def recover(repo) -> list[str]:
@@ -66,7 +70,7 @@ def recover(repo) -> list[str]:
         for dirname, why in snapshots_missing_data(repo, idx).items():
             done.append(f"snapshot {dirname} is damaged: {why} (run gpusnap verify; restore another snapshot)")
         for line in done:
-            log.warning("gpusnap: repository %s: %s", root, line)
+            warn("gpusnap: repository %s: %s", root, line)
     return done
 
 def snapshots_missing_data(repo, idx: RepoIndex) -> dict[str, str]:

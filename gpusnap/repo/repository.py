@@ -8,7 +8,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
 import socket
 import threading
@@ -28,8 +27,6 @@ if TYPE_CHECKING:  # the dump side is imported where a snapshot is written (rest
     from gpusnap.repo.pipeline.writer import SnapshotWriter
 
 __all__ = ["QUARANTINE", "Repository", "Snapshot", "quarantine_file"]
-
-log = logging.getLogger("gpusnap")
 
 
 class Repository:
@@ -220,7 +217,7 @@ class Repository:
             self.recover()
         except (OSError, FormatError, GpusnapError) as e:
             # the dump's own check (check_packs) still keeps it from using missing data
-            log.warning("gpusnap: repository %s: recovery failed: %s", self.path, e)
+            recovery.warn("gpusnap: repository %s: recovery failed: %s", self.path, e)
 
     def recover(self) -> list[str]:
         """recovery.recover(): lines saying what was done (also in self.recovery, and logged)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import GPUSNAP, PY, ROOT, kill_pids
+from gpusnap.errors import ProcessNotFound
 
 # the same command through main() and the interpreter's ordinary exit (what `gpusnap` did before)
 ORDINARY = [PY, "-c", "import sys; sys.argv[0] = 'gpusnap'; from gpusnap.cli import main; main()"]
@@ -25,11 +26,10 @@ def _run(entry, *args, env=None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})})
 
 
-def _gone_pid() -> int:
-    """A PID that names no process (one that just exited and was reaped)."""
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
+def _no_such_pid() -> int:
+    """A PID no process can have (above the kernel's pid_max): never one that a process
+    started meanwhile took, so nothing else is ever dumped."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
 
 
 def _leftovers(*dirs: Path) -> list[str]:
@@ -51,10 +51,9 @@ def _processes_naming(text: str) -> list[str]:
 
 @pytest.mark.parametrize("json_flag", [["--json"], []])
 def test_error_output_and_code_are_as_before(tmp_path, json_flag):
-    pid = _gone_pid()
-    args = ["dump", pid, "--repo", tmp_path / "r", *json_flag]
+    args = ["dump", _no_such_pid(), "--repo", tmp_path / "r", *json_flag]
     fast, ordinary = _run(GPUSNAP, *args), _run(ORDINARY, *args)
-    assert fast.returncode == ordinary.returncode != 0
+    assert fast.returncode == ordinary.returncode == ProcessNotFound.exit_code
     assert (fast.stdout, fast.stderr) == (ordinary.stdout, ordinary.stderr)
     assert (fast.stdout if json_flag else fast.stderr).strip(), "the error was printed"
 

@@ -169,17 +169,21 @@ def exit_now(code: int) -> None:
     main_thread = threading.main_thread()
     if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
         sys.exit(code)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
+    if not _flushed():
         sys.exit(code)
     import atexit
 
     atexit._run_exitfuncs()   # clears them: the fallback below does not run them twice
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except (OSError, ValueError):
+    if not _flushed():
         sys.exit(code)
     os._exit(code)
+
+
+def _flushed() -> bool:
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:      # None: started with that descriptor closed
+                stream.flush()
+    except (OSError, ValueError):       # a closed pipe, a closed file
+        return False
+    return True

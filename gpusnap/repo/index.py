@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.repo import fsutil
-from gpusnap.repo.format import HEX64, INDEX_HEADER, INDEX_MAGIC, KIND_PAGES, Blob, FormatError, encode_index, parse_index
+from gpusnap.repo.format import HEX64, INDEX_HEADER, INDEX_MAGIC, KIND_PAGES, Blob, FormatError, encode_index
 from gpusnap.repo.format.index import IndexRecords, parse_index_records
 from gpusnap.repo.store import pack_sizes
 

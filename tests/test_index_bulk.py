@@ -207,8 +207,18 @@ def test_repo_index_matches_reference(tmp_path, check_packs):
     (root / "index" / ("ab" * 32)).write_bytes(files[4].read_bytes())     # name is not its checksum
     (root / "index" / "stray").write_bytes(b"x")
     names = sorted(os.listdir(root / "index"))
-    got = RepoIndex.load(root, check_packs=check_packs)
     ref = _reference(root, [n for n in names if n != "stray"], check_packs)
+    lazy = RepoIndex.load(root, check_packs=check_packs)      # blobs asked for one by one first
+    n = len(ref.blobs)
+    for i in (n - 1, 0, n // 2, -1, -n, 1, n - 2):
+        assert lazy.blobs[i] == ref.blobs[i]
+    with pytest.raises(IndexError):
+        lazy.blobs[n]
+    assert lazy.packs_present(root) == ref.packs_present(root)
+    one_by_one = RepoIndex.load(root, check_packs=check_packs)   # (a segment asked often becomes a list)
+    assert [one_by_one.blobs[i] for i in range(n)] == [one_by_one.blobs[i] for i in range(n)] == list(ref.blobs)
+    assert list(lazy.blobs) == list(ref.blobs) and lazy.blobs[n // 3] == ref.blobs[n // 3]
+    got = RepoIndex.load(root, check_packs=check_packs)
     assert list(got.blobs) == list(ref.blobs) and len(got.blobs) == len(ref.blobs)
     assert got.data_loc == ref.data_loc
     assert {k: v for k, v in got.bad_files.items() if k != "stray"} == ref.bad_files

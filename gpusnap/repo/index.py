@@ -68,13 +68,17 @@ class _StatFailed(Exception):
 
 class BlobList(Sequence):
     """RepoIndex.blobs: the blob records by number. A file loaded in bulk is one segment of
-    fixed-size records (format.index.IndexRecords) whose format.Blob is built on access; a
-    file added as Blobs (add_file) is a segment that is a list."""
+    fixed-size records (format.index.IndexRecords): a blob asked for by number is built from
+    its record (a dump asks for few: the old blobs its locations file names), and a segment
+    asked for often becomes a list of format.Blobs; a file added as Blobs (add_file) is a
+    segment that is a list. Iterating (verify, prune, usage) makes every segment a list, once."""
 
     def __init__(self):
-        self._segs: list = []       # IndexRecords or list[Blob]
+        self._segs: list = []       # IndexRecords, or list[Blob] once built or added
         self._starts: list[int] = []
+        self._hits: list[int] = []      # per segment: blobs built one by one so far
         self._len = 0
+        self._flat: list | None = []    # all blobs in one list, while every segment is a list
 
     def __len__(self) -> int:
         return self._len
@@ -83,32 +87,51 @@ class BlobList(Sequence):
         if recs.n:
             self._segs.append(recs)
             self._starts.append(self._len)
+            self._hits.append(0)
             self._len += recs.n
+            self._flat = None
 
     def append(self, b: Blob) -> None:
         if not self._segs or not isinstance(self._segs[-1], list):
             self._segs.append([])
             self._starts.append(self._len)
+            self._hits.append(0)
         self._segs[-1].append(b)
         self._len += 1
+        if self._flat is not None:
+            self._flat.append(b)
+
+    def _seg(self, k: int) -> list:
+        seg = self._segs[k]
+        if not isinstance(seg, list):
+            seg = self._segs[k] = seg.blobs()
+        return seg
+
+    def _all(self) -> list:
+        if self._flat is None:
+            flat: list = []
+            for k in range(len(self._segs)):
+                flat.extend(self._seg(k))
+            self._flat = flat
+        return self._flat
 
     def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._len))]
+        if self._flat is not None or isinstance(i, slice):
+            return self._all()[i]
         if i < 0:
             i += self._len
         if not 0 <= i < self._len:
             raise IndexError("blob number out of range")
         k = bisect_right(self._starts, i) - 1
         seg = self._segs[k]
-        return seg[i - self._starts[k]] if isinstance(seg, list) else seg.blob(i - self._starts[k])
+        if not isinstance(seg, list):
+            self._hits[k] += 1
+            if self._hits[k] <= seg.n >> 3:    # (all of them as Blobs costs ~8 single ones)
+                return seg.blob(i - self._starts[k])
+        return self._seg(k)[i - self._starts[k]]
 
     def __iter__(self):
-        for seg in self._segs:
-            if isinstance(seg, list):
-                yield from seg
-            else:
-                yield from map(seg.blob, range(seg.n))
+        return iter(self._all())
 
 
 @dataclass

@@ -122,6 +122,16 @@ class IndexRecords:
     pack_flags: bytearray
     pack_end: array
 
+    def blobs(self) -> list[Blob]:
+        """Every kept record as a Blob, in order (what parse_index would have built)."""
+        packs, data, out = self.packs, self.data, []
+        for ids_off, offset, n_pages, raw_len, stored_len, pack_no, kind, codec in REC.iter_unpack(
+                memoryview(self.recs)[:self.n * REC.size]):
+            idlen = n_pages * PAGE_ID_LEN if kind == KIND_PAGES else BLOB_ID_LEN
+            out.append(Blob(packs[pack_no], offset, kind, codec, n_pages, raw_len, stored_len,
+                            data[ids_off:ids_off + idlen]))
+        return out
+
     def blob(self, i: int) -> Blob:
         if not 0 <= i < self.n:
             raise IndexError("blob record out of range")

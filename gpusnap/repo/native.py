@@ -23,6 +23,11 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
     decode_job(pieces, npieces, buf, npages, ids, kinds, token)
                               -> None or (code, piece, detail, message): one job of the read path
                                  (gs_decode.c, used by repo/reader.py assemble)
+    index_parse(...), index_runs(...)
+                              index files checked and parsed into fixed-size records, and the page
+                                 ids of their page blobs gathered (gs_index.c, used by
+                                 repo/format/index.py and repo/index.py; tests/test_index_bulk.py
+                                 compares them with the Python parse)
     buffer_address(buf)       -> (address, keep-alive) of a buffer, for the bindings here and in
                                  repo/encoder.py (the storing phase's compress loop, gs_encode.c)
 

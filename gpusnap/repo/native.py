@@ -37,6 +37,9 @@ scripts/gpu-e2e.sh runs it), else <source root>/build/lib/libgpusnap_pages.so, e
 call, so pages images of different processes (and the stages of one image's pipeline) run on
 different cores. The pure-Python reference of these functions lives in the tests
 (tests/page_reference.py), which compare the two.
+
+Over 400 lines: it is the library's whole ABI in one module (one signature table, one ABI
+check), each function with the argument checks that keep a bad call from reaching C.
 """
 
 from __future__ import annotations

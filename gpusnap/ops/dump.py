@@ -247,6 +247,10 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
                 # sizes of the files the job appends to, as of the freeze (gpusnap/system/appendfiles.py)
                 appending = appendfiles.Recorder(appendfiles.scan(pids))
                 gate = PostDumpGate(workdir, server, at_freeze=appending.at_freeze)
+                # the repository's index loaded while the staging was set up (writer.py): its
+                # errors stop the dump before the job freezes, and its load never competes
+                # with CRIU for a core
+                writer.wait_index()
                 phase("staging")
 
                 def criu_progress(done: int, total: int) -> None:

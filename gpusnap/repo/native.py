@@ -23,6 +23,11 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
     decode_job(pieces, npieces, buf, npages, ids, kinds, token)
                               -> None or (code, piece, detail, message): one job of the read path
                                  (gs_decode.c, used by repo/reader.py assemble)
+    index_parse(...), index_runs(...)
+                              index files checked and parsed into fixed-size records, and the page
+                                 ids of their page blobs gathered (gs_index.c, used by
+                                 repo/format/index.py and repo/index.py; tests/test_index_bulk.py
+                                 compares them with the Python parse)
     buffer_address(buf)       -> (address, keep-alive) of a buffer, for the bindings here and in
                                  repo/encoder.py (the storing phase's compress loop, gs_encode.c)
 
@@ -32,6 +37,9 @@ scripts/gpu-e2e.sh runs it), else <source root>/build/lib/libgpusnap_pages.so, e
 call, so pages images of different processes (and the stages of one image's pipeline) run on
 different cores. The pure-Python reference of these functions lives in the tests
 (tests/page_reference.py), which compare the two.
+
+Over 400 lines: it is the library's whole ABI in one module (one signature table, one ABI
+check), each function with the argument checks that keep a bad call from reaching C.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from gpusnap.errors import NativeLibraryMissing
 
 PAGE_SIZE = 4096
 ID_LEN = 16
-ABI_VERSION = 5                  # gs_abi_version() of the library this code binds
+ABI_VERSION = 6                  # gs_abi_version() of the library this code binds
 SHUFFLE_PORTABLE = 1             # flags for shuffle/unshuffle: force the portable C code (tests)
 
 _LIB_NAME = "libgpusnap_pages.so"
@@ -72,6 +80,9 @@ _SIGNATURES = {
     "gs_table_fill": ([_vp, _vp, _sz, _vp], _sz),
     "gs_run_starts": ([_vp, _sz, _i64, _i64, _vp], _i64),
     "gs_decode_job": ([_vp, _sz, _vp, _sz, _sz, _vp, _vp, _i64, _vp, _vp, _sz], ctypes.c_int),
+    "gs_index_parse": ([_vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, _vp, _vp, _vp, _vp,
+                        _vp, _vp, _vp], _i64),
+    "gs_index_runs": ([_vp, _vp, ctypes.c_uint64, _i64, ctypes.c_uint32, _vp, _vp, _vp, _vp, _vp], _i64),
 }
 
 
@@ -384,3 +395,59 @@ def decode_job(pieces, npieces: int, buf, npages: int, ids, kinds, token: int = 
     if rc == DECODE_NOMEM:
         raise MemoryError("decode_job scratch buffers")
     return rc, err[0], err[1], msg.value.decode("utf-8", "replace")
+
+
+# ---- index files (gs_index.c; gpusnap/repo/format/index.py) ---------------------------
+INDEX_REC_SIZE = 32              # one gs_index_rec
+
+
+def index_parse(data, pos: int, n_packs: int, n_blobs: int, params, pack_size) -> tuple:
+    """gs_index_parse over data[:-32] (an index file whose header, pack list and checksum
+    the caller checked; n_blobs records fit). params: array('Q') of the format's limits;
+    pack_size: array('q') per pack (-1 missing) or None. -> (kept or -error, error value,
+    records bytearray, pages, pack_flags bytearray, pack_end array('Q'))."""
+    lib = _lib or load()
+    body_len = len(data) - 32
+    if body_len < 0 or pos > body_len or (pack_size is not None and len(pack_size) < n_packs):
+        raise ValueError("index_parse: arguments do not fit the file")
+    out = bytearray(INDEX_REC_SIZE * n_blobs or 1)
+    flags = bytearray(n_packs or 1)
+    ends = array("Q", bytes(8 * (n_packs or 1)))
+    vals = (ctypes.c_uint64 * 2)()
+    da, dkeep = buffer_address(data)
+    ob = (ctypes.c_char * len(out)).from_buffer(out)
+    fb = (ctypes.c_char * len(flags)).from_buffer(flags)
+    r = lib.gs_index_parse(da, body_len, pos, n_packs, n_blobs, params.buffer_info()[0],
+                           pack_size.buffer_info()[0] if pack_size is not None else None,
+                           fb, ends.buffer_info()[0], ob, ctypes.addressof(vals),
+                           ctypes.addressof(vals) + 8)
+    del ob, fb, dkeep
+    return r, vals[1], out, vals[0], flags, ends
+
+
+def index_runs(data, recs, n: int, bno0: int, kind_pages: int, pages: int | None) -> tuple:
+    """gs_index_runs over `n` records of `data` (from index_parse). pages: the page count
+    index_parse reported (gather the ids), or None (the data records only).
+    -> (ids bytearray, bases array('q'), counts array('I'), data record numbers array('I'))."""
+    lib = _lib or load()
+    if len(recs) < n * INDEX_REC_SIZE:
+        raise ValueError("index_runs: fewer records than n")
+    data_no = array("I", bytes(4 * (n or 1)))
+    nd = ctypes.c_uint64()
+    da, dkeep = buffer_address(data)
+    rb = (ctypes.c_char * len(recs)).from_buffer(recs)
+    if pages is None:
+        ids, bases, counts = None, None, None
+        lib.gs_index_runs(da, rb, n, bno0, kind_pages, None, None, None, data_no.buffer_info()[0], ctypes.byref(nd))
+    else:
+        ids = bytearray(ID_LEN * pages or 1)
+        bases = array("q", bytes(8 * (n or 1)))
+        counts = array("I", bytes(4 * (n or 1)))
+        ib = (ctypes.c_char * len(ids)).from_buffer(ids)
+        runs = lib.gs_index_runs(da, rb, n, bno0, kind_pages, ib, bases.buffer_info()[0], counts.buffer_info()[0],
+                                 data_no.buffer_info()[0], ctypes.byref(nd))
+        del ib
+        del ids[ID_LEN * pages:], bases[runs:], counts[runs:]
+    del rb, dkeep
+    del data_no[nd.value:]
+    return ids, bases, counts, data_no

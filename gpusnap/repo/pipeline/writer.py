@@ -34,11 +34,13 @@ class SnapshotWriter:
         self.meta = dict(meta or {})
         self.group_pages = group_pages
         self.created = time.time()
-        # records whose pack is missing or short are left out: never dedup against them
-        idx = repo.index(check_packs=True)
-        self.index = idx                  # for the locations file at commit (locations.py)
-        self.known_pages = idx.page_table()
-        self.known_data = idx.data_loc
+        # The repository's index (records whose pack is missing or short left out: never
+        # dedup against them) loads in a thread, overlapping the dump's own setup; the
+        # first use waits for it (wait_index(): dump.py waits before CRIU starts).
+        self._index = None
+        self._index_error: BaseException | None = None
+        self._index_thread = threading.Thread(target=self._load_index, name="gpusnap-index", daemon=True)
+        self._index_thread.start()
         self.claimed_pages = pagetable.PageTable()
         self.claimed_data: dict = {}
         root = repo.path
@@ -53,6 +55,35 @@ class SnapshotWriter:
         self.state = "open"
         self._index_dest: Path | None = None   # the dump's index file, once its name is known
         fault("writer:open")
+
+    def _load_index(self) -> None:
+        try:
+            idx = self.repo.index(check_packs=True)
+            idx.page_table()
+            self._index = idx
+        except BaseException as e:        # raised by wait_index() in the thread that needs it
+            self._index_error = e
+
+    def wait_index(self):
+        """The index this dump deduplicates against, once loaded (raises what the load raised)."""
+        if self._index is None:
+            self._index_thread.join()
+            if self._index_error is not None:
+                raise self._index_error
+        return self._index
+
+    @property
+    def index(self):
+        """The RepoIndex the dump started with (for the locations file at commit, locations.py)."""
+        return self._index if self._index is not None else self.wait_index()
+
+    @property
+    def known_pages(self):
+        return self.index.page_table()
+
+    @property
+    def known_data(self) -> dict:
+        return self.index.data_loc
 
     def image_sink(self, filename: str) -> ImageSink:
         with self.lock:

@@ -155,3 +155,21 @@ def test_sealed_staging_gives_released_slots_back(tmp_path):
         assert arena_rss_kib(s._arena) < 1 << 10             # every consumed slot given back
     finally:
         s.close()
+
+
+def test_closed_under_an_ingest_thread_it_cancels_instead_of_failing(tmp_path):
+    """A dump being unwound closes its staging while an ingest thread may still read and
+    release slots (seen as a traceback on stderr after a SIGHUP): reading then says
+    cancelled, releasing does nothing, neither raises anything else."""
+    s = st.Staging(tmp_path, budget=16 << 20, prealloc=16 << 20)
+    image = _stage(s, _pattern(3 * st.SEG), pages=True)
+    s.seal()
+    first, second = image.take(), image.take()
+    view = s.read(first)
+    assert bytes(view[:16]) == _pattern(3 * st.SEG)[:16]
+    view.release()
+    s.close()
+    s.release(first)                       # the arena is gone: nothing to give back, no error
+    with pytest.raises(st.StagingCancelled):
+        s.read(second)
+    s.release(second)

@@ -242,9 +242,10 @@ class Staging:
                 self.peak_memory = max(self.peak_memory, self._mem)
         if slot < 0:
             return -1
-        view = self._view[slot * SEG:(slot + 1) * SEG]
+        view = None
         got = 0
         try:
+            view = self._slot_view(slot, SEG)
             while got < SEG:
                 n = os.readv(fd, [view[got:]])
                 if not n:
@@ -254,7 +255,8 @@ class Staging:
             self._free_slot(slot)
             raise
         finally:
-            view.release()
+            if view is not None:
+                view.release()
         if not got:
             self._free_slot(slot)
             return 0
@@ -326,7 +328,7 @@ class Staging:
     def read(self, seg: Segment):
         """The segment's bytes: a view of its slot (valid until release()), or bytes."""
         if seg.slot >= 0:
-            return self._view[seg.slot * SEG:seg.slot * SEG + seg.length]
+            return self._slot_view(seg.slot, seg.length)
         if seg.data is not None:
             return seg.data
         parts = []
@@ -338,6 +340,13 @@ class Staging:
             parts.append(b)
             got += len(b)
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _slot_view(self, slot: int, length: int) -> memoryview:
+        view = self._view
+        try:
+            return view[slot * SEG:slot * SEG + length]
+        except (TypeError, ValueError):     # closed (None, or released) by an unwinding dump
+            raise StagingCancelled() from None
 
     def release(self, seg: Segment) -> None:
         if seg.slot >= 0:
@@ -360,10 +369,13 @@ class Staging:
         with self._lock:
             self._free.append(slot)
             self._mem -= SEG
-            sealed = self.sealed and self._arena is not None
-        if sealed and _libc is not None:
+            arena = self._arena if self.sealed else None
+        if arena is not None and _libc is not None:
             # nothing more will be staged: give the slot's memory back while the job runs on
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(self._arena, slot * SEG))
+            try:
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(arena, slot * SEG))
+            except ValueError:       # closed meanwhile by an unwinding dump: nothing to give back
+                return
             _libc.madvise(addr, SEG, _MADV_DONTNEED)
 
     def seal(self) -> None:
@@ -385,11 +397,11 @@ class Staging:
             fd, self._spill_fd = self._spill_fd, None
         if fd is not None:
             os.close(fd)
-        if self._view is not None:
+        with self._lock:             # (_free_slot takes the arena under the lock)
+            view, arena, self._view, self._arena = self._view, self._arena, None, None
+        if view is not None:
             try:
-                self._view.release()
-                self._arena.close()
+                view.release()
+                arena.close()
             except BufferError:      # an ingest thread still holds a view: the GC frees it
                 pass
-            self._view = None
-            self._arena = None

@@ -28,7 +28,6 @@ import ctypes
 import errno
 import mmap
 import os
-import secrets
 import threading
 from pathlib import Path
 
@@ -314,7 +313,7 @@ class Staging:
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
                     raise
-        path = self.spill_dir / f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        path = self.spill_dir / f"{PREFIX}{os.getpid()}-{os.urandom(6).hex()}"   # (secrets would load OpenSSL)
         fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
         self.spill_named = str(path)
         try:

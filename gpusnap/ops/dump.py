@@ -73,9 +73,10 @@ class DumpResult:
     pruned: list[str] = field(default_factory=list)
     prune_error: str | None = None
     prune_warnings: list[str] = field(default_factory=list)
-    # wall seconds per phase: preflight, staging (the staging memory faulted in), criu (CRIU
-    # running: the freeze, pages streaming into staging), storing (the page pipeline and pack
-    # writes finishing after CRIU exits), commit (index, manifest, fsyncs, rename), retention
+    # wall seconds per phase: preflight, staging (set up, and the arena's faulting-in, begun with
+    # the preflight, finished), criu (CRIU running: the freeze, pages streaming into staging),
+    # storing (the page pipeline and pack writes finishing after CRIU exits), commit (index,
+    # manifest, fsyncs, rename), retention
     phases: dict[str, float] = field(default_factory=dict)
     criu_options: list[str] = field(default_factory=list)  # what the preflight chose (--file-locks, ...)
     # budget, arena_bytes, staged_bytes, memory_peak, spilled_bytes, spill_peak, overlap
@@ -156,12 +157,32 @@ def _on_term(signum, frame):  # noqa: ARG001
 
 def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResult:
     """Snapshot the process tree rooted at req.pid into the repository at req.repo."""
-    from gpusnap.repo.repository import Repository
-
     t0 = time.monotonic()
     validate.check_compress(req.compress)
     if req.name:
         validate.check_name(req.name)
+    budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
+    # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
+    # the staging takes it over, and whatever path this dump ends on, it is freed here
+    arena = _early_arena(req.pid, budget)
+    try:
+        return _dump(req, progress, t0, budget, arena)
+    finally:
+        if arena is not None:
+            arena.close()
+
+
+def _early_arena(pid: int, budget: int):
+    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams), its
+    faulting-in started; None where the preflight will refuse anyway (not root, no process)."""
+    if os.geteuid() != 0 or not proc.exists(pid):
+        return None
+    return staging_mod.Arena.sized(budget, proc.anon_bytes(proc.tree(pid)) + (16 << 20))
+
+
+def _dump(req: DumpRequest, progress, t0: float, budget: int, arena) -> DumpResult:
+    from gpusnap.repo.repository import Repository
+
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
     native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
     name = req.name or default_name(req.pid)
@@ -209,7 +230,6 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
         phases[name] = round(now - mark[0], 3)
         mark[0] = now
 
-    budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
     env_overlap = os.environ.get("GPUSNAP_INGEST_OVERLAP", "")
     overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
 
@@ -239,8 +259,9 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
                 phase("preflight")
                 spill_dir = repo.path / "tmp"
                 staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
-                # the arena covers what CRIU is expected to stream (the tree's anonymous memory)
-                staging = staging_mod.Staging(spill_dir, budget, prealloc=proc.anon_bytes(pids) + (16 << 20))
+                if arena is None:   # (none was begun early) the tree's anonymous memory
+                    arena = staging_mod.Arena.sized(budget, proc.anon_bytes(pids) + (16 << 20))
+                staging = staging_mod.Staging(spill_dir, budget, arena=arena)
                 if overlap:
                     staging.go.set()
                 server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
@@ -251,6 +272,7 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
                 # errors stop the dump before the job freezes, and its load never competes
                 # with CRIU for a core
                 writer.wait_index()
+                staging.ready()     # the arena faulted in: no page fault inside the freeze
                 phase("staging")
 
                 def criu_progress(done: int, total: int) -> None:

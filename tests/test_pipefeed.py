@@ -5,6 +5,7 @@ that arrive compared with what was fed."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import threading
@@ -32,11 +33,15 @@ def test_no_buffer_is_let_go_before_the_reader_has_it(splice):
     if splice and pipefeed._vmsplice is None:
         pytest.skip("no vmsplice in this libc")
     r, w = os.pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)    # the whole first chunk fits in the pipe
     got: list[bytes] = []
     read_so_far = [0]
     early: list[tuple[int, int]] = []
+    first_fed = threading.Event()       # the reader starts once the first chunk is fed (and
+                                        # by write(), released): the check below can fire
 
     def reader():
+        first_fed.wait(10)
         while True:
             time.sleep(0.001)             # a slow reader: the pipe stays full
             b = os.read(r, READ)
@@ -60,6 +65,7 @@ def test_no_buffer_is_let_go_before_the_reader_has_it(splice):
         weakref.finalize(c, released, (i + 1) * CHUNK)
         f.write(c)
         del c                             # the caller keeps no reference
+        first_fed.set()
     held = f.held()
     os.close(w)
     t.join(60)

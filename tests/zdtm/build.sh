@@ -35,7 +35,11 @@ fetch() {
   o=(-o "Dir::Etc::sourcelist=$tmp/sources.list" -o Dir::Etc::sourceparts=- -o "Dir::State::Lists=$tmp/lists"
      -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
   apt-get "${o[@]}" update >>"$log" 2>&1
-  (cd "$tmp/src" && apt-get "${o[@]}" source --download-only --tar-only "criu=$CRIU_VERSION-*") >>"$log" 2>&1 || true
+  # apt wants an exact version (no wildcard): the Debian revision of sid's package of this release
+  local version
+  version=$(apt-cache "${o[@]}" showsrc criu 2>>"$log" | sed -n "s/^Version: \($CRIU_VERSION-.*\)/\1/p" | head -n1) || true
+  [ -n "$version" ] || { echo "sid's sources have no criu $CRIU_VERSION (see $log)" >&2; rm -rf "$tmp"; exit 1; }
+  (cd "$tmp/src" && apt-get "${o[@]}" source --download-only --tar-only "criu=$version") >>"$log" 2>&1 || true
   [ -f "$tmp/src/$tarball" ] || { echo "could not fetch $tarball (see $log)" >&2; rm -rf "$tmp"; exit 1; }
   mv "$tmp/src/$tarball" "$root/$tarball"
   rm -rf "$tmp"

@@ -165,6 +165,8 @@ class PagesSink(ImageSink):
         self.pl_size = 0
         self._q: queue.Queue | None = None
         self._threads: list[threading.Thread] = []
+        self._threads_lock = threading.Lock()
+        self._stopped = False              # aborted: no compressor starts again
         self._count_lock = threading.Lock()
         self._err: BaseException | None = None
 
@@ -284,12 +286,17 @@ class PagesSink(ImageSink):
         if not self.ready:
             return
         if not self._threads:
-            self._q = queue.Queue(self.QUEUE_MAX)
-            nw = 1 if self.w.codec == CODEC_NONE else COMPRESS_WORKERS
-            self._threads = [threading.Thread(target=self._compressor, name=f"gpusnap-pages-{self.no}.{k}",
-                                              daemon=True) for k in range(nw)]
-            for t in self._threads:
-                t.start()
+            # under the lock, and only started threads are listed: an abort from the main
+            # thread (a signal) may stop the compressors while this drain thread starts them
+            with self._threads_lock:
+                if self._stopped:
+                    raise self._err or RepositoryError("snapshot aborted")
+                self._q = queue.Queue(self.QUEUE_MAX)
+                nw = 1 if self.w.codec == CODEC_NONE else COMPRESS_WORKERS
+                for k in range(nw):
+                    t = threading.Thread(target=self._compressor, name=f"gpusnap-pages-{self.no}.{k}", daemon=True)
+                    t.start()
+                    self._threads.append(t)
         if self._err is not None:
             raise self._err
         batch, self.ready = self.ready, []
@@ -350,9 +357,12 @@ class PagesSink(ImageSink):
         c.bytes_new_stored += stored
         return blobs
 
-    def _stop_compressor(self) -> None:
-        # abort() (main thread) and close() (the image's drain thread) may both get here
-        ts, self._threads = self._threads, []
+    def _stop_compressor(self, for_good: bool = False) -> None:
+        # abort() (main thread) and close() (the image's drain thread) may both get here;
+        # after an abort (for_good) no compressor is started again
+        with self._threads_lock:
+            self._stopped = self._stopped or for_good
+            ts, self._threads = self._threads, []
         for _ in ts:
             self._q.put(None)
         for t in ts:
@@ -390,7 +400,7 @@ class PagesSink(ImageSink):
 
     def _abort(self) -> None:
         self._err = self._err or RepositoryError("snapshot aborted")
-        self._stop_compressor()
+        self._stop_compressor(for_good=True)
         try:
             self.pl.close()
         except OSError:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import threading
+import time
 
 import pytest
 
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import dump as dump_mod
 from gpusnap.repo.pipeline import staging as st
+from gpusnap.repo.pipeline import arena as arena_mod
 from gpusnap.repo.pipeline.arena import SEG, Arena
 
 
@@ -20,15 +22,19 @@ def _addr(arena: Arena) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(arena.map))
 
 
-def _rss_kib(addr: int) -> int | None:
-    """Rss of the mapping starting at addr, from /proc/self/smaps; None if not mapped."""
-    lines = open("/proc/self/smaps").read().splitlines()
-    for i, line in enumerate(lines):
-        if line.split("-", 1)[0] == f"{addr:x}":
-            for follow in lines[i + 1:]:
-                if follow.startswith("Rss:"):
-                    return int(follow.split()[1])
-    return None
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def _resident(addr: int, length: int) -> int | None:
+    """Bytes of [addr, addr+length) resident in memory (mincore(2): exact for this range,
+    whatever VMA the kernel merged it into); None when any of it is not mapped (ENOMEM)."""
+    pages = length // 4096
+    vec = ctypes.create_string_buffer(pages)
+    if _libc.mincore(addr, length, vec) != 0:
+        assert ctypes.get_errno() == 12, ctypes.get_errno()
+        return None
+    return sum(b & 1 for b in vec.raw) * 4096
 
 
 def _arena_threads() -> list[threading.Thread]:
@@ -40,18 +46,43 @@ def test_every_page_is_resident_once_ready():
     addr = _addr(arena)
     arena.ready()
     assert not _arena_threads()
-    assert _rss_kib(addr) == 6 * SEG // 1024
+    assert _resident(addr, 6 * SEG) == 6 * SEG
     arena.close()
-    assert _rss_kib(addr) is None
+    assert arena.map.closed          # unmapped
     arena.close()       # idempotent
 
 
 def test_close_while_faulting_in_waits_then_unmaps():
     arena = Arena(64)    # 256 MiB: closed at once, most likely while the thread still runs
-    addr = _addr(arena)
     arena.close()
     assert not _arena_threads()
-    assert _rss_kib(addr) is None
+    assert arena.map.closed
+
+
+def test_close_stops_the_faulting_at_the_next_slot(monkeypatch):
+    """A refused dump closes its arena at once: the thread stops after the slot it is in
+    instead of faulting in the rest (here it is held inside the second slot until close)."""
+    real = arena_mod.libc
+    calls = []
+
+    class HeldLibc:
+        memset = real.memset
+
+        def madvise(self, addr, length, advice):
+            calls.append(addr)
+            if len(calls) == 2:            # the second slot: wait until close() has begun
+                deadline = time.monotonic() + 10
+                while not arena._closing and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            return real.madvise(addr, length, advice)
+
+    monkeypatch.setattr(arena_mod, "libc", HeldLibc())
+    arena = Arena(64)
+    while len(calls) < 2:
+        time.sleep(0.001)
+    arena.close()
+    assert len(calls) == 2 and arena.populated == 2 * SEG
+    assert arena.map.closed
 
 
 def test_sized_stays_within_the_budget():
@@ -66,23 +97,22 @@ def test_sized_stays_within_the_budget():
 
 def test_staging_takes_the_arena_over_and_frees_it(tmp_path):
     arena = Arena(4)
-    addr = _addr(arena)
     s = st.Staging(tmp_path, budget=2 * SEG, arena=arena)
     s.ready()
     assert s.arena_bytes == 2 * SEG      # the budget, not the arena, bounds what staging holds
     s.close()
-    assert _rss_kib(addr) is None
+    assert arena.map.closed
 
 
 def test_a_refused_dump_leaves_no_arena_behind(tmp_path, monkeypatch):
     """The arena is begun before the preflight; a dump refused after that (here: the
     repository path is a file) must not leave its thread or its memory behind."""
-    made: list[int] = []
+    made: list[Arena] = []
     init = Arena.__init__
 
     def recording_init(self, nslots):
         init(self, nslots)
-        made.append(_addr(self))
+        made.append(self)
 
     monkeypatch.setattr(Arena, "__init__", recording_init)
     job = subprocess.Popen(["sleep", "60"])
@@ -95,7 +125,7 @@ def test_a_refused_dump_leaves_no_arena_behind(tmp_path, monkeypatch):
         assert refused.traceback
         assert made, "the dump began no arena"
         assert not _arena_threads()
-        assert all(_rss_kib(addr) is None for addr in made)
+        assert all(a.map.closed for a in made)
         assert job.poll() is None        # and the job runs on
     finally:
         job.kill()

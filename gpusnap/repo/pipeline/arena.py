@@ -26,10 +26,13 @@ except (OSError, AttributeError):  # not glibc: populate by writing, never punch
 class Arena:
     """The staging slots' memory: `nslots` SEG-sized slots, faulted in by a thread started
     here (the madvise runs without the GIL). ready() waits for it; close() (idempotent)
-    waits too, then unmaps."""
+    stops it at the next slot (a dump refused by its preflight must not wait for gigabytes
+    to be faulted in), waits for it, then unmaps."""
 
     def __init__(self, nslots: int):
         self.nslots = nslots
+        self.populated = 0            # bytes faulted in so far
+        self._closing = False
         self.map = mmap.mmap(-1, nslots * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._thread = threading.Thread(target=self._populate, name="gpusnap-arena", daemon=True)
         self._thread.start()
@@ -47,13 +50,17 @@ class Arena:
             if libc is None:
                 a.write(bytes(len(a)))
                 a.seek(0)
+                self.populated = len(a)
                 return
             addr = ctypes.addressof(ctypes.c_char.from_buffer(a))   # (the temporary export ends here)
             # slot by slot: the madvise holds the mmap lock, and the preflight on the main
             # thread (malloc, thread stacks, fork) must not wait for the whole arena
             for off in range(0, len(a), SEG):
+                if self._closing:
+                    return
                 if libc.madvise(addr + off, SEG, _MADV_POPULATE_WRITE) != 0:
                     libc.memset(addr + off, 0, SEG)     # kernels before 5.14: touch every page
+                self.populated = off + SEG
         except (OSError, ValueError, MemoryError):
             pass    # pages not faulted in here are faulted on first use: slower, never wrong
 
@@ -62,6 +69,7 @@ class Arena:
         self._thread.join()
 
     def close(self) -> None:
+        self._closing = True
         self._thread.join()
         try:
             self.map.close()

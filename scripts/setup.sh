@@ -3,7 +3,8 @@
 #   - Python 3, python3-venv, build tools (cmake, gcc), BLAKE3's C sources (librust-blake3-dev),
 #     CA certificates (pip fetches from PyPI over HTTPS), iproute2 (doctor's `ss`)
 #   - CRIU 4.2.1 built from Debian's source package into /opt/gpusnap/criu-4.2.1 (binary, plugin
-#     headers and pycriu of one build), linked as /usr/local/sbin/criu
+#     headers and pycriu of one build), linked as /usr/local/sbin/criu; sid's newest release
+#     >= 4.2 instead once sid no longer has 4.2.1
 #   - .venv with gpusnap in editable mode, and that pycriu made importable in it
 #   - the CMake build of native/ (the CRIU plugin, the page scanner) into build/
 set -euo pipefail
@@ -52,16 +53,22 @@ fi
 # a private configuration that changes no system source) against this release's -dev packages,
 # and installed under its own prefix. The binary, the plugin headers and pycriu come from that one
 # build, so they always match. docs/setup.md says why in full.
-CRIU_VERSION=4.2.1
-criu_prefix=/opt/gpusnap/criu-$CRIU_VERSION
+# 4.2.1 is the release gpusnap is tested with. sid moves on: once it no longer has 4.2.1, its
+# newest release >= CRIU_MIN is built instead (and set-up says so), so a bare machine still sets
+# up. GPUSNAP_CRIU_VERSION asks for another release (to check that path).
+CRIU_VERSION=${GPUSNAP_CRIU_VERSION:-4.2.1}
+CRIU_MIN=4.2
+criu_version=""          # the release in use: set below, from a build here or a new one
 criu_build_deps=(gcc make pkg-config xz-utils protobuf-compiler protobuf-c-compiler libprotobuf-dev
   libprotobuf-c-dev libnl-3-dev libnet1-dev libcap-dev libaio-dev libgnutls28-dev
   libnftables-dev libbsd-dev uuid-dev iptables)
 
+# A complete build of release $1 under /opt/gpusnap/criu-$1.
 criu_built() {
-  [ -x "$criu_prefix/sbin/criu" ] && [ -f "$criu_prefix/include/criu/criu-plugin.h" ] &&
-    [ -f "$criu_prefix/python/pycriu/images/pb.py" ] &&
-    [ "$("$criu_prefix/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p')" = "$CRIU_VERSION" ]
+  local p=/opt/gpusnap/criu-$1
+  [ -x "$p/sbin/criu" ] && [ -f "$p/include/criu/criu-plugin.h" ] &&
+    [ -f "$p/python/pycriu/images/pb.py" ] &&
+    [ "$("$p/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p')" = "$1" ]
 }
 
 . "$here/scripts/debian-mirror.sh"
@@ -79,7 +86,7 @@ archive_keyring() {
 # its Valid-Until on a mirror; the check is off for this source only (its signature is still
 # checked, and apt checks the tarball against the signed index).
 fetch_criu_source() {
-  local dir=$1 mirror o version
+  local dir=$1 mirror o version all v up
   local mirrors=("$(debian_mirror)")
   [ "${mirrors[0]}" = http://deb.debian.org/debian ] || mirrors+=(http://deb.debian.org/debian)
   for mirror in "${mirrors[@]}"; do
@@ -89,18 +96,32 @@ fetch_criu_source() {
     o=(-o "Dir::Etc::sourcelist=$dir/apt/sources.list" -o Dir::Etc::sourceparts=-
        -o "Dir::State::Lists=$dir/apt/lists" -o APT::Get::List-Cleanup=0 -o APT::Sandbox::User=root)
     apt-get "${o[@]}" update >>"$log" 2>&1 || { say "cannot read sid's sources from $mirror"; continue; }
-    # apt wants an exact version: the Debian revision of sid's package of this upstream release
-    version=$(apt-cache "${o[@]}" showsrc criu 2>>"$log" | sed -n "s/^Version: \($CRIU_VERSION-.*\)/\1/p" | head -n1) || true
+    # apt wants an exact version: the Debian revision of sid's package of this upstream release,
+    # else (sid has moved on) sid's newest release >= CRIU_MIN
+    all=$(apt-cache "${o[@]}" showsrc criu 2>>"$log" | sed -n 's/^Version: //p') || true
+    version=$(printf '%s\n' $all | grep -m1 "^$CRIU_VERSION-") || version=""
     if [ -z "$version" ]; then
-      say "sid's sources at $mirror have no criu $CRIU_VERSION (they have:" \
-        "$(apt-cache "${o[@]}" showsrc criu 2>/dev/null | sed -n 's/^Version: //p' | tr '\n' ' '))"
-      continue
+      for v in $all; do
+        up=${v#*:}; up=${up%-*}
+        dpkg --compare-versions "$up" ge "$CRIU_MIN" || continue
+        [ -z "$version" ] || dpkg --compare-versions "$v" gt "$version" || continue
+        version=$v
+      done
+      if [ -z "$version" ]; then
+        say "sid's sources at $mirror have no criu >= $CRIU_MIN (they have: $(echo $all))"
+        continue
+      fi
+      say "sid no longer has criu $CRIU_VERSION (the release gpusnap is tested with): building $version"
     fi
+    up=${version#*:}; up=${up%-*}
     (cd "$dir" && apt-get "${o[@]}" source --download-only --tar-only "criu=$version" >>"$log" 2>&1) || true
-    [ -f "$dir/criu_$CRIU_VERSION.orig.tar.xz" ] && return 0
-    say "could not download criu_$CRIU_VERSION.orig.tar.xz (criu $version) from $mirror"
+    if [ -f "$dir/criu_$up.orig.tar.xz" ]; then
+      criu_version=$up
+      return 0
+    fi
+    say "could not download criu_$up.orig.tar.xz (criu $version) from $mirror"
   done
-  die "could not fetch criu_$CRIU_VERSION.orig.tar.xz from Debian's sid sources (see $log)"
+  die "could not fetch CRIU's source (criu $CRIU_VERSION, or >= $CRIU_MIN) from Debian's sid sources (see $log)"
 }
 
 build_criu() {
@@ -110,9 +131,10 @@ build_criu() {
   quiet apt-get install -y -q --no-install-recommends "${criu_build_deps[@]}"
   tmp=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)
   mkdir -p "$tmp/src"
-  fetch_criu_source "$tmp/src"
-  tar -C "$tmp/src" -xf "$tmp/src/criu_$CRIU_VERSION.orig.tar.xz"
-  local s="$tmp/src/criu-$CRIU_VERSION"
+  fetch_criu_source "$tmp/src"      # sets criu_version
+  local criu_prefix=/opt/gpusnap/criu-$criu_version
+  tar -C "$tmp/src" -xf "$tmp/src/criu_$criu_version.orig.tar.xz"
+  local s="$tmp/src/criu-$criu_version"
   quiet make -C "$s" -j"$(nproc)" criu
   quiet make -C "$s" -j"$(nproc)" lib
   rm -rf "$criu_prefix.new"
@@ -126,8 +148,13 @@ build_criu() {
   rm -rf "$tmp"
 }
 
-criu_built || build_criu
-criu_built || die "CRIU $CRIU_VERSION did not build (see $log)"
+# a build made earlier: the tested release, else the newest other one >= CRIU_MIN
+for v in "$CRIU_VERSION" $(ls -1d /opt/gpusnap/criu-* 2>/dev/null | sed 's|.*/criu-||' | sort -rV); do
+  dpkg --compare-versions "$v" ge "$CRIU_MIN" && criu_built "$v" && { criu_version=$v; break; }
+done
+[ -n "$criu_version" ] || build_criu
+criu_built "$criu_version" || die "CRIU $criu_version did not build (see $log)"
+criu_prefix=/opt/gpusnap/criu-$criu_version
 # /usr/local/sbin comes before /usr/sbin on root's PATH, so this shadows any Debian criu 4.1;
 # gpusnap itself looks here first whatever PATH says (gpusnap/criu/runner.py).
 ln -sfn "$criu_prefix/sbin/criu" /usr/local/sbin/criu

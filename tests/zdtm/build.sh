@@ -5,6 +5,8 @@
 # Prints the path of test/zdtm/static on success.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# the release setup.sh installed (4.2.1, or sid's newer one once sid has moved on)
+CRIU_VERSION=${CRIU_VERSION:-$(/usr/local/sbin/criu --version 2>/dev/null | sed -n 's/^Version: *//p')}
 CRIU_VERSION=${CRIU_VERSION:-4.2.1}
 root=${ZDTM_ROOT:-/var/tmp/gpusnap-zdtm}
 src=$root/criu-$CRIU_VERSION

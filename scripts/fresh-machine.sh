@@ -112,6 +112,10 @@ inside() {
   mount --bind "$root" "$root"
   mount -t proc proc "$root/proc"
   mount -t sysfs sysfs "$root/sys"
+  # the cgroup hierarchy, as systemd mounts it on any installed machine (slurmd needs it)
+  if [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ]; then
+    mount -t cgroup2 cgroup2 "$root/sys/fs/cgroup"
+  fi
   mount -t devtmpfs devtmpfs "$root/dev"
   mkdir -p "$root/dev/pts" "$root/dev/shm"
   mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts"

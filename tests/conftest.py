@@ -29,6 +29,23 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+_nobody_probe: list[str] = []
+
+
+def require_nobody_can_run() -> None:
+    """Skip the calling test when user nobody cannot run this checkout's gpusnap at all (a
+    checkout under /root, 0700: no other user can reach its .venv); the reason says so."""
+    if not _nobody_probe:
+        try:
+            p = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                                *GPUSNAP, "--version"], capture_output=True, text=True, cwd="/", timeout=60)
+            _nobody_probe.append("" if p.returncode == 0 else (p.stderr.strip()[-200:] or f"exit {p.returncode}"))
+        except (OSError, subprocess.SubprocessError) as e:
+            _nobody_probe.append(str(e))
+    if _nobody_probe[0]:
+        pytest.skip(f"user nobody cannot run gpusnap from {ROOT}: {_nobody_probe[0]}")
+
+
 def run_gpusnap(*args, env=None, check=False, timeout=300, **kw) -> subprocess.CompletedProcess:
     full_env = dict(os.environ)
     full_env.update(env or {})

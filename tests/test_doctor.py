@@ -383,8 +383,10 @@ def _gpusnap(*args, env: dict[str, str], drop: tuple[str, ...] = (), user: str |
              caps: str | None = None):
     """gpusnap ARGS with env; as `user` (runuser), or as nobody with only the capabilities
     `caps` ('+checkpoint_restore,...': setpriv)."""
-    from conftest import GPUSNAP, ROOT
+    from conftest import GPUSNAP, ROOT, require_nobody_can_run
 
+    if user is not None or caps is not None:
+        require_nobody_can_run()
     full = {k: v for k, v in os.environ.items() if k not in drop} | env
     prefix = ["runuser", "-u", user, "--", "env", *(f"{k}={v}" for k, v in full.items())] if user else []
     if caps is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap
+from conftest import GPUSNAP, ROOT, kill_pids, require_nobody_can_run, run_gpusnap
 from gpusnap.errors import AccessDenied, BadExportFile, CorruptSnapshot, DamageRemains, NotRoot, ProcessNotFound, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
 from gpusnap.repo import Repository
 from repo_helpers import PAGE, dump
@@ -37,6 +37,7 @@ def check(expect_code: int, *args, env=None, as_nobody=False, input=None):
     e = dict(os.environ)
     e.update(env or {})
     if as_nobody:
+        require_nobody_can_run()
         cmd = ["runuser", "-u", "nobody", "--", "env", *[f"{k}={v}" for k, v in (env or {}).items()],
                *GPUSNAP, *full]
     else:
@@ -218,6 +219,7 @@ def test_dump_and_restore_json(sample_job, repo, tmp_path, world):
 def test_not_root_any_command_has_gpusnaps_own_error(args):
     """Whatever the outcome as user nobody (the schedule module decides its own checks): one
     JSON object, or gpusnap's own message with a hint; never a traceback or a usage box."""
+    require_nobody_can_run()
     for json_ in (True, False):
         proc = subprocess.run(["runuser", "-u", "nobody", "--", *GPUSNAP, *args, *(["--json"] if json_ else [])],
                               capture_output=True, text=True, cwd=ROOT, timeout=120, input="")

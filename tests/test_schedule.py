@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, ROOT, kill_pids, run_gpusnap, run_json
+from conftest import PY, ROOT, kill_pids, require_nobody_can_run, run_gpusnap, run_json
 from gpusnap.ops import cronexpr, schedule, validate
 from gpusnap.errors import ProcessNotFound, UsageError
 
@@ -316,6 +316,7 @@ def test_legacy_cron_file_is_flagged_by_doctor(sched_env):
 
 
 def test_not_root_gets_an_error_not_a_traceback(tmp_path):
+    require_nobody_can_run()
     env = {"GPUSNAP_SCHEDULER": "cron", "GPUSNAP_SCHEDULE_DIR": "/etc/gpusnap-test-not-writable/schedules",
            "GPUSNAP_CRON_DIR": "/etc/cron.d", "GPUSNAP_LOG_DIR": "/var/log/gpusnap-test-nope",
            "PYTHONPATH": str(ROOT)}

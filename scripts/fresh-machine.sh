@@ -88,6 +88,19 @@ in_chroot() {
   )
 }
 
+# The host's cgroup mounts under /sys/fs/cgroup (the v2 hierarchy, or v1 hierarchies on a
+# tmpfs), made afresh in the copy, as systemd makes them on any installed machine: slurmd
+# (test_slurm) does not start without them.
+mount_cgroups() {
+  local dst=$1 dev dir type opts
+  while read -r dev dir type opts _; do
+    case $dir in /sys/fs/cgroup | /sys/fs/cgroup/*) ;; *) continue ;; esac
+    case $type in tmpfs | cgroup | cgroup2) ;; *) continue ;; esac
+    mkdir -p "$dst$dir"
+    mount -t "$type" -o "$opts" "$dev" "$dst$dir"
+  done </proc/self/mounts
+}
+
 # One suite's check, run in a private mount namespace: a fresh copy, its mounts, the command.
 # The copy and everything in it go on every exit path (the EXIT trap).
 inside() {
@@ -112,10 +125,7 @@ inside() {
   mount --bind "$root" "$root"
   mount -t proc proc "$root/proc"
   mount -t sysfs sysfs "$root/sys"
-  # the cgroup hierarchy, as systemd mounts it on any installed machine (slurmd needs it)
-  if [ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" = cgroup2fs ]; then
-    mount -t cgroup2 cgroup2 "$root/sys/fs/cgroup"
-  fi
+  mount_cgroups "$root"
   mount -t devtmpfs devtmpfs "$root/dev"
   mkdir -p "$root/dev/pts" "$root/dev/shm"
   mount -t devpts -o newinstance,ptmxmode=0666,mode=620 devpts "$root/dev/pts"

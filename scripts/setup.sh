@@ -126,7 +126,7 @@ fetch_criu_source() {
 
 build_criu() {
   local tmp o
-  say "building CRIU $CRIU_VERSION from Debian's source package (about a minute)"
+  say "building CRIU from Debian's source package (about a minute)"
   apt_update
   quiet apt-get install -y -q --no-install-recommends "${criu_build_deps[@]}"
   tmp=$(mktemp -d /tmp/gpusnap-criu.XXXXXX)

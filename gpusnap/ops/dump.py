@@ -173,8 +173,9 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
 
 
 def _early_arena(pid: int, budget: int):
-    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams), its
-    faulting-in started; None where the preflight will refuse anyway (not root, no process)."""
+    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams) and
+    16 MiB for the rest, its faulting-in started; None where the preflight will refuse anyway
+    (not root, no process) or not one slot fits the budget (everything then spills)."""
     if os.geteuid() != 0 or not proc.exists(pid):
         return None
     return staging_mod.Arena.sized(budget, proc.anon_bytes(proc.tree(pid)) + (16 << 20))
@@ -259,8 +260,6 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena) -> DumpResu
                 phase("preflight")
                 spill_dir = repo.path / "tmp"
                 staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
-                if arena is None:   # (none was begun early) the tree's anonymous memory
-                    arena = staging_mod.Arena.sized(budget, proc.anon_bytes(pids) + (16 << 20))
                 staging = staging_mod.Staging(spill_dir, budget, arena=arena)
                 if overlap:
                     staging.go.set()

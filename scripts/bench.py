@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """gpusnap against raw CRIU, side by side in one run (design.md section 7). Needs root.
 
-    python scripts/bench.py [--mb 512] [--reps 3] [--kinds fp32,inference,random,relocate]
+    python scripts/bench.py [--mb 512] [--reps 4] [--kinds fp32,inference,random,relocate]
                             [--dir /var/tmp/gpusnap-bench] [--json FILE] [--no-verify]
+                            [--settle 2]
 
 For every workload of tests/jobs/workloads.py and every repetition, on a fresh job that
 ticks every 2 ms in a thread of its own (--tick-ms):
@@ -23,6 +24,14 @@ ticks every 2 ms in a thread of its own (--tick-ms):
      --stream` fed unchanged from RAW (stream_floor.py): the floor under the stream path. Last,
      `gpusnap restore` (auto, cold) of the last gpusnap snapshot is timed, and that job must
      finish with the digest of an uninterrupted run.
+Every timed step starts after --settle seconds idle (after the `sync`), so that none pays
+for the previous one's writeback. On the VMs measured here, memory the guest has not used
+lately is slow to fault in (the host backs it on first touch), and memory freed a moment ago
+is fast: in a repetition, the second dump finds less recently freed memory than the first
+(a gpusnap dump's staging arena took 0.3-0.8 s to fault in after raw CRIU's dump, 0.05 s
+before it). The order alternates, so an even --reps (the default, 4) gives each side the
+same share. For the warm restores both sides' files are read once first (raw CRIU's images
+are in the page cache from its dump; gpusnap writes its packs around it).
 Wall times are the whole command as a user runs it (process start-up included). gpusnap's
 own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
 runs; CRIU, its child, is not counted), next to its staging budget (--staging-budget). Page
@@ -60,6 +69,7 @@ INCR_TARGET = 0.05
 FREEZE_TARGET = 1.0       # issue 10: the job stands frozen no longer than under raw CRIU
 COMMITTED_TARGET = 1.3    # dump until committed (both followed by sync), on 2 cores
 TICK_MS = 2
+SETTLE = 2.0              # --settle: seconds idle before every timed step
 
 
 def criu_path() -> str:
@@ -174,6 +184,25 @@ class Job:
         return wait_file(self.out / "result", pid=self.pid).strip()
 
 
+def settle() -> None:
+    """sync, then --settle seconds idle: the timed step starts on a quiet machine."""
+    os.sync()
+    time.sleep(SETTLE)
+
+
+def cache_files(*dirs: Path) -> None:
+    """Read every file under dirs once (untimed): a warm page cache for both sides."""
+    for d in dirs:
+        for dp, _, fns in os.walk(d):
+            for fn in fns:
+                try:
+                    with open(os.path.join(dp, fn), "rb") as f:
+                        while f.read(8 << 20):
+                            pass
+                except OSError:
+                    pass
+
+
 def _synced(r: dict) -> dict:
     t0 = time.monotonic()
     os.sync()
@@ -183,7 +212,7 @@ def _synced(r: dict) -> dict:
 
 
 def gpusnap_dump(pid: int, repo: Path, job: "Job | None" = None, budget: str | None = None) -> dict:
-    os.sync()
+    settle()
     if job is not None:
         job.gap()
     extra = ["--staging-budget", budget] if budget else []
@@ -196,7 +225,7 @@ def gpusnap_dump(pid: int, repo: Path, job: "Job | None" = None, budget: str | N
 
 
 def raw_dump(pid: int, raw: Path, job: "Job | None" = None) -> dict:
-    os.sync()
+    settle()
     raw.mkdir(parents=True)
     if job is not None:
         job.gap()
@@ -211,7 +240,7 @@ def raw_dump(pid: int, raw: Path, job: "Job | None" = None) -> dict:
 
 def stream_floor(*args: str) -> float:
     """CRIU's own seconds in --stream mode (scripts/stream_floor.py)."""
-    os.sync()
+    settle()
     r = check(timed([PY, str(ROOT / "scripts" / "stream_floor.py"), *args], cwd=ROOT), "stream floor")
     return json.loads(r["stdout"].strip().splitlines()[-1])["criu_s"]
 
@@ -223,10 +252,9 @@ def drop_caches() -> None:
 
 
 def restore_timed(cmd: list[str], cold: bool, **kw) -> dict:
+    settle()
     if cold:
         drop_caches()
-    else:
-        os.sync()
     return check(timed(cmd, **kw), " ".join(cmd[:4]))
 
 
@@ -249,6 +277,8 @@ def restore_side(s: dict, job: "Job", raw: Path, repo: Path, snapshot: str, veri
 
     for cold in (False, True):
         sfx = "_cold" if cold else ""
+        if not cold:
+            cache_files(raw, repo)
         s["raw_restore" + sfx] = restore_timed(raw_cmd, cold)
         if not pid_alive(job.pid):
             raise RuntimeError("raw CRIU restore did not bring the job back")
@@ -511,17 +541,20 @@ def table(summaries: list[dict], mb: int) -> str:
 
 
 def main() -> int:
+    global SETTLE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--dir", type=Path, default=Path("/var/tmp/gpusnap-bench"))
     ap.add_argument("--json", type=Path, help="write medians and every sample here")
     ap.add_argument("--no-verify", action="store_true", help="skip checking the restored job's digest")
+    ap.add_argument("--settle", type=float, default=SETTLE, help="seconds idle before every timed step")
     ap.add_argument("--staging-budget", help="gpusnap dump --staging-budget (default: gpusnap's own)")
     ap.add_argument("--chart", type=Path, default=ROOT / "docs" / "benchmark.png",
                     help="draw the ratios here (needs matplotlib); '' for none")
     args = ap.parse_args()
+    SETTLE = max(0.0, args.settle)
     if os.geteuid() != 0:
         print("bench needs root: it dumps and restores real processes with CRIU", file=sys.stderr)
         return 1
@@ -566,7 +599,8 @@ def main() -> int:
                         "dump_ratio": DUMP_TARGET, "restore_ratio": RESTORE_TARGET,
                         "restore_warm_ratio": RESTORE_WARM_TARGET, "size": SIZE_TARGET,
                         "incremental_ratio": INCR_TARGET},
-            "page_cache": "dumps: warm; restores: warm and cold (drop_caches), see the keys",
+            "page_cache": "dumps: warm; restores: warm (both sides' files read first) and cold (drop_caches), see the keys",
+            "settle_s": SETTLE,
             "summary": summaries, "samples": samples}, indent=1) + "\n")
     ok = all(m["digest_ok"] for m in summaries)
     return 0 if ok else 2

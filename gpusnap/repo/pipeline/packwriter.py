@@ -1,9 +1,12 @@
 """PackWriter: the dump side's pack files (docs/format.md §3): blobs appended by a background
-thread, each pack named by the blake3 of its descriptor, fsynced and renamed into
-packs/ab/ when it reaches its target size."""
+thread (around the page cache where the filesystem allows), each pack named by the blake3
+of its descriptor, fsynced and renamed into packs/ab/ when it reaches its target size."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
 import queue
 import threading
@@ -29,8 +32,8 @@ class PackWriter:
     ids already hashed every page once) bought nothing but ~2 µs per page.
 
     add() is thread-safe and cheap: it assigns the blob its offset and hands the bytes to
-    one background thread that writes them (os.writev releases the GIL), so the kernel copy
-    overlaps with the page pipeline. The queue is bounded (backpressure): at most QUEUE_MAX
+    one background thread that writes them (without the GIL), so the writes overlap with
+    the page pipeline. The queue is bounded (backpressure): at most QUEUE_MAX
     hand-offs (add_many() calls, ~1 MiB each from the page pipeline, or one pack segment)
     wait in memory."""
 
@@ -146,10 +149,11 @@ class PackWriter:
     # -- the background threads ----------------------------------------------------------
     # Two threads, so that writing and flushing to disk overlap with each other and with
     # the page pipeline:
-    #   writer: writes the bytes (os.writev releases the GIL; the kernel copy into the page
-    #           cache is the main cost left per byte) and passes finished packs on to
-    #   syncer: starts writeback early (sync_file_range every SYNC_STEP bytes, as the writer
-    #           reports progress), then per finished pack fsync, close, rename. The parent
+    #   writer: writes the bytes (O_DIRECT through a reused buffer, see _PackOut; the
+    #           writes release the GIL) and passes finished packs on to
+    #   syncer: for buffered packs starts writeback early (sync_file_range every SYNC_STEP
+    #           bytes, as the writer reports progress), then per finished pack fsync, close,
+    #           rename. The parent
     #           directories are fsynced once, in finish(), before the caller writes the
     #           index (docs/format.md §5.3: every pack is durable and renamed first).
     # An fsync in the pipeline used to stall it for the time the disk took to write each
@@ -157,14 +161,15 @@ class PackWriter:
     SYNC_STEP = 8 << 20
 
     def _run(self) -> None:
-        fd = -1
-        tmp = None
+        out = None
         q = self._q
         sq: queue.Queue = queue.Queue()
         st = threading.Thread(target=self._sync_run, args=(sq,), name="gpusnap-pack-syncer", daemon=True)
         st.start()
-        pos = flushed = 0
-        step = self.SYNC_STEP
+        try:
+            buf = _DirectBuffer() if _direct_wanted() else None
+        except OSError:               # no 4 MiB to spare: buffered writes need none
+            buf = None
         try:
             while True:
                 op, a, b = q.get()
@@ -174,29 +179,29 @@ class PackWriter:
                     continue          # drain after an error so producers never block
                 try:
                     if op == "blobs":
-                        _write_all(fd, a)
-                        pos += sum(map(len, a))
-                        if pos - flushed >= step:
-                            sq.put(("flush", fd, (flushed, pos - flushed)))
-                            flushed = pos
+                        out.write(a)
+                        if not out.direct and out.pos - out.flushed >= self.SYNC_STEP:
+                            sq.put(("flush", out.fd, (out.flushed, out.pos - out.flushed)))
+                            out.flushed = out.pos
                     elif op == "open":
                         tmp, fd = fsutil.create_tmp(self.root / "tmp", "pack-")
                         self._tmps.append(tmp)
+                        out = _PackOut(fd, buf)
                         fault("pack:opened")
-                        hdr = encode_pack_header()
-                        _write_all(fd, [hdr])
-                        pos, flushed = len(hdr), 0
+                        out.write([encode_pack_header()])
                     elif op == "close":
                         blobs, name = b
-                        _write_all(fd, [a])
-                        pos += len(a)
-                        sq.put(("close", (fd, tmp, blobs), (name, pos)))
-                        fd = -1       # the syncer closes it after the fsync
+                        out.write([a])
+                        out.finish()
+                        sq.put(("close", (out.fd, tmp, blobs), (name, out.pos)))
+                        out = None    # the syncer closes it after the fsync
                 except BaseException as e:     # reported to the next add()/finish()
                     self._err = e
         finally:
-            if fd >= 0:
-                os.close(fd)
+            if out is not None:
+                os.close(out.fd)
+            if buf is not None:
+                buf.close()
             sq.put(("stop", None, None))
             st.join()
 
@@ -263,6 +268,108 @@ def _start_writeback(fd: int, off: int, n: int) -> None:
 
 
 _IOV_MAX = 1024
+
+
+def _direct_wanted() -> bool:
+    """Pack bytes bypass the page cache unless GPUSNAP_PACK_DIRECT=0 (for measuring)."""
+    return os.environ.get("GPUSNAP_PACK_DIRECT", "1") != "0"
+
+
+class _DirectBuffer:
+    """The writer thread's aligned bounce buffer for O_DIRECT writes, reused for every pack
+    of a dump (so it costs its page faults once)."""
+
+    SIZE = 4 << 20
+    ALIGN = 4096                 # O_DIRECT wants offsets, lengths and addresses aligned to the
+                                 # logical block size; 4 KiB covers 512-byte and 4K devices
+
+    def __init__(self):
+        self.map = mmap.mmap(-1, self.SIZE)
+        self.view = memoryview(self.map)
+
+    def close(self) -> None:
+        self.view.release()
+        self.map.close()
+
+
+class _PackOut:
+    """One temporary pack file being written.
+
+    Pack bytes are written once and read only by a later restore or verify, so they go
+    around the page cache (O_DIRECT, through _DirectBuffer) where the filesystem allows:
+    buffered, every byte costs a copy into freshly allocated page cache, which is most of
+    the storing phase's kernel time, and then again in the fsync; direct, the copy is into
+    one reused buffer and the device reads it from there. A filesystem that refuses
+    O_DIRECT (tmpfs before 6.6, some FUSE ones) gets plain buffered writes."""
+
+    def __init__(self, fd: int, buf: _DirectBuffer | None):
+        self.fd = fd
+        self.pos = 0                 # bytes of the pack so far (including any still in buf)
+        self.flushed = 0             # not direct: writeback started up to here
+        self.buf = None
+        self.fill = 0
+        self.written = 0             # through buf: bytes in the file (a multiple of ALIGN)
+        self.direct = False          # O_DIRECT is set (buf stays in use after a fallback)
+        if buf is not None:
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+                self.buf, self.direct = buf, True
+            except OSError:
+                pass
+
+    def write(self, bufs: list) -> None:
+        if self.buf is None:
+            _write_all(self.fd, bufs)
+            self.pos += sum(map(len, bufs))
+            return
+        view, size = self.buf.view, self.buf.SIZE
+        for b in bufs:
+            mv = memoryview(b).cast("B")
+            n, off = len(mv), 0
+            while off < n:
+                k = min(n - off, size - self.fill)
+                view[self.fill:self.fill + k] = mv[off:off + k]
+                self.fill += k
+                off += k
+                if self.fill == size:
+                    self._flush(size)
+            self.pos += n
+
+    def finish(self) -> None:
+        """Write what is left in the buffer; the tail is padded to ALIGN for O_DIRECT and
+        the file cut back to the pack's length."""
+        if self.buf is None or not self.fill:
+            return
+        tail = -(-self.fill // self.buf.ALIGN) * self.buf.ALIGN
+        self.buf.view[self.fill:tail] = bytes(tail - self.fill)
+        self._flush(tail)
+        os.ftruncate(self.fd, self.pos)
+
+    def _flush(self, n: int) -> None:
+        view = self.buf.view
+        done = 0
+        while done < n:
+            try:
+                k = os.pwrite(self.fd, view[done:n], self.written + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct or self.written or done:
+                    raise
+                # the filesystem took the flag but not the alignment: buffered from here on
+                self._buffered()
+                continue
+            if k <= 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            done += k
+            if done < n and self.direct:
+                # short (the disk filling up): the rest is unaligned, so buffered, where a
+                # full disk reports itself as ENOSPC rather than as a misaligned write
+                self._buffered()
+        self.written += n
+        self.fill = 0
+
+    def _buffered(self) -> None:
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self.direct = False
 
 
 def _write_all(fd: int, bufs: list) -> None:

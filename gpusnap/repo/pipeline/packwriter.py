@@ -352,9 +352,9 @@ class _PackOut:
             try:
                 k = os.pwrite(self.fd, view[done:n], self.written + done)
             except OSError as e:
-                if e.errno != errno.EINVAL or not self.direct or self.written or done:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or not self.direct or self.written or done:
                     raise
-                # the filesystem took the flag but not the alignment: buffered from here on
+                # the filesystem took the flag but not the write: buffered from here on
                 self._buffered()
                 continue
             if k <= 0:

@@ -64,6 +64,7 @@ def test_close_stops_the_faulting_at_the_next_slot(monkeypatch):
     instead of faulting in the rest (here it is held inside the second slot until close)."""
     real = arena_mod.libc
     calls = []
+    made: list[Arena] = []     # the thread may reach the second slot before Arena() returns
 
     class HeldLibc:
         memset = real.memset
@@ -72,12 +73,13 @@ def test_close_stops_the_faulting_at_the_next_slot(monkeypatch):
             calls.append(addr)
             if len(calls) == 2:            # the second slot: wait until close() has begun
                 deadline = time.monotonic() + 10
-                while not arena._closing and time.monotonic() < deadline:
+                while not (made and made[0]._closing) and time.monotonic() < deadline:
                     time.sleep(0.001)
             return real.madvise(addr, length, advice)
 
     monkeypatch.setattr(arena_mod, "libc", HeldLibc())
     arena = Arena(64)
+    made.append(arena)
     while len(calls) < 2:
         time.sleep(0.001)
     arena.close()

@@ -25,6 +25,11 @@ MAX_FILENAME = 255
 MAX_MESSAGE = MAX_FILENAME + 16
 
 
+def is_pages_image(filename: str) -> bool:
+    """A pages image (pages-<n>.img): its bytes are memory pages, 4 KiB each."""
+    return filename.startswith("pages-") and filename.endswith(".img")
+
+
 def check_filename(name: str) -> str:
     """Return `name` if it is a safe plain file name; raise StreamProtocolError otherwise."""
     if not name or len(name.encode()) > MAX_FILENAME:

@@ -290,11 +290,10 @@ class CaptureServer(_Server):
 
     def _stage(self, name: str, fd: int, image) -> None:
         from gpusnap.repo.pipeline.staging import StagingCancelled
-        from gpusnap.repo.pipeline.sinks import is_pages_image
 
-        _grow_pipe(fd, CAPTURE_PIPE_SIZE if is_pages_image(name) else PIPE_SIZE)
+        _grow_pipe(fd, CAPTURE_PIPE_SIZE if protocol.is_pages_image(name) else PIPE_SIZE)
         try:
-            self.staging.stage_pipe(fd, image, is_pages_image(name), lambda n: self._count(name, n))
+            self.staging.stage_pipe(fd, image, protocol.is_pages_image(name), lambda n: self._count(name, n))
         except StagingCancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - every failure must reach the dump
@@ -397,11 +396,10 @@ class ServeServer(_Server):
 
     def _feed(self, name: str, fd: int, chunks: Iterable[bytes]) -> None:
         from gpusnap.criu.pipefeed import Feeder
-        from gpusnap.repo.pipeline.sinks import is_pages_image
 
         _grow_pipe(fd)
         feeder = Feeder(fd, CHUNK)
-        feeder.splice = feeder.splice and is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
+        feeder.splice = feeder.splice and protocol.is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
         try:
             for chunk in chunks:
                 if self.failed:

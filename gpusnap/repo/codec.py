@@ -8,15 +8,17 @@ sign/exponent planes of floats compress well on their own, the low mantissa plan
 "auto" (CODEC_AUTO, never stored) chooses per call: lz4 when it compresses well; otherwise,
 when a sampled entropy estimate of the 4-byte planes promises a real gain, shuffle4-zstd;
 the smallest result wins, and raw when nothing gains more than 3 %.
+
+lz4 and zstandard are imported on first use: a restore decodes in the native library
+(repo/native.py) and never needs them, and from a cold page cache their extension modules
+(zstandard's is 11 MiB) cost a restore 30-50 ms to load.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
-
-import lz4.block
-import zstandard
 
 from gpusnap.repo import native
 from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODEC_ZSTD, CODECS, FormatError
@@ -35,10 +37,14 @@ SHUFFLE_K = {CODEC_SHUF4_ZSTD: 4, CODEC_SHUF2_ZSTD: 2}
 # zstd for one byte plane: planes have almost no repeated strings, so the fastest match
 # finder with the longest minimum match leaves nearly everything to the Huffman literal
 # coder: smaller (0.34 vs 0.40 of an fp32 exponent plane) and ~3x faster than level 1.
-PLANE_PARAMS = zstandard.ZstdCompressionParameters(
-    window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
-    strategy=zstandard.STRATEGY_FAST, write_content_size=False, write_checksum=False,
-    write_dict_id=False)
+@functools.cache
+def plane_params():
+    """The zstandard.ZstdCompressionParameters of a byte plane (see above)."""
+    zstandard = _zstd()
+    return zstandard.ZstdCompressionParameters(
+        window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
+        strategy=zstandard.STRATEGY_FAST, write_content_size=False, write_checksum=False,
+        write_dict_id=False)
 
 # auto: keep lz4 outright below this ratio (zero-heavy, text, pointers: lz4 is fast both ways)
 AUTO_LZ4_GOOD = 0.5
@@ -51,17 +57,29 @@ PLANE_SAMPLES = 2048                   # samples per plane for the entropy estim
 _tls = threading.local()
 
 
-def _plane_cctx() -> zstandard.ZstdCompressor:
+@functools.cache
+def _zstd():
+    import zstandard
+    return zstandard
+
+
+@functools.cache
+def _lz4():
+    import lz4.block
+    return lz4.block
+
+
+def _plane_cctx():
     c = getattr(_tls, "plane", None)
     if c is None:
-        c = _tls.plane = zstandard.ZstdCompressor(compression_params=PLANE_PARAMS)
+        c = _tls.plane = _zstd().ZstdCompressor(compression_params=plane_params())
     return c
 
 
-def _dctx() -> zstandard.ZstdDecompressor:
+def _dctx():
     d = getattr(_tls, "dctx", None)
     if d is None:
-        d = _tls.dctx = zstandard.ZstdDecompressor()
+        d = _tls.dctx = _zstd().ZstdDecompressor()
     return d
 
 
@@ -122,7 +140,7 @@ def _zstd_into(dctx, payload, out, what: str) -> None:
     exactly: a frame declaring or producing another size is FormatError."""
     m = len(out)
     try:
-        fcs = zstandard.frame_content_size(payload)
+        fcs = _zstd().frame_content_size(payload)
         if fcs not in (-1, m):
             raise FormatError(f"zstd frame of {what} declares a different size")
         r = dctx.stream_reader(payload)
@@ -195,7 +213,7 @@ def _auto(data, lz4_first: bool = True) -> tuple[int, bytes | None]:
         sp = encode_shuffled(data, 4, bits)
         if sp is not None and len(sp) <= n * GAIN_LIMIT:
             return CODEC_SHUF4_ZSTD, sp
-    out = lz4.block.compress(data, store_size=False)
+    out = _lz4().compress(data, store_size=False)
     if len(out) <= n * AUTO_LZ4_GOOD:
         return CODEC_LZ4, out
     best_codec, best = (CODEC_LZ4, out) if len(out) <= n * GAIN_LIMIT else (CODEC_NONE, None)
@@ -226,9 +244,9 @@ def compress(data, codec: int, lz4_first: bool = True) -> tuple[int, bytes]:
             return CODEC_NONE, bytes(data)
         return c, out
     if codec == CODEC_LZ4:
-        out = lz4.block.compress(data, store_size=False)
+        out = _lz4().compress(data, store_size=False)
     elif codec == CODEC_ZSTD:
-        out = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False).compress(data)
+        out = _zstd().ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False).compress(data)
     elif codec in SHUFFLE_K:
         out = encode_shuffled(data, SHUFFLE_K[codec])
         if out is None:
@@ -254,7 +272,7 @@ def decompress(payload, codec: int, raw_len: int) -> bytes | bytearray:
         return out
     try:
         if codec == CODEC_LZ4:
-            out = lz4.block.decompress(payload, uncompressed_size=raw_len)
+            out = _lz4().decompress(payload, uncompressed_size=raw_len)
         else:
             raise FormatError(f"unknown codec {codec}")
     except FormatError:

@@ -29,7 +29,7 @@ LZ4_PROBE = 16
 
 def encoder_params() -> dict:
     """The native encoder's constants: codec.py's and the heuristics' above."""
-    p = _codec.PLANE_PARAMS
+    p = _codec.plane_params()
     return {"gain_limit": _codec.GAIN_LIMIT, "auto_lz4_good": _codec.AUTO_LZ4_GOOD,
             "auto_est_gain": _codec.AUTO_EST_GAIN, "plane_try_bits": _codec.PLANE_TRY_BITS,
             "plane_samples": _codec.PLANE_SAMPLES, "zstd_level": _codec.ZSTD_LEVEL,
@@ -39,7 +39,7 @@ def encoder_params() -> dict:
             "strategy": p.strategy}
 
 # gs_enc_new's parameters, in the C code's order: codec.py's and this module's constants and
-# PLANE_PARAMS, handed over so that those files stay their one definition.
+# plane_params(), handed over so that those files stay their one definition.
 ENC_PARAM_NAMES = ("gain_limit", "auto_lz4_good", "auto_est_gain", "plane_try_bits", "plane_samples",
                    "zstd_level", "skip_max", "lz4_futile", "lz4_probe", "window_log", "hash_log",
                    "chain_log", "search_log", "min_match", "target_length", "strategy")

@@ -23,6 +23,9 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
     decode_job(pieces, npieces, buf, npages, ids, kinds, token)
                               -> None or (code, piece, detail, message): one job of the read path
                                  (gs_decode.c, used by repo/reader.py assemble)
+    decode_payload(payload, codec, out)
+                              -> None or (code, message): one blob's payload decoded into out
+                                 (gs_decode.c; the data blobs of a restore, repo/store.py)
     index_parse(...), index_runs(...)
                               index files checked and parsed into fixed-size records, and the page
                                  ids of their page blobs gathered (gs_index.c, used by
@@ -53,7 +56,7 @@ from gpusnap.errors import NativeLibraryMissing
 
 PAGE_SIZE = 4096
 ID_LEN = 16
-ABI_VERSION = 6                  # gs_abi_version() of the library this code binds
+ABI_VERSION = 7                  # gs_abi_version() of the library this code binds
 SHUFFLE_PORTABLE = 1             # flags for shuffle/unshuffle: force the portable C code (tests)
 
 _LIB_NAME = "libgpusnap_pages.so"
@@ -80,6 +83,7 @@ _SIGNATURES = {
     "gs_table_fill": ([_vp, _vp, _sz, _vp], _sz),
     "gs_run_starts": ([_vp, _sz, _i64, _i64, _vp], _i64),
     "gs_decode_job": ([_vp, _sz, _vp, _sz, _sz, _vp, _vp, _i64, _vp, _vp, _sz], ctypes.c_int),
+    "gs_decode_payload": ([_ui, _vp, _sz, _vp, _sz, _vp, _sz], ctypes.c_int),
     "gs_index_parse": ([_vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, _vp, _vp, _vp, _vp,
                         _vp, _vp, _vp], _i64),
     "gs_index_runs": ([_vp, _vp, ctypes.c_uint64, _i64, ctypes.c_uint32, _vp, _vp, _vp, _vp, _vp], _i64),
@@ -395,6 +399,35 @@ def decode_job(pieces, npieces: int, buf, npages: int, ids, kinds, token: int = 
     if rc == DECODE_NOMEM:
         raise MemoryError("decode_job scratch buffers")
     return rc, err[0], err[1], msg.value.decode("utf-8", "replace")
+
+
+def decode_payload(data, start: int, length: int, codec: int, out):
+    """The payload data[start:start+length] of one blob (codec not none; its header already
+    checked by the caller) decoded into out, a writable buffer of exactly the blob's raw
+    length (gs_decode_payload). data: bytes (read in place) or another buffer.
+    -> None, or (DECODE_FORMAT / DECODE_CODEC, message) when it does not decode.
+    MemoryError when out of memory."""
+    lib = _lib or load()
+    if start < 0 or length < 0 or start + length > len(data):
+        raise ValueError("payload outside its buffer")
+    mv = memoryview(out)
+    if mv.readonly or not mv.c_contiguous:
+        raise ValueError("output must be a writable contiguous buffer")
+    st = getattr(_tls, "st", None)
+    if st is None:
+        st = _tls.st = ((ctypes.c_int64 * 2)(), ctypes.create_string_buffer(_MSG_LEN))
+    msg = st[1]
+    n = mv.nbytes
+    pa, pkeep = buffer_address(data)
+    oc = (ctypes.c_char * n).from_buffer(mv) if n else None
+    rc = lib.gs_decode_payload(codec, pa + start, length, oc, n, msg, _MSG_LEN)
+    del oc, pkeep
+    mv.release()
+    if rc == 0:
+        return None
+    if rc == DECODE_NOMEM:
+        raise MemoryError("decode_payload scratch buffers")
+    return rc, msg.value.decode("utf-8", "replace")
 
 
 # ---- index files (gs_index.c; gpusnap/repo/format/index.py) ---------------------------

@@ -297,12 +297,12 @@ def _decode_call(snap, name: str, job: Job, reader: RunReader, a: array, packs: 
 
 
 def _reference_error(reader: RunReader, pack: bytes, rec) -> str | None:
-    """Why the Python decoder (store.BlobReader, which verify and export use) refuses the
+    """Why the Python decoder (store.decode_blob's reference, codec.decompress) refuses the
     blob whose payload the native one could not decode, so both say it in the same words
     (the C libraries word their reasons differently from python-zstandard); None when it
     does not refuse it. Only ever on this error path."""
     try:
-        reader.br.read_at(pack, *rec)
+        reader.br.read_at(pack, *rec, python=True)
     except FormatError as e:
         return str(e)
     except OSError:

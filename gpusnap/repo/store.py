@@ -9,7 +9,7 @@ from pathlib import Path
 
 from gpusnap.repo.codec import decompress, decompress_into
 from gpusnap.repo import native
-from gpusnap.repo.format import BLOB_HEADER, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, Blob, FormatError, blob_id, page_id, parse_blob_header
+from gpusnap.repo.format import BLOB_HEADER, CODEC_NONE, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, Blob, FormatError, blob_id, page_id, parse_blob_header
 
 _ZERO_PAGE_ID = page_id(bytes(PAGE_SIZE))
 
@@ -53,23 +53,41 @@ def pack_sizes(root: Path, packs) -> dict[bytes, int | None]:
 
 
 def decode_blob(data, pos: int, offset: int, kind: int, codec: int, n_pages: int, raw_len: int,
-                stored_len: int, out=None) -> bytes | None:
+                stored_len: int, out=None, python: bool = False) -> bytes | bytearray | None:
     """The payload of the blob whose header is at data[pos:] (at `offset` in its pack),
     after checking the header against its record (kind..stored_len), decompressed; with
     out (a writable view of raw_len bytes), decompressed into it and None returned. Raises
-    FormatError."""
+    FormatError.
+
+    Compressed payloads are decoded by the native library (native.decode_payload), so that
+    no reader loads python-lz4 or zstandard; a payload it refuses is handed to the Python
+    decoder (codec.decompress) for the reason in its words, as the pages reader does.
+    python=True decodes with the Python decoder only (the reference the tests compare with)."""
     if len(data) - pos < BLOB_HEADER.size + stored_len:
         raise FormatError(f"blob at offset {offset} runs past the end of the pack")
     h = parse_blob_header(data, pos)
     if (h.kind, h.codec, h.n_pages, h.raw_len, h.stored_len) != (kind, codec, n_pages, raw_len, stored_len):
         raise FormatError(f"blob header at offset {offset} disagrees with the index")
     start = pos + BLOB_HEADER.size
-    payload = memoryview(data)[start:start + stored_len]
-    if out is not None:
-        decompress_into(payload, codec, out)
-        return None
-    return decompress(payload, codec, raw_len)
-
+    if codec == CODEC_NONE:
+        if stored_len != raw_len:
+            raise FormatError("stored length differs from raw length")
+        if out is not None:
+            out[:] = memoryview(data)[start:start + stored_len]
+            return None
+        return bytes(memoryview(data)[start:start + stored_len])
+    if python:
+        payload = memoryview(data)[start:start + stored_len]
+        if out is not None:
+            decompress_into(payload, codec, out)
+            return None
+        return decompress(payload, codec, raw_len)
+    target = bytearray(raw_len) if out is None else out
+    bad = native.decode_payload(data, start, stored_len, codec, target)
+    if bad is not None:
+        decompress(memoryview(data)[start:start + stored_len], codec, raw_len)   # raises, in its words
+        raise FormatError(bad[1])
+    return None if out is not None else target
 
 
 def check_decoded(raw, b: Blob) -> str | None:
@@ -127,15 +145,15 @@ class BlobReader:
         return fd
 
     def read_at(self, pack: bytes, offset: int, kind: int, codec: int, n_pages: int, raw_len: int,
-                stored_len: int, out=None) -> bytes | None:
+                stored_len: int, out=None, python: bool = False) -> bytes | bytearray | None:
         """The blob at `offset` of `pack`, whose record says kind..stored_len: read, header
-        checked against the record, decompressed (into out, as decode_blob). Raises
-        FormatError / OSError."""
+        checked against the record, decompressed (into out, and python, as decode_blob).
+        Raises FormatError / OSError."""
         want = BLOB_HEADER.size + stored_len
         data = os.pread(self.fd(pack), want, offset)
         if len(data) != want:
             raise FormatError(f"pack truncated: blob at offset {offset} cut short")
-        return decode_blob(data, 0, offset, kind, codec, n_pages, raw_len, stored_len, out)
+        return decode_blob(data, 0, offset, kind, codec, n_pages, raw_len, stored_len, out, python)
 
     def read_raw(self, b: Blob) -> bytes:
         """read_at() for a blob record."""

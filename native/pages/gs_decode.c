@@ -217,9 +217,9 @@ static int zstd_exact(struct gs_err *e, ZSTD_DCtx *d, const uint8_t *src, size_t
   return GS_DEC_OK;
 }
 
-/* codec.decode_shuffled_into: planes into sh, unshuffled into dst (raw_len bytes) */
-static int shuffled(struct gs_err *e, struct gs_tls *t, const uint8_t *p, size_t n, unsigned k, size_t raw_len,
-                    uint8_t *dst) {
+/* codec.decode_shuffled_into: planes into sh (raw_len bytes of scratch), unshuffled into dst */
+static int shuffled(struct gs_err *e, ZSTD_DCtx *dctx, uint8_t *sh, const uint8_t *p, size_t n, unsigned k,
+                    size_t raw_len, uint8_t *dst) {
   size_t m = raw_len / k, tail = raw_len - m * k, hdr = 4u * k;
   if (m == 0)
     return fmt_err(e, "shuffle%u blob shorter than one element", k);
@@ -238,24 +238,25 @@ static int shuffled(struct gs_err *e, struct gs_tls *t, const uint8_t *p, size_t
   size_t pos = hdr;
   for (unsigned i = 0; i < k; i++) {
     if (lens[i] == m) {
-      memcpy(t->sh + i * m, p + pos, m);
+      memcpy(sh + i * m, p + pos, m);
     } else {
       char what[16];
       snprintf(what, sizeof what, "plane %u", i);
-      int rc = zstd_exact(e, t->dctx, p + pos, lens[i], t->sh + i * m, m, what);
+      int rc = zstd_exact(e, dctx, p + pos, lens[i], sh + i * m, m, what);
       if (rc)
         return rc;
     }
     pos += lens[i];
   }
-  memcpy(t->sh + m * k, p + pos, tail);
-  gs_unshuffle(t->sh, raw_len, k, dst, 0);
+  memcpy(sh + m * k, p + pos, tail);
+  gs_unshuffle(sh, raw_len, k, dst, 0);
   return GS_DEC_OK;
 }
 
-/* the payload p (n bytes, codec != none) decoded into exactly raw_len bytes at dst */
-static int decode(struct gs_err *e, struct gs_tls *t, unsigned codec, const uint8_t *p, size_t n, size_t raw_len,
-                  uint8_t *dst) {
+/* the payload p (n bytes, codec != none) decoded into exactly raw_len bytes at dst; sh:
+ * raw_len bytes of scratch for the shuffle codecs */
+static int decode(struct gs_err *e, struct gs_tls *t, uint8_t *sh, unsigned codec, const uint8_t *p, size_t n,
+                  size_t raw_len, uint8_t *dst) {
   switch (codec) {
   case GS_CODEC_ZSTD:
     return zstd_exact(e, t->dctx, p, n, dst, raw_len, "blob");
@@ -271,12 +272,45 @@ static int decode(struct gs_err *e, struct gs_tls *t, unsigned codec, const uint
     return GS_DEC_OK;
   }
   case GS_CODEC_SHUF4:
-    return shuffled(e, t, p, n, 4, raw_len, dst);
+    return shuffled(e, t->dctx, sh, p, n, 4, raw_len, dst);
   case GS_CODEC_SHUF2:
-    return shuffled(e, t, p, n, 2, raw_len, dst);
+    return shuffled(e, t->dctx, sh, p, n, 2, raw_len, dst);
   default:
     return fmt_err(e, "unknown codec %u", codec);
   }
+}
+
+/* ---- one payload ------------------------------------------------------------------------- */
+/* The payload p (n bytes, stored with codec, not none) of one blob whose header the caller
+ * has checked against its record (store.decode_blob), decoded into exactly raw_len bytes at
+ * dst. The data blobs of a restore come this way: python-lz4 and zstandard are then never
+ * loaded by a restore (their extension modules cost 30-50 ms from a cold page cache).
+ * Returns GS_DEC_OK, GS_DEC_FORMAT (lengths out of the format's bounds), GS_DEC_CODEC (the
+ * payload does not decode; msg = why), or GS_DEC_NOMEM. */
+GS_EXPORT int gs_decode_payload(unsigned codec, const uint8_t *p, size_t n, uint8_t *dst, size_t raw_len, char *msg,
+                                size_t msg_len) {
+  struct gs_err e = {msg, msg_len};
+  uint8_t *big = NULL;
+  int rc;
+  if (msg && msg_len)
+    msg[0] = 0;
+  if (codec == GS_CODEC_NONE || codec > GS_CODEC_SHUF2)
+    return fmt_err(&e, "unknown codec %u", codec);
+  if (raw_len < 1 || raw_len > GS_MAX_BLOB_RAW || n < 1 || n >= raw_len)
+    return fmt_err(&e, "compressed blob not smaller than its raw length");
+  struct gs_tls *t = tls_get();
+  if (!t)
+    return GS_DEC_NOMEM;
+  uint8_t *sh = t->sh;
+  if ((codec == GS_CODEC_SHUF4 || codec == GS_CODEC_SHUF2) && raw_len > GS_SCRATCH) {
+    /* a data blob larger than the per-thread scratch (up to MAX_BLOB_RAW): rare */
+    sh = big = malloc(raw_len);
+    if (!big)
+      return GS_DEC_NOMEM;
+  }
+  rc = decode(&e, t, sh, codec, p, n, raw_len, dst);
+  free(big);
+  return rc ? GS_DEC_CODEC : GS_DEC_OK;
 }
 
 /* ---- the job ----------------------------------------------------------------------------- */
@@ -361,12 +395,12 @@ GS_EXPORT int gs_decode_job(const int64_t *pieces, size_t npieces, uint8_t *buf,
     if (rc)
       return rc;
     if (whole) {
-      rc = decode(&e, t, (unsigned)codec, t->in + GS_HDR, sl, rl, dst);
+      rc = decode(&e, t, t->sh, (unsigned)codec, t->in + GS_HDR, sl, rl, dst);
       if (rc)
         return GS_DEC_CODEC;
     } else {
       t->key = t->off = -1;
-      rc = decode(&e, t, (unsigned)codec, t->in + GS_HDR, sl, rl, t->out);
+      rc = decode(&e, t, t->sh, (unsigned)codec, t->in + GS_HDR, sl, rl, t->out);
       if (rc)
         return GS_DEC_CODEC;
       t->token = token;

@@ -38,10 +38,6 @@ def _compress_workers() -> int:
 COMPRESS_WORKERS = _compress_workers()
 
 
-def is_pages_image(filename: str) -> bool:
-    return filename.startswith("pages-") and filename.endswith(".img")
-
-
 class Counters:
     __slots__ = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw",
                  "bytes_raw", "blobs_total", "blobs_dedup", "blobs_new", "bytes_new_raw", "bytes_new_stored")

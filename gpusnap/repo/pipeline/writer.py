@@ -18,7 +18,8 @@ from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
 from gpusnap.repo.index import write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
-from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, DataSink, ImageSink, PagesSink, is_pages_image
+from gpusnap.criu.protocol import is_pages_image
+from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, DataSink, ImageSink, PagesSink
 
 __all__ = ["SnapshotWriter"]
 

@@ -290,3 +290,57 @@ def test_repository_round_trip(repo, monkeypatch, compress):
     assert stats["bytes_new_stored"] == sum(h.stored_len for h, _ in blobs)
     if compress == "auto":
         assert {CODEC_NONE, CODEC_LZ4, CODEC_SHUF4_ZSTD} <= {h.codec for h, _ in blobs}
+
+
+# -- data blobs (DataSink: one blob at a time, the heuristics afresh for each) ----------------
+@pytest.mark.parametrize("codec", CODECS, ids=[C.codec_name(c) for c in CODECS])
+def test_data_blobs_are_codec_compress(codec):
+    """sinks._encode_data, which stores every non-pages image's 1 MiB blobs, chooses what
+    codec.compress(chunk, codec) chooses for each blob, whatever the blob before it was (a
+    random blob that did not compress must not make the next one skip compression), and its
+    payloads decode to the blob."""
+    rng = np.random.default_rng(21)
+    blobs = [rand(rng, 1 << 20), text(rng, 1 << 20), fp32(rng, 1 << 20), zero_heavy(rng, 300_001),
+             rand(rng, 70_000), bf16(rng, 1 << 20), text(rng, 5)]
+    for b in blobs:
+        got_codec, payload = sinks._encode_data(b, codec)
+        want_codec, want = C.compress(b, codec)
+        assert got_codec == want_codec
+        assert bytes(C.decompress(bytes(payload), got_codec, len(b))) == b
+        if codec != CODEC_ZSTD:          # (see test_payloads_byte_identical)
+            assert bytes(payload) == bytes(want)
+
+
+def test_plane_params_are_zstandards():
+    """codec.PLANE_PARAMS (the numbers the native encoder takes) are the zstandard
+    parameters the Python path compresses planes with."""
+    import zstandard
+
+    assert C.PLANE_PARAMS["strategy"] == zstandard.STRATEGY_FAST
+    p = C.plane_params()
+    for k, v in C.PLANE_PARAMS.items():
+        assert getattr(p, k) == v, k
+    assert encoder.encoder_params()["window_log"] == 17
+
+
+def test_a_dump_loads_neither_lz4_nor_zstandard(tmp_path):
+    """The storing pipeline (pages and data images, every codec choice of auto) runs on the
+    native encoder alone: a fresh interpreter that writes a snapshot has not imported
+    python-lz4 or zstandard, whose loading would otherwise fall inside CRIU's stream."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, numpy as np\nsys.path.insert(0, %r)\n"
+            "from gpusnap.repo import Repository\nfrom repo_helpers import dump, read_all\n"
+            "rng = np.random.default_rng(1)\n"
+            "pages = rng.normal(0, 0.02, 1 << 18).astype(np.float32).tobytes() + bytes(1 << 16) + rng.bytes(1 << 16)\n"
+            "data = b'core image ' * 100000 + rng.bytes(300000)\n"
+            "repo = Repository.open(%r, create=True)\n"
+            "s, _ = dump(repo, {'pages-1.img': pages, 'core-1.img': data}, compress='auto')\n"
+            "assert read_all(s, 'pages-1.img') == pages and read_all(s, 'core-1.img') == data\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('lz4', 'zstandard'))))\n"
+            ) % (str(Path(__file__).parent), str(tmp_path / "repo"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == ""

@@ -9,9 +9,9 @@ sign/exponent planes of floats compress well on their own, the low mantissa plan
 when a sampled entropy estimate of the 4-byte planes promises a real gain, shuffle4-zstd;
 the smallest result wins, and raw when nothing gains more than 3 %.
 
-lz4 and zstandard are imported on first use: a restore decodes in the native library
-(repo/native.py) and never needs them, and from a cold page cache their extension modules
-(zstandard's is 11 MiB) cost a restore 30-50 ms to load.
+lz4 and zstandard are imported on first use: dumps encode and restores decode in the native
+library (repo/encoder.py, repo/native.py) and never need them, and from a cold page cache
+their extension modules (zstandard's is 11 MiB) cost 20-50 ms to load.
 """
 
 from __future__ import annotations
@@ -37,14 +37,17 @@ SHUFFLE_K = {CODEC_SHUF4_ZSTD: 4, CODEC_SHUF2_ZSTD: 2}
 # zstd for one byte plane: planes have almost no repeated strings, so the fastest match
 # finder with the longest minimum match leaves nearly everything to the Huffman literal
 # coder: smaller (0.34 vs 0.40 of an fp32 exponent plane) and ~3x faster than level 1.
+PLANE_PARAMS = {"window_log": 17, "hash_log": 6, "chain_log": 6, "search_log": 1, "min_match": 7,
+                "target_length": 0, "strategy": 1}     # strategy 1 = zstandard.STRATEGY_FAST (ZSTD_fast)
+
+
 @functools.cache
 def plane_params():
-    """The zstandard.ZstdCompressionParameters of a byte plane (see above)."""
-    zstandard = _zstd()
-    return zstandard.ZstdCompressionParameters(
-        window_log=17, hash_log=6, chain_log=6, search_log=1, min_match=7, target_length=0,
-        strategy=zstandard.STRATEGY_FAST, write_content_size=False, write_checksum=False,
-        write_dict_id=False)
+    """PLANE_PARAMS as zstandard.ZstdCompressionParameters (the native encoder takes the
+    numbers, so that a dump never loads zstandard)."""
+    return _zstd().ZstdCompressionParameters(**PLANE_PARAMS, write_content_size=False,
+                                             write_checksum=False, write_dict_id=False)
+
 
 # auto: keep lz4 outright below this ratio (zero-heavy, text, pointers: lz4 is fast both ways)
 AUTO_LZ4_GOOD = 0.5

@@ -25,21 +25,20 @@ _vp, _sz, _i64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64
 SKIP_MAX = 8
 LZ4_FUTILE = 4
 LZ4_PROBE = 16
+FRESH_STATE = (0, 1, 0, 0)     # skip, skip_next, lz4_futile, since_probe of a new encoder
 
 
 def encoder_params() -> dict:
     """The native encoder's constants: codec.py's and the heuristics' above."""
-    p = _codec.plane_params()
+    p = _codec.PLANE_PARAMS
     return {"gain_limit": _codec.GAIN_LIMIT, "auto_lz4_good": _codec.AUTO_LZ4_GOOD,
             "auto_est_gain": _codec.AUTO_EST_GAIN, "plane_try_bits": _codec.PLANE_TRY_BITS,
             "plane_samples": _codec.PLANE_SAMPLES, "zstd_level": _codec.ZSTD_LEVEL,
             "skip_max": SKIP_MAX, "lz4_futile": LZ4_FUTILE, "lz4_probe": LZ4_PROBE,
-            "window_log": p.window_log, "hash_log": p.hash_log, "chain_log": p.chain_log,
-            "search_log": p.search_log, "min_match": p.min_match, "target_length": p.target_length,
-            "strategy": p.strategy}
+            **p}
 
 # gs_enc_new's parameters, in the C code's order: codec.py's and this module's constants and
-# plane_params(), handed over so that those files stay their one definition.
+# PLANE_PARAMS, handed over so that those files stay their one definition.
 ENC_PARAM_NAMES = ("gain_limit", "auto_lz4_good", "auto_est_gain", "plane_try_bits", "plane_samples",
                    "zstd_level", "skip_max", "lz4_futile", "lz4_probe", "window_log", "hash_log",
                    "chain_log", "search_log", "min_match", "target_length", "strategy")
@@ -87,7 +86,7 @@ class Encoder:
         self._h = lib.gs_enc_new(p, len(ENC_PARAM_NAMES))
         if not self._h:
             raise MemoryError("native encoder (or parameters zstd refuses)")
-        self.state = (ctypes.c_int64 * len(ENC_STATE_NAMES))(0, 1, 0, 0)
+        self.state = (ctypes.c_int64 * len(ENC_STATE_NAMES))(*FRESH_STATE)
 
     def encode(self, raws: list, codec: int, in_place: bool = True) -> tuple[list[int], memoryview | bytes]:
         """Encode the groups raws (bytes or other buffers) with codec (codec.CODEC_AUTO or a

@@ -7,7 +7,7 @@
  * that did not compress, lz4 tried first or not), and writes the same payloads
  * (docs/format.md §3): lz4 block without size; zstd frame at ZSTD_LEVEL without content
  * size; shuffle<k>-zstd = k u32 LE plane lengths, each plane a zstd frame with the plane
- * parameters (codec.plane_params()) or raw, then the tail. tests/test_native_encode.py compares the
+ * parameters (codec.PLANE_PARAMS) or raw, then the tail. tests/test_native_encode.py compares the
  * two group by group: byte for byte, except plain zstd frames, which libzstd versions
  * (the system's vs python-zstandard's bundled one) may make a few bytes apart. The
  * constants come from Python (gs_enc_new) so codec.py and sinks.py stay their one
@@ -46,7 +46,7 @@ enum { E_ARGS = -1, E_NOMEM = -2, E_SPACE = -3, E_CODEC = -4 };
 typedef struct {
   double gain_limit, lz4_good, est_gain;
   int64_t try_bits, samples, skip_max, lz4_futile, lz4_probe;
-  ZSTD_CCtx *plane; /* codec.plane_params(), no content size */
+  ZSTD_CCtx *plane; /* codec.PLANE_PARAMS, no content size */
   ZSTD_CCtx *zstd;  /* ZSTD_LEVEL, no content size */
   void *lz4_state;
   uint8_t *shuf; /* the shuffled group */

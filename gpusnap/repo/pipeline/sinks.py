@@ -14,7 +14,6 @@ import blake3
 
 from gpusnap.errors import NoSpace, RepositoryError
 from gpusnap.repo import encoder, native
-from gpusnap.repo.codec import compress
 from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
                                  PL_ZERO, encode_pl_tail)
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
@@ -36,6 +35,22 @@ def _compress_workers() -> int:
 
 
 COMPRESS_WORKERS = _compress_workers()
+
+_data_enc = threading.local()
+
+
+def _encode_data(chunk: bytes, codec: int) -> tuple[int, bytes | memoryview]:
+    """codec.compress(chunk, codec) for one data blob, by this thread's native encoder (a
+    dump then never loads python-lz4 or zstandard, 20-50 ms from a cold cache, and that
+    inside CRIU's stream): its heuristics start afresh for every blob."""
+    enc = getattr(_data_enc, "enc", None)
+    if enc is None:
+        enc = _data_enc.enc = encoder.Encoder()
+    enc.state[:] = encoder.FRESH_STATE
+    res, out = enc.encode([chunk], codec)
+    if res[0] == CODEC_NONE:
+        return CODEC_NONE, chunk
+    return res[0], out[:res[1]]
 
 
 class Counters:
@@ -98,7 +113,7 @@ class ImageSink:
         if bid in w.known_data or bid in w.claimed_data or w.claimed_data.setdefault(bid, self) is not self:
             c.blobs_dedup += 1
             return bid
-        codec, payload = compress(chunk, w.codec)
+        codec, payload = _encode_data(chunk, w.codec)
         w.packer.add(KIND_DATA, codec, 0, len(chunk), payload, bid)
         c.blobs_new += 1
         c.bytes_new_raw += len(chunk)

@@ -405,7 +405,7 @@ def test_data_images_read_back_through_the_native_decoder(tmp_path, codec):
 
 
 @pytest.mark.parametrize("codec", [CODEC_LZ4, CODEC_ZSTD, CODEC_SHUF4_ZSTD, CODEC_SHUF2_ZSTD])
-@pytest.mark.parametrize("size", [5, 4096 * 3 + 7, 1 << 20, (1 << 20) + 6, 4 << 20])
+@pytest.mark.parametrize("size", [4096 * 3 + 7, 1 << 20, (1 << 20) + 6, 4 << 20])
 def test_decode_payload_matches_the_python_decoder(codec, size):
     """Payloads up to the format's largest blob (4 MiB: the shuffle codecs' planes then do
     not fit the per-thread scratch), at an offset inside their buffer, decode exactly; and
@@ -414,11 +414,9 @@ def test_decode_payload_matches_the_python_decoder(codec, size):
     from gpusnap.repo import codec as codec_mod
 
     rng = np.random.default_rng(size)
-    raw = (rng.standard_normal(size // 4 + 1).astype(np.float32).tobytes() * 1)[:size]
-    raw = bytes(b if i % 3 else 0 for i, b in enumerate(raw[:4096])) + raw[4096:]
+    raw = (rng.integers(0, 64, size // 4 + 1).astype(np.float32) / 8).tobytes()[:size]   # compresses with each
     used, payload = codec_mod.compress(raw, codec)
-    if used != codec:
-        pytest.skip("does not compress with this codec")
+    assert used == codec
     buf = b"head" + payload + b"after"
     out = bytearray(size + 64)
     view = memoryview(out)[32:32 + size]
@@ -435,7 +433,7 @@ def test_decode_payload_matches_the_python_decoder(codec, size):
             refused += 1
             assert got[0] in (native.DECODE_CODEC, native.DECODE_FORMAT) and got[1]
         assert out[:32] == bytes(32) and out[32 + size:] == bytes(32)
-    assert refused or codec != CODEC_LZ4 or size < 4096     # lz4 notices most damage
+    assert refused                 # (damage the decoder does not feel is rare, not the rule)
 
 
 def test_decode_payload_refuses_lengths_outside_the_format():

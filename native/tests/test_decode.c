@@ -2,7 +2,9 @@
  * with one blob per codec decodes to the original pages, whole and in part; then every
  * single-byte change of the file, one at a time, is either refused with a code or still
  * gives pages that pass their checksums -- never a crash, never a write outside the job's
- * buffer (checked with guard bytes around it). */
+ * buffer (checked with guard bytes around it). The same for gs_decode_payload (one payload
+ * in memory, as data blobs are decoded), and a 4 MiB shuffled payload, larger than the
+ * per-thread scratch. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +24,8 @@ int gs_decode_job(const int64_t *pieces, size_t npieces, uint8_t *buf, size_t bu
                   const uint8_t *ids, const uint8_t *kinds, int64_t token, int64_t *err, char *msg, size_t msg_len);
 size_t gs_scan(const uint8_t *buf, size_t npages, uint8_t *kinds, uint8_t *ids);
 int gs_shuffle(const uint8_t *src, size_t n, unsigned k, uint8_t *dst, unsigned flags);
+int gs_decode_payload(unsigned codec, const uint8_t *p, size_t n, uint8_t *dst, size_t raw_len, char *msg,
+                      size_t msg_len);
 
 static int failures, checks;
 #define CHECK(cond)                                                                                                    \
@@ -147,6 +151,61 @@ int main(void) {
   }
   CHECK(refused > passed);
 
+  /* gs_decode_payload: each compressed payload, whole, then with every byte changed */
+  char msg[256];
+  size_t prefused = 0;
+  for (unsigned c = 1; c < 4; c++) {
+    const struct blob *b = &blobs[c];
+    uint8_t *payload = file + b->off + 16;
+    memset(area, 0xEE, sizeof area);
+    CHECK(gs_decode_payload(c, payload, b->stored, buf, RAW, msg, sizeof msg) == 0);
+    CHECK(memcmp(buf, pages, RAW) == 0);
+    for (size_t o = 0; o < b->stored; o++) {
+      uint8_t old = payload[o];
+      payload[o] ^= (uint8_t)(0x5A + o) | 1;
+      memset(area, 0xEE, sizeof area);
+      int rc = gs_decode_payload(c, payload, b->stored, buf, RAW, msg, sizeof msg);
+      CHECK(rc == 0 || ((rc == -6 || rc == -2) && msg[0]));
+      prefused += rc != 0;
+      for (unsigned g = 0; g < GUARD; g++)
+        CHECK(area[g] == 0xEE && area[GUARD + RAW + g] == 0xEE);
+      payload[o] = old;
+    }
+  }
+  CHECK(prefused > 0);
+  /* lengths outside the format: refused before anything is decoded */
+  CHECK(gs_decode_payload(1, file, 64, buf, 64, msg, sizeof msg) == -2);                  /* not smaller */
+  CHECK(gs_decode_payload(9, file, 16, buf, 64, msg, sizeof msg) == -2);                  /* no such codec */
+  CHECK(gs_decode_payload(2, file, 16, buf, (4u << 20) + 1, msg, sizeof msg) == -2);      /* > MAX_BLOB_RAW */
+  /* a 4 MiB shuffle4 data blob: its planes do not fit the thread's 1 MiB scratch */
+  {
+    size_t big = 4u << 20, m = big / 4, pos = 16;
+    uint8_t *raw = malloc(big), *sh = malloc(big), *enc = malloc(big), *out = malloc(big);
+    CHECK(raw && sh && enc && out);
+    if (raw && sh && enc && out) {
+      for (size_t i = 0; i < big; i += RAW)
+        memcpy(raw + i, pages, RAW);
+      gs_shuffle(raw, big, 4, sh, 0);
+      for (unsigned i = 0; i < 4; i++) {
+        size_t z = ZSTD_compress(enc + pos, big - pos, sh + i * m, m, 1);
+        uint32_t ln = (uint32_t)z;
+        if (ZSTD_isError(z) || z >= m) {
+          memcpy(enc + pos, sh + i * m, m);
+          ln = (uint32_t)m;
+        }
+        memcpy(enc + 4 * i, &ln, 4);
+        pos += ln;
+      }
+      CHECK(pos < big);
+      CHECK(gs_decode_payload(3, enc, pos, out, big, msg, sizeof msg) == 0);
+      CHECK(memcmp(out, raw, big) == 0);
+    }
+    free(raw);
+    free(sh);
+    free(enc);
+    free(out);
+  }
+
   /* a pack cut short */
   CHECK(ftruncate(fd, blobs[2].off + 100) == 0);
   CHECK(decode(fd, &blobs[2], 0, NP, buf, NP, err) == -2);
@@ -154,6 +213,7 @@ int main(void) {
   /* a read error: a closed fd */
   CHECK(decode(fd, &blobs[0], 0, NP, buf, NP, err) == -1 && err[1] > 0);
 
-  printf("gs_decode: %d checks, %d failures (%zu changes refused, %zu unfelt)\n", checks, failures, refused, passed);
+  printf("gs_decode: %d checks, %d failures (%zu changes refused, %zu unfelt; payloads: %zu refused)\n", checks,
+         failures, refused, passed, prefused);
   return failures != 0;
 }

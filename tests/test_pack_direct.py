@@ -113,3 +113,36 @@ def test_pack_tmp_files_are_gone_after_an_abort(tmp_path, monkeypatch, direct):
     w.add(1, 0, 1, PAGE, os.urandom(PAGE), os.urandom(16))
     w.abort()
     assert not list((repo.path / "tmp").glob("pack-*"))
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_done_is_called_once_after_the_payloads_are_taken(tmp_path, monkeypatch, direct):
+    """add_many's done (the page pipeline lets go of staging slots with it) runs exactly once:
+    after the writer has copied or written the payloads it covers, also when they are
+    dropped after an error, and at once when nothing could be handed over. The payloads
+    are reused right after done: the pack must still hold what they were."""
+    monkeypatch.setenv("GPUSNAP_PACK_DIRECT", direct)
+    repo = Repository.open(tmp_path / "r", create=True)
+    w = packwriter.PackWriter(repo.path, target_size=5 << 20)
+    rnd = random.Random(9)
+    calls, expect = [], []
+    for i in range(12):                         # 12 x 1 MiB: packs fill and close in between
+        buf = bytearray(rnd.randbytes(1 << 20))
+        expect.append(bytes(buf))
+
+        def done(i=i, buf=buf):
+            calls.append(i)
+            buf[:] = bytes(len(buf))            # reused by its owner from now on
+        w.add_many([(1, 0, 256, 1 << 20, memoryview(buf), rnd.randbytes(16 * 256))], done)
+    finished = w.finish()
+    assert sorted(calls) == list(range(12))
+    got = []
+    for ph, blobs in finished:
+        data = pack_path(repo.path, ph).read_bytes()
+        got += [(b.offset, data[b.offset + 16:b.offset + 16 + b.stored_len]) for b in blobs]
+    assert sorted(p for _, p in got) == sorted(expect)
+
+    late = []
+    with pytest.raises(RuntimeError):
+        w.add_many([(1, 0, 1, PAGE, bytes(PAGE), bytes(16))], lambda: late.append(1))
+    assert late == [1]                          # closed: nothing handed over, done at once

@@ -19,8 +19,9 @@ def _pattern(n: int, seed: int = 7) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def _stage(staging: st.Staging, data: bytes, pages: bool, chunk: int = 1 << 16) -> st.StagedImage:
-    """A writer thread feeds `data` through a pipe, as CRIU does, while the drain stages it."""
+def _stage(staging: st.Staging, data: bytes, pages: bool, chunk: int = 1 << 16, started=None) -> st.StagedImage:
+    """A writer thread feeds `data` through a pipe, as CRIU does, while the drain stages it;
+    started(image) is called once the image exists (an ingest may take from it meanwhile)."""
     r, w = os.pipe()
 
     def feed():
@@ -33,6 +34,8 @@ def _stage(staging: st.Staging, data: bytes, pages: bool, chunk: int = 1 << 16) 
     t = threading.Thread(target=feed)
     t.start()
     image = st.StagedImage(staging, "pages-1.img" if pages else "core-1.img")
+    if started is not None:
+        started(image)
     try:
         staging.stage_pipe(r, image, pages)
     finally:
@@ -173,3 +176,96 @@ def test_closed_under_an_ingest_thread_it_cancels_instead_of_failing(tmp_path):
     with pytest.raises(st.StagingCancelled):
         s.read(second)
     s.release(second)
+
+
+def test_a_held_slot_is_freed_only_by_its_last_claim(tmp_path):
+    """Page groups point into staging slots (sinks.PagesSink, with a Hold): the slot goes back
+    only when the ingest and every claim have let go; until then the drain spills rather
+    than overwrite it. Bytes and spill extents are copied out on read: no Hold."""
+    data = _pattern(st.SEG)
+    s = st.Staging(tmp_path, budget=st.SEG, prealloc=st.SEG)
+    try:
+        image = _stage(s, data, pages=True)
+        seg = image.take()
+        hold = s.hold(seg)
+        assert hold is not None and s.memory_in_use() == st.SEG
+        hold.retain(2)
+        s.release(seg)                          # the ingest's own claim
+        assert s.memory_in_use() == st.SEG and not s._free
+        # the only slot is still pointed into: new pages go to the spill file, not over it
+        second = _stage(s, _pattern(st.SEG, seed=8), pages=True)
+        assert s.spilled == st.SEG
+        view = s.read(seg)
+        assert bytes(view) == data
+        view.release()
+        hold.release(1)
+        assert s.memory_in_use() == st.SEG
+        hold.release(1)                         # the last claim frees it
+        assert s.memory_in_use() == 0 and s._free == [seg.slot if seg.slot >= 0 else 0]
+        with pytest.raises(RuntimeError):
+            hold.retain(1)                      # a freed slot cannot be claimed again
+        spilled = second.take()
+        assert s.hold(spilled) is None
+        s.release(spilled)
+    finally:
+        s.close()
+
+
+def test_a_dump_pointing_into_reused_slots_stores_exactly_its_pages(tmp_path, monkeypatch):
+    """The page pipeline with groups pointing into staging slots (no copy), two slots for
+    twelve slots' worth of pages. The pack writer is held back (its lock taken) while the
+    whole image is staged, so the first groups sit in the compressors with views of both
+    slots when the drain looks for more: it must spill rather than reuse them. Then the
+    rest flows, slots are released and refilled. The snapshot reads back exactly (every page
+    checked against its id), and every claim is let go by the time it is committed."""
+    from gpusnap.repo import Repository
+    from gpusnap.repo.pipeline import sinks
+
+    monkeypatch.setattr(sinks, "COMPRESS_WORKERS", 2)
+    rnd = __import__("random").Random(3)
+    # random pages (stored raw: the pack writer reads them straight from the slot) with
+    # compressible ones between them, and repeats (dedup) and zero pages
+    pages = []
+    for i in range(12 * st.SEG // 4096):
+        k = rnd.random()
+        pages.append(bytes(4096) if k < 0.05 else ((b"tensor %d " % (i % 50)) * 500)[:4096] if k < 0.3
+                     else pages[rnd.randrange(len(pages))] if k < 0.35 and pages else rnd.randbytes(4096))
+    data = b"".join(pages)
+    assert len(data) == 12 * st.SEG
+    repo = Repository.open(tmp_path / "repo", create=True)
+    s = st.Staging(tmp_path, budget=2 * st.SEG, prealloc=2 * st.SEG)
+    errors = []
+    with repo.writer_lock():
+        wr = repo.new_snapshot("zero-copy", compress="auto")
+        sink = wr.image_sink("pages-1.img")
+
+        staged = []
+        ready = threading.Event()
+
+        def ingest():
+            try:
+                ready.wait()
+                image = staged[0]
+                while (seg := image.take()) is not None:
+                    view = s.read(seg)
+                    sink.write(view, s.hold(seg))
+                    if isinstance(view, memoryview):
+                        view.release()
+                    s.release(seg)
+                sink.close()
+            except BaseException as e:     # noqa: BLE001 - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=ingest, daemon=True)
+        try:
+            with wr.packer.lock:                 # the pack writer takes nothing for now
+                t.start()
+                _stage(s, data, pages=True, started=lambda im: (staged.append(im), ready.set()))
+                assert s.spilled == len(data) - 2 * st.SEG     # the held slots were not reused
+            t.join()
+            assert not errors, errors
+            snap = wr.commit()
+        finally:
+            s.close()
+    assert s.staged == len(data) and s.memory_in_use() == 0     # every claim let go
+    assert b"".join(snap.read_image("pages-1.img")) == data

@@ -315,7 +315,7 @@ class CaptureServer(_Server):
                     break
                 data = st.read(seg)
                 try:
-                    sink.write(data)
+                    sink.write(data, st.hold(seg))
                 finally:
                     if isinstance(data, memoryview):
                         data.release()

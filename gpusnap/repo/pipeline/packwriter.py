@@ -61,44 +61,63 @@ class PackWriter:
     def add(self, kind: int, codec: int, n_pages: int, raw_len: int, payload: bytes, ids: bytes) -> None:
         self.add_many([(kind, codec, n_pages, raw_len, payload, ids)])
 
-    def add_many(self, items: list) -> None:
+    def add_many(self, items: list, done=None) -> None:
         """Append blobs [(kind, codec, n_pages, raw_len, payload, ids)], in order, as one
         hand-off to the writer thread (one queue item and one writev per pack segment
-        instead of one per blob: the queue hand-offs cost more than the blobs' bookkeeping)."""
-        with self.lock:
-            if self._err is not None:
-                raise self._err
-            if self._closed:
-                raise RuntimeError("pack writer is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gpusnap-pack-writer", daemon=True)
-                self._thread.start()
-            put = self._q.put
-            bufs: list = []
-            desc: list = []
-            for kind, codec, n_pages, raw_len, payload, ids in items:
-                if self._pos == 0:
-                    put(("open", None, None))
-                    self._pos = PACK_HEADER_SIZE
-                    self._blobs = []
-                    self._namer = pack_namer()
-                stored = len(payload)
-                self._blobs.append((self._pos, kind, codec, n_pages, raw_len, stored, ids))
-                hdr = encode_blob_header(kind, codec, n_pages, raw_len, stored)
-                bufs.append(hdr)
-                bufs.append(payload)
-                desc.append(hdr)
-                desc.append(ids)
-                self._pos += BLOB_HEADER.size + stored
-                if self._pos >= self.target:
-                    put(("blobs", bufs, None))
-                    bufs = []
-                    self._close_pack(desc)
-                    desc = []
-            if bufs:
+        instead of one per blob: the queue hand-offs cost more than the blobs' bookkeeping).
+
+        done: called exactly once when the payloads are no longer needed: by the writer
+        thread once it has written (or, after an error, dropped) them, or here when nothing
+        was handed over. Payloads may be views of memory the caller reuses after that
+        (staging slots, sinks.PagesSink)."""
+        queued = False
+        try:
+            with self.lock:
+                if self._err is not None:
+                    raise self._err
+                if self._closed:
+                    raise RuntimeError("pack writer is closed")
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="gpusnap-pack-writer", daemon=True)
+                    self._thread.start()
+                queued = True
+                try:
+                    self._add_many(items)
+                finally:
+                    if done is not None:     # after the payloads it covers, whatever happened
+                        self._q.put(("done", None, done))
+        finally:
+            if done is not None and not queued:
+                done()
+
+    def _add_many(self, items: list) -> None:
+        """(lock held, writer thread running) add_many's work."""
+        put = self._q.put
+        bufs: list = []
+        desc: list = []
+        for kind, codec, n_pages, raw_len, payload, ids in items:
+            if self._pos == 0:
+                put(("open", None, None))
+                self._pos = PACK_HEADER_SIZE
+                self._blobs = []
+                self._namer = pack_namer()
+            stored = len(payload)
+            self._blobs.append((self._pos, kind, codec, n_pages, raw_len, stored, ids))
+            hdr = encode_blob_header(kind, codec, n_pages, raw_len, stored)
+            bufs.append(hdr)
+            bufs.append(payload)
+            desc.append(hdr)
+            desc.append(ids)
+            self._pos += BLOB_HEADER.size + stored
+            if self._pos >= self.target:
                 put(("blobs", bufs, None))
-            if desc:
-                self._namer.update(b"".join(desc))
+                bufs = []
+                self._close_pack(desc)
+                desc = []
+        if bufs:
+            put(("blobs", bufs, None))
+        if desc:
+            self._namer.update(b"".join(desc))
 
     def _close_pack(self, desc: list) -> None:
         """(lock held) Finish the current pack's name and queue its trailer."""
@@ -147,13 +166,14 @@ class PackWriter:
         self.done = []
 
     # -- the background threads ----------------------------------------------------------
-    # Two threads, so that writing and flushing to disk overlap with each other and with
-    # the page pipeline:
-    #   writer: writes the bytes (O_DIRECT through a reused buffer, see _PackOut; the
-    #           writes release the GIL) and passes finished packs on to
+    # Three threads, so that copying, writing and flushing to disk overlap with each other
+    # and with the page pipeline:
+    #   writer: copies the bytes into a bounce buffer (O_DIRECT, see _PackOut; buffered
+    #           packs are written here) and passes finished packs on to
+    #   flusher: writes each full bounce buffer while the writer fills the other one;
     #   syncer: for buffered packs starts writeback early (sync_file_range every SYNC_STEP
     #           bytes, as the writer reports progress), then per finished pack fsync, close,
-    #           rename. The parent
+    #           rename; and lets go of the payloads' memory (add_many's done). The parent
     #           directories are fsynced once, in finish(), before the caller writes the
     #           index (docs/format.md §5.3: every pack is durable and renamed first).
     # An fsync in the pipeline used to stall it for the time the disk took to write each
@@ -175,6 +195,9 @@ class PackWriter:
                 op, a, b = q.get()
                 if op == "stop":
                     break
+                if op == "done":      # the payloads before it are copied out (or dropped):
+                    sq.put(("call", b, None))    # let go of them off this thread (madvise)
+                    continue
                 if self._err is not None:
                     continue          # drain after an error so producers never block
                 try:
@@ -198,10 +221,10 @@ class PackWriter:
                 except BaseException as e:     # reported to the next add()/finish()
                     self._err = e
         finally:
+            if buf is not None:
+                buf.close()           # (waits for the flusher: nothing writes the fd below then)
             if out is not None:
                 os.close(out.fd)
-            if buf is not None:
-                buf.close()
             sq.put(("stop", None, None))
             st.join()
 
@@ -213,6 +236,12 @@ class PackWriter:
             if op == "flush":
                 if self._err is None:
                     _start_writeback(a, *b)
+                continue
+            if op == "call":
+                try:
+                    a()
+                except BaseException as e:
+                    self._err = self._err or e
                 continue
             fd, tmp, blobs = a
             try:
@@ -276,20 +305,76 @@ def _direct_wanted() -> bool:
 
 
 class _DirectBuffer:
-    """The writer thread's aligned bounce buffer for O_DIRECT writes, reused for every pack
-    of a dump (so it costs its page faults once)."""
+    """The writer thread's two aligned bounce buffers for O_DIRECT writes, reused for every
+    pack of a dump (so they cost their page faults once), and the thread that writes them
+    out (_Flusher): the writer fills one while the other is on its way to the disk. With one
+    buffer the copy into it and the device's write took turns, and once the page pipeline
+    kept up, that turn-taking was the storing phase's longest thread."""
 
-    SIZE = 4 << 20
+    SIZE = 4 << 20               # each buffer
     ALIGN = 4096                 # O_DIRECT wants offsets, lengths and addresses aligned to the
                                  # logical block size; 4 KiB covers 512-byte and 4K devices
 
     def __init__(self):
-        self.map = mmap.mmap(-1, self.SIZE)
-        self.view = memoryview(self.map)
+        self.map = mmap.mmap(-1, 2 * self.SIZE)
+        whole = memoryview(self.map)
+        self.views = [whole[:self.SIZE], whole[self.SIZE:]]
+        whole.release()
+        self.io = _Flusher(self.views)
 
     def close(self) -> None:
-        self.view.release()
+        self.io.stop()
+        for v in self.views:
+            v.release()
         self.map.close()
+
+
+class _Flusher:
+    """One thread writing full bounce buffers (in the order submitted) to their pack files;
+    wait(i) blocks until buffer i is free again and raises the first write error."""
+
+    def __init__(self, views: list):
+        self.views = views
+        self._q: queue.Queue = queue.Queue()
+        self._free = [threading.Event(), threading.Event()]
+        for e in self._free:
+            e.set()
+        self.err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gpusnap-pack-flusher", daemon=True)
+        self._thread.start()
+
+    def submit(self, out: "_PackOut", i: int, n: int, at: int) -> None:
+        self._free[i].clear()
+        self._q.put((out, i, n, at))
+
+    def wait(self, i: int) -> None:
+        self._free[i].wait()
+        if self.err is not None:
+            raise self.err
+
+    def drain(self) -> None:
+        for i in (0, 1):
+            self.wait(i)
+
+    def stop(self) -> None:
+        """Finish what was submitted, then end the thread (before any fd it writes is closed)."""
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            out, i, n, at = item
+            try:
+                if self.err is None:
+                    out.pwrite(self.views[i], n, at)
+            except BaseException as e:     # raised to the writer by its next wait()
+                self.err = e
+            finally:
+                self._free[i].set()
 
 
 class _PackOut:
@@ -299,7 +384,7 @@ class _PackOut:
     around the page cache (O_DIRECT, through _DirectBuffer) where the filesystem allows:
     buffered, every byte costs a copy into freshly allocated page cache, which is most of
     the storing phase's kernel time, and then again in the fsync; direct, the copy is into
-    one reused buffer and the device reads it from there. A filesystem that refuses
+    one of two reused buffers and the device reads it from there. A filesystem that refuses
     O_DIRECT (tmpfs before 6.6, some FUSE ones) gets plain buffered writes."""
 
     def __init__(self, fd: int, buf: _DirectBuffer | None):
@@ -307,8 +392,9 @@ class _PackOut:
         self.pos = 0                 # bytes of the pack so far (including any still in buf)
         self.flushed = 0             # not direct: writeback started up to here
         self.buf = None
+        self.cur = 0                 # the bounce buffer being filled
         self.fill = 0
-        self.written = 0             # through buf: bytes in the file (a multiple of ALIGN)
+        self.written = 0             # through buf: bytes handed to the flusher (a multiple of ALIGN)
         self.direct = False          # O_DIRECT is set (buf stays in use after a fallback)
         if buf is not None:
             try:
@@ -322,7 +408,8 @@ class _PackOut:
             _write_all(self.fd, bufs)
             self.pos += sum(map(len, bufs))
             return
-        view, size = self.buf.view, self.buf.SIZE
+        size = self.buf.SIZE
+        view = self.buf.views[self.cur]
         for b in bufs:
             mv = memoryview(b).cast("B")
             n, off = len(mv), 0
@@ -333,26 +420,43 @@ class _PackOut:
                 off += k
                 if self.fill == size:
                     self._flush(size)
+                    view = self.buf.views[self.cur]
             self.pos += n
 
     def finish(self) -> None:
-        """Write what is left in the buffer; the tail is padded to ALIGN for O_DIRECT and
-        the file cut back to the pack's length."""
-        if self.buf is None or not self.fill:
+        """Write what is left in the buffer and wait for the flusher (the syncer fsyncs the
+        file next); the tail is padded to ALIGN for O_DIRECT and the file cut back to the
+        pack's length."""
+        if self.buf is None:
             return
-        tail = -(-self.fill // self.buf.ALIGN) * self.buf.ALIGN
-        self.buf.view[self.fill:tail] = bytes(tail - self.fill)
-        self._flush(tail)
-        os.ftruncate(self.fd, self.pos)
+        padded = False
+        if self.fill:
+            tail = -(-self.fill // self.buf.ALIGN) * self.buf.ALIGN
+            self.buf.views[self.cur][self.fill:tail] = bytes(tail - self.fill)
+            self._flush(tail)
+            padded = True
+        self.buf.io.drain()
+        if padded:
+            os.ftruncate(self.fd, self.pos)
 
     def _flush(self, n: int) -> None:
-        view = self.buf.view
+        """Hand the current buffer's first n bytes to the flusher; go on in the other buffer
+        once its previous write is done."""
+        io = self.buf.io
+        io.submit(self, self.cur, n, self.written)
+        self.written += n
+        self.fill = 0
+        self.cur ^= 1
+        io.wait(self.cur)
+
+    def pwrite(self, view, n: int, at: int) -> None:
+        """(the flusher's thread) Write view[:n] at offset at."""
         done = 0
         while done < n:
             try:
-                k = os.pwrite(self.fd, view[done:n], self.written + done)
+                k = os.pwrite(self.fd, view[done:n], at + done)
             except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or not self.direct or self.written or done:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP) or not self.direct or at or done:
                     raise
                 # the filesystem took the flag but not the write: buffered from here on
                 self._buffered()
@@ -364,8 +468,6 @@ class _PackOut:
                 # short (the disk filling up): the rest is unaligned, so buffered, where a
                 # full disk reports itself as ENOSPC rather than as a misaligned write
                 self._buffered()
-        self.written += n
-        self.fill = 0
 
     def _buffered(self) -> None:
         fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)

@@ -53,6 +53,22 @@ def _encode_data(chunk: bytes, codec: int) -> tuple[int, bytes | memoryview]:
     return res[0], out[:res[1]]
 
 
+def _releaser(batch: list):
+    """A function letting go of the staging claims of a batch's groups (one per view), or
+    None when its groups own their bytes."""
+    counts: dict = {}
+    for g in batch:
+        for h in g[3]:
+            counts[h] = counts.get(h, 0) + 1
+    if not counts:
+        return None
+
+    def done() -> None:
+        for h, n in counts.items():
+            h.release(n)
+    return done
+
+
 class Counters:
     __slots__ = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw",
                  "bytes_raw", "blobs_total", "blobs_dedup", "blobs_new", "bytes_new_raw", "bytes_new_stored")
@@ -77,11 +93,13 @@ class ImageSink:
         self.closed = False
         self.failed = False
 
-    def write(self, data) -> None:
+    def write(self, data, hold=None) -> None:
+        """Store data (the image's next bytes). hold: a staging.Hold when data is a view of a
+        staging slot that may be pointed into beyond this call (PagesSink), else None."""
         if self.closed:
             raise RepositoryError(f"write to closed image {self.filename}")
         try:
-            self._write(data)
+            self._write(data, hold)
         except OSError as e:
             self.failed = True
             if e.errno == 28:
@@ -130,7 +148,7 @@ class DataSink(ImageSink):
         self.h = blake3.blake3()
         self.blobs: list[str] = []
 
-    def _write(self, data) -> None:
+    def _write(self, data, hold=None) -> None:
         self.size += len(data)
         self.h.update(data)
         self.buf += data
@@ -164,6 +182,7 @@ class PagesSink(ImageSink):
         self.buf = bytearray()
         self.pieces: list = []         # the current group: buffer slices of whole pages
         self.group_ids: list[bytes] = []
+        self.group_holds: list = []    # the staging Holds its pieces point into (one per piece)
         self.gn = 0                    # pages in the current group
         self.ready: list = []          # full groups of this batch, handed over in one piece
         self.zero_pending = 0
@@ -186,7 +205,7 @@ class PagesSink(ImageSink):
         self.pl_h.update(b)
         self.pl_size += len(b)
 
-    def _write(self, data) -> None:
+    def _write(self, data, hold=None) -> None:
         n = len(data)
         if not n:
             return
@@ -202,18 +221,20 @@ class PagesSink(ImageSink):
                 self._process(buf, take)
             return
         # No copy of the whole batch: the scan reads the caller's buffer in place (a staging
-        # slot, writable) and each new group is copied out of it (_add_new). A read-only view
-        # becomes bytes first: native code can take the address of bytes, not of the view.
+        # slot, writable), and each new group points into it (with a hold) or is copied out
+        # of it (_add_new). A read-only view becomes bytes first: native code can take the
+        # address of bytes, not of the view.
         if type(data) is memoryview and data.readonly:
-            data = bytes(data)
+            data, hold = bytes(data), None
         take = n - n % PAGE_SIZE
-        self._process(data, take)
+        self._process(data, take, hold)
         if take != n:
             buf += data[take:]
 
-    def _process(self, buf, end: int) -> None:
+    def _process(self, buf, end: int, hold=None) -> None:
         """The hot loop. buf[0:end] is whole pages; buf (bytes or a writable buffer) is only
-        read during this call: groups take copies of their pages."""
+        read during this call, unless hold (a staging.Hold on it) is given: then groups
+        point into it (claims on the hold), else they take copies of their pages."""
         if self._err is not None:
             raise self._err
         npages = end // PAGE_SIZE
@@ -254,24 +275,31 @@ class PagesSink(ImageSink):
         c.pages_zero += nzero
         c.pages_dedup += ndata - len(newidx)
         if newidx:
-            self._add_new(memoryview(buf), newidx, ids)
+            self._add_new(memoryview(buf), newidx, ids, hold)
             self._hand_over()
 
-    def _add_new(self, mv, newidx: list[int], ids: bytes) -> None:
+    def _add_new(self, mv, newidx: list[int], ids: bytes, hold=None) -> None:
         """Append the new pages (indices into mv, in order) to groups. A run of consecutive
-        pages is one copy of its pages and one slice of the ids: no per-page Python on the
-        common path, and groups own their bytes (fresh small allocations that malloc
-        reuses, not a page-faulted copy of every 4 MiB batch; bytes need no copy for the
-        native shuffle and plane estimate, where a read-only view would)."""
+        pages is one slice of the ids and either a view of mv (with hold: the slot stays
+        until the pack writer has the group's bytes, one claim per view) or one copy of its
+        pages (fresh small allocations that malloc reuses; bytes need no copy for the
+        native shuffle and plane estimate, where a read-only view would): no per-page
+        Python on the common path. Pages that are not consecutive are copied together."""
         gp = self.w.group_pages
         k = 0
         nn = len(newidx)
+        views = 0
         while k < nn:
             take = min(gp - self.gn, nn - k)
             a = newidx[k]
             b = newidx[k + take - 1]
             if b - a == take - 1:
-                self.pieces.append(mv[a * PAGE_SIZE:(b + 1) * PAGE_SIZE].tobytes())
+                if hold is not None:
+                    self.pieces.append(mv[a * PAGE_SIZE:(b + 1) * PAGE_SIZE])
+                    self.group_holds.append(hold)
+                    views += 1
+                else:
+                    self.pieces.append(mv[a * PAGE_SIZE:(b + 1) * PAGE_SIZE].tobytes())
                 self.group_ids.append(ids[a * ID_LEN:(b + 1) * ID_LEN])
             else:
                 sel = newidx[k:k + take]
@@ -281,14 +309,17 @@ class PagesSink(ImageSink):
             k += take
             if self.gn >= gp:
                 self._flush_group()
+        if views:
+            hold.retain(views)      # before any of these groups is handed over
 
     def _flush_group(self) -> None:
         n = self.gn
         if not n:
             return
-        self.ready.append((self.pieces, b"".join(self.group_ids), n))
+        self.ready.append((self.pieces, b"".join(self.group_ids), n, self.group_holds))
         self.pieces = []
         self.group_ids = []
+        self.group_holds = []
         self.gn = 0
 
     def _hand_over(self) -> None:
@@ -325,13 +356,23 @@ class PagesSink(ImageSink):
                 batch = q.get()
                 if batch is None:
                     break
+                done = _releaser(batch)
                 if self._err is not None:
+                    if done is not None:
+                        done()
                     continue              # drain after an error so the producer never blocks
                 try:
                     if st is None:
                         st = encoder.Encoder()
-                    self.w.packer.add_many(self._store_batch(st, c, batch))
+                    blobs = self._store_batch(st, c, batch)
                 except BaseException as e:    # reported to the next write()/close()
+                    self._err = e
+                    if done is not None:
+                        done()
+                    continue
+                try:
+                    self.w.packer.add_many(blobs, done)    # done: once the writer has the bytes
+                except BaseException as e:
                     self._err = e
         finally:
             if st is not None:
@@ -344,13 +385,14 @@ class PagesSink(ImageSink):
         """Compress a batch of groups (or not) in one native call without the GIL
         (encoder.Encoder: codec.compress's choices and payloads, with the skip and lz4-first
         heuristics carried in st) -> the blobs for PackWriter.add_many(). A compressed
-        payload is a view of the batch's native output buffer; a raw one is the group's bytes."""
-        raws = [p[0] if len(p) == 1 else b"".join(p) for p, _, _ in batch]
+        payload is a view of the batch's native output buffer; a raw one is the group's bytes
+        (or its view of a staging slot)."""
+        raws = [p[0] if len(p) == 1 else b"".join(p) for p, _, _, _ in batch]
         res, out = enc.encode(raws, self.w.codec)
         mv = memoryview(out)
         blobs = []
         off = raw_pages = stored = 0
-        for i, (_, ids, n) in enumerate(batch):
+        for i, (_, ids, n, _) in enumerate(batch):
             raw = raws[i]
             codec, ln = res[2 * i], res[2 * i + 1]
             if codec == CODEC_NONE:

@@ -72,6 +72,22 @@ def test_large_budget_stages_in_memory_only_and_inspect_shows_the_freeze(sample_
     _restore_and_finish(job, info["snapshot"], repo, expected)
 
 
+def test_ingest_during_the_stream_through_few_reused_slots_restores_identically(sample_job, repo, reference):
+    """The ingest overlapping CRIU's stream (as from 4 cores on) with a budget of four slots:
+    slots are released and refilled while the page groups of earlier ones still point into
+    them (staging.Hold), the rest spills. The restored job finishes identically."""
+    expected = reference(**KW)
+    job = sample_job(**KW, step_ms=20)
+    job.wait_steps(10)
+    info = run_json("dump", job.pid, "--repo", repo, "--staging-budget", str(4 * st.SEG),
+                    env={"GPUSNAP_INGEST_OVERLAP": "1"})
+    stg = info["staging"]
+    assert stg["overlap"] is True and stg["staged_bytes"] == info["bytes_raw"]
+    assert stg["memory_peak"] <= stg["budget"] and stg["spilled_bytes"] > 0
+    job.kill()
+    _restore_and_finish(job, info["snapshot"], repo, expected)
+
+
 def test_peak_memory_is_bounded_by_the_staging_budget(sample_job, repo):
     """gpusnap's own VmHWM stays within the budget plus a fixed overhead (the interpreter,
     the index, the pipeline's bounded queues), however large the job is."""

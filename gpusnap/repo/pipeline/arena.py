@@ -1,13 +1,14 @@
 """The staging arena: the memory a dump's pages images are staged in (staging.py), faulted
-in by a thread of its own before CRIU starts. Fresh anonymous memory costs a page fault and
+in by threads of its own before CRIU starts. Fresh anonymous memory costs a page fault and
 a zeroed page per 4 KiB (~0.1 s per 256 MiB here): inside the freeze that would lengthen
-it, and on the main thread it would add to the preflight; in a thread started as the dump
+it, and on the main thread it would add to the preflight; in threads started as the dump
 begins it overlaps the preflight on another core."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 
 SEG = 4 << 20            # a pages image is staged in slots of this size
@@ -23,19 +24,30 @@ except (OSError, AttributeError):  # not glibc: populate by writing, never punch
     libc = None
 
 
-class Arena:
-    """The staging slots' memory: `nslots` SEG-sized slots, faulted in by a thread started
-    here (the madvise runs without the GIL). ready() waits for it; close() (idempotent)
-    stops it at the next slot (a dump refused by its preflight must not wait for gigabytes
-    to be faulted in), waits for it, then unmaps."""
+def _populate_threads() -> int:
+    """Two threads from 2 cores on: the page faults of separate slots run in parallel
+    (~0.07 s for 288 MiB here against ~0.1 s with one), and once the preflight on the main
+    thread is done its core would only wait."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
 
-    def __init__(self, nslots: int):
+
+class Arena:
+    """The staging slots' memory: `nslots` SEG-sized slots, faulted in by `threads` threads
+    started here, slot by slot, taking turns (the madvise runs without the GIL). ready()
+    waits for them; close() (idempotent) stops each at its next slot (a dump refused by its
+    preflight must not wait for gigabytes to be faulted in), waits for them, then unmaps."""
+
+    def __init__(self, nslots: int, threads: int | None = None):
         self.nslots = nslots
         self.populated = 0            # bytes faulted in so far
         self._closing = False
+        self._count = threading.Lock()
         self.map = mmap.mmap(-1, nslots * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._thread = threading.Thread(target=self._populate, name="gpusnap-arena", daemon=True)
-        self._thread.start()
+        n = max(1, min(threads or _populate_threads(), nslots))
+        self._threads = [threading.Thread(target=self._populate, args=(k, n), name="gpusnap-arena", daemon=True)
+                         for k in range(n)]
+        for t in self._threads:
+            t.start()
 
     @classmethod
     def sized(cls, budget: int, prealloc: int) -> "Arena | None":
@@ -44,33 +56,40 @@ class Arena:
         nslots = min(max(0, int(budget)), max(0, int(prealloc))) // SEG
         return cls(nslots) if nslots else None
 
-    def _populate(self) -> None:
+    def _populate(self, first: int, step: int) -> None:
+        """Fault in slots first, first + step, ..."""
         try:
             a = self.map
             if libc is None:
-                a.write(bytes(len(a)))
-                a.seek(0)
-                self.populated = len(a)
+                for off in range(first * SEG, len(a), step * SEG):
+                    a[off:off + SEG] = bytes(SEG)
+                    self._done()
                 return
             addr = ctypes.addressof(ctypes.c_char.from_buffer(a))   # (the temporary export ends here)
             # slot by slot: the madvise holds the mmap lock, and the preflight on the main
             # thread (malloc, thread stacks, fork) must not wait for the whole arena
-            for off in range(0, len(a), SEG):
+            for off in range(first * SEG, len(a), step * SEG):
                 if self._closing:
                     return
                 if libc.madvise(addr + off, SEG, _MADV_POPULATE_WRITE) != 0:
                     libc.memset(addr + off, 0, SEG)     # kernels before 5.14: touch every page
-                self.populated = off + SEG
+                self._done()
         except (OSError, ValueError, MemoryError):
             pass    # pages not faulted in here are faulted on first use: slower, never wrong
 
+    def _done(self) -> None:
+        with self._count:
+            self.populated += SEG
+
     def ready(self) -> None:
         """Wait until every page is faulted in (a failure leaves pages to fault on first use)."""
-        self._thread.join()
+        for t in self._threads:
+            t.join()
 
     def close(self) -> None:
         self._closing = True
-        self._thread.join()
+        for t in self._threads:
+            t.join()
         try:
             self.map.close()
         except BufferError:      # a view is still exported: the GC frees it

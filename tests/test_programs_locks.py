@@ -114,3 +114,32 @@ def test_flock_holder_keeps_its_lock_across_restore(tmp_path, repo):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+HOLDER = r"""
+import fcntl, os, struct, sys, time
+a, b, c = (open(p, "r+b") for p in sys.argv[1:4])
+fcntl.flock(a, fcntl.LOCK_EX)                       # flock: the open file's
+fcntl.lockf(b, fcntl.LOCK_EX)                       # POSIX: the process's
+F_OFD_SETLK = 37
+fcntl.fcntl(c, F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0, 0, 0) + bytes(4))   # OFD
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def test_every_kind_of_lock_is_seen_through_the_holders_open_files(tmp_path):
+    """flock, POSIX and OFD locks all show in the holder's /proc/PID/fdinfo, which is what
+    file_locks reads (it reads /proc/locks only where an fdinfo cannot be read: that
+    file's first read costs an RCU grace period)."""
+    paths = [tmp_path / n for n in ("flock", "posix", "ofd")]
+    for p in paths:
+        p.write_bytes(b"x" * 16)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, *map(str, paths)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        found = {(lk["kind"], lk["path"]) for lk in filelocks.file_locks([holder.pid])}
+        assert {("FLOCK", str(paths[0])), ("POSIX", str(paths[1])), ("OFDLCK", str(paths[2]))} <= found, found
+    finally:
+        holder.kill()
+        holder.wait()

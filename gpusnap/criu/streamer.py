@@ -45,7 +45,7 @@ CHUNK = PIPE_SIZE // 4
 
 
 class ImageSink(Protocol):
-    def write(self, data: bytes) -> None: ...
+    def write(self, data: bytes, hold=None) -> None: ...   # hold: a staging.Hold on a slot view
     def close(self) -> None: ...
 
 

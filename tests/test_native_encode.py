@@ -295,7 +295,7 @@ def test_repository_round_trip(repo, monkeypatch, compress):
 # -- data blobs (DataSink: one blob at a time, the heuristics afresh for each) ----------------
 @pytest.mark.parametrize("codec", CODECS, ids=[C.codec_name(c) for c in CODECS])
 def test_data_blobs_are_codec_compress(codec):
-    """sinks._encode_data, which stores every non-pages image's 1 MiB blobs, chooses what
+    """encoder.encode_blob, which stores every non-pages image's 1 MiB blobs, chooses what
     codec.compress(chunk, codec) chooses for each blob, whatever the blob before it was (a
     random blob that did not compress must not make the next one skip compression), and its
     payloads decode to the blob."""
@@ -303,7 +303,7 @@ def test_data_blobs_are_codec_compress(codec):
     blobs = [rand(rng, 1 << 20), text(rng, 1 << 20), fp32(rng, 1 << 20), zero_heavy(rng, 300_001),
              rand(rng, 70_000), bf16(rng, 1 << 20), text(rng, 5)]
     for b in blobs:
-        got_codec, payload = sinks._encode_data(b, codec)
+        got_codec, payload = encoder.encode_blob(b, codec)
         want_codec, want = C.compress(b, codec)
         assert got_codec == want_codec
         assert bytes(C.decompress(bytes(payload), got_codec, len(b))) == b

@@ -12,7 +12,7 @@ import pytest
 from gpusnap.criu.materialize import _is_tmpfs
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
-from gpusnap.repo.pipeline import packwriter
+from gpusnap.repo.pipeline import packout, packwriter
 from gpusnap.repo.store import pack_path
 from repo_helpers import PAGE, dump, read_all, text_page
 
@@ -70,7 +70,7 @@ def test_direct_packs_match_buffered_ones_and_skip_the_page_cache(tmp_path, monk
         assert data == pb[name].read_bytes()
         sizes.append(len(data))
     # packs that take several buffers, and tails that are not block-aligned (padding cut back)
-    assert max(sizes) > 2 * packwriter._DirectBuffer.SIZE and all(n % 4096 for n in sizes), sizes
+    assert max(sizes) > 2 * packout.DirectBuffer.SIZE and all(n % 4096 for n in sizes), sizes
     if _is_tmpfs(tmp_path):
         pytest.skip("tmpfs keeps every file in the page cache: residency says nothing there")
     pd, pb = _write_packs(tmp_path / "direct2", "1", monkeypatch), _write_packs(tmp_path / "buffered2", "0", monkeypatch)
@@ -95,7 +95,7 @@ def test_a_dump_with_direct_packs_reads_back_and_verifies(tmp_path, monkeypatch)
 def test_a_filesystem_refusing_the_alignment_falls_back_to_buffered(tmp_path, monkeypatch):
     """The first O_DIRECT write is refused (EINVAL): the pack is written buffered instead,
     byte for byte the same. An alignment of 1 makes the kernel refuse the tail write."""
-    monkeypatch.setattr(packwriter._DirectBuffer, "ALIGN", 1)
+    monkeypatch.setattr(packout.DirectBuffer, "ALIGN", 1)
     got = _write_packs(tmp_path / "fallback", "1", monkeypatch, target=1 << 20, n=40)
     want = _write_packs(tmp_path / "ref", "0", monkeypatch, target=1 << 20, n=40)
     assert got and sorted(got) == sorted(want)

@@ -7,6 +7,7 @@ compressor thread (repo/pipeline/sinks.py). The library is loaded by repo/native
 from __future__ import annotations
 
 import ctypes
+import threading
 
 from gpusnap.errors import NativeLibraryMissing
 from gpusnap.repo import codec as _codec
@@ -150,3 +151,20 @@ class _OutBuf:
     def __del__(self):
         if _enc_lib is not None:
             _enc_lib.gs_enc_buf_free(self.p)
+
+
+_blob_enc = threading.local()
+
+
+def encode_blob(chunk: bytes, codec: int) -> tuple[int, bytes | memoryview]:
+    """codec.compress(chunk, codec) for one data blob, by this thread's native encoder (a
+    dump then never loads python-lz4 or zstandard, 20-50 ms from a cold cache, and that
+    inside CRIU's stream): its heuristics start afresh for every blob."""
+    enc = getattr(_blob_enc, "enc", None)
+    if enc is None:
+        enc = _blob_enc.enc = Encoder()
+    enc.state[:] = FRESH_STATE
+    res, out = enc.encode([chunk], codec)
+    if res[0] == _codec.CODEC_NONE:
+        return _codec.CODEC_NONE, chunk
+    return res[0], out[:res[1]]

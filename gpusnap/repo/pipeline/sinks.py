@@ -1,7 +1,7 @@
 """The page pipeline's sinks: one per image a dump writes. PagesSink scans pages (zero,
 known, new), groups the new ones, compresses them in worker threads and hands them to the
-pack writer, writing the image's page list as it goes; DataSink stores any other image as
-content-addressed data blobs. Both report their image's manifest entry to their
+pack writer, writing the image's page list as it goes; DataSink (datasink.py) stores any
+other image as content-addressed data blobs. Both report their image's manifest entry to their
 SnapshotWriter (repo/pipeline/writer.py) when closed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from gpusnap.repo import encoder, native
 from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
                                  PL_ZERO, encode_pl_tail)
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
-from gpusnap.repo.pipeline import pagetable
+from gpusnap.repo.pipeline import pagetable, segments
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
@@ -35,39 +35,6 @@ def _compress_workers() -> int:
 
 
 COMPRESS_WORKERS = _compress_workers()
-
-_data_enc = threading.local()
-
-
-def _encode_data(chunk: bytes, codec: int) -> tuple[int, bytes | memoryview]:
-    """codec.compress(chunk, codec) for one data blob, by this thread's native encoder (a
-    dump then never loads python-lz4 or zstandard, 20-50 ms from a cold cache, and that
-    inside CRIU's stream): its heuristics start afresh for every blob."""
-    enc = getattr(_data_enc, "enc", None)
-    if enc is None:
-        enc = _data_enc.enc = encoder.Encoder()
-    enc.state[:] = encoder.FRESH_STATE
-    res, out = enc.encode([chunk], codec)
-    if res[0] == CODEC_NONE:
-        return CODEC_NONE, chunk
-    return res[0], out[:res[1]]
-
-
-def _releaser(batch: list):
-    """A function letting go of the staging claims of a batch's groups (one per view), or
-    None when its groups own their bytes."""
-    counts: dict = {}
-    for g in batch:
-        for h in g[3]:
-            counts[h] = counts.get(h, 0) + 1
-    if not counts:
-        return None
-
-    def done() -> None:
-        for h, n in counts.items():
-            h.release(n)
-    return done
-
 
 class Counters:
     __slots__ = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw",
@@ -131,39 +98,12 @@ class ImageSink:
         if bid in w.known_data or bid in w.claimed_data or w.claimed_data.setdefault(bid, self) is not self:
             c.blobs_dedup += 1
             return bid
-        codec, payload = _encode_data(chunk, w.codec)
+        codec, payload = encoder.encode_blob(chunk, w.codec)
         w.packer.add(KIND_DATA, codec, 0, len(chunk), payload, bid)
         c.blobs_new += 1
         c.bytes_new_raw += len(chunk)
         c.bytes_new_stored += len(payload)
         return bid
-
-
-class DataSink(ImageSink):
-    """Any image that is not pages-*.img: 1 MiB chunks stored as content-addressed blobs."""
-
-    def __init__(self, w, filename, no):
-        super().__init__(w, filename, no)
-        self.buf = bytearray()
-        self.h = blake3.blake3()
-        self.blobs: list[str] = []
-
-    def _write(self, data, hold=None) -> None:
-        self.size += len(data)
-        self.h.update(data)
-        self.buf += data
-        while len(self.buf) >= DATA_CHUNK:
-            chunk = bytes(memoryview(self.buf)[:DATA_CHUNK])    # one copy, not slice + bytes
-            del self.buf[:DATA_CHUNK]
-            self.blobs.append(self._store_data(chunk).hex())
-
-    def _close(self) -> dict:
-        if self.buf:
-            self.blobs.append(self._store_data(bytes(self.buf)).hex())
-            self.buf = bytearray()
-        self.c.bytes_raw = self.size
-        return {"name": self.filename, "type": "blob", "size": self.size,
-                "digest": self.h.hexdigest(), "blobs": self.blobs}
 
 
 class PagesSink(ImageSink):
@@ -356,7 +296,7 @@ class PagesSink(ImageSink):
                 batch = q.get()
                 if batch is None:
                     break
-                done = _releaser(batch)
+                done = segments.releaser(g[3] for g in batch)    # the groups' staging claims
                 if self._err is not None:
                     if done is not None:
                         done()

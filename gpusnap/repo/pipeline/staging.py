@@ -25,7 +25,6 @@ spill file's page cache.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import os
@@ -33,6 +32,7 @@ import threading
 from pathlib import Path
 
 from gpusnap.repo.pipeline.arena import SEG, Arena, libc as _libc
+from gpusnap.repo.pipeline.segments import Hold, Segment, StagedImage, StagingCancelled
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
 PREFIX = "staging-"
@@ -93,80 +93,6 @@ def sweep(spill_dir: Path) -> list[str]:
         except OSError:
             pass
     return removed
-
-
-class StagingCancelled(Exception):
-    """The dump is being unwound: the ingest stops."""
-
-
-class Segment:
-    """A run of one image's bytes: a slot of the arena, a bytes object, or a spill extent.
-    refs: the claims on it (the ingest's own, and Holds); freed when the last is let go."""
-    __slots__ = ("slot", "data", "offset", "length", "refs")
-
-    def __init__(self, length: int, slot: int = -1, data: bytes | None = None, offset: int = -1):
-        self.slot, self.data, self.offset, self.length = slot, data, offset, length
-        self.refs = 1
-
-
-class Hold:
-    """Claims on a staged slot beyond the ingest's own. The page pipeline's groups point into
-    the slot instead of copying their pages out of it (sinks.PagesSink); each group's claim
-    is let go once the pack writer has its bytes, and the slot is freed (or reused) only
-    after the last one. A copy of every new page on the ingest's thread was a third of its
-    time (the memmove and the page faults of fresh group buffers)."""
-    __slots__ = ("staging", "seg")
-
-    def __init__(self, staging: "Staging", seg: Segment):
-        self.staging, self.seg = staging, seg
-
-    def retain(self, n: int) -> None:
-        self.staging.retain(self.seg, n)
-
-    def release(self, n: int) -> None:
-        self.staging.release(self.seg, n)
-
-
-class StagedImage:
-    """One image's segments in stream order: the drain appends, the ingest takes."""
-
-    def __init__(self, staging: "Staging", name: str):
-        self.staging = staging
-        self.name = name
-        self._segs: collections.deque[Segment] = collections.deque()
-        self._cond = threading.Condition()
-        self._eof = False
-        self.bytes = 0
-
-    def put(self, seg: Segment) -> None:
-        with self._cond:
-            self._segs.append(seg)
-            self.bytes += seg.length
-            self._cond.notify()
-
-    def end(self) -> None:
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def take(self) -> Segment | None:
-        """The next segment (waiting for the drain if needed); None at the image's end."""
-        st = self.staging
-        with self._cond:
-            while True:
-                if st.cancelled:
-                    raise StagingCancelled()
-                if self._segs:
-                    return self._segs.popleft()
-                if self._eof:
-                    return None
-                self._cond.wait(0.2)
-
-    def discard(self) -> None:
-        with self._cond:
-            segs, self._segs = list(self._segs), collections.deque()
-        for s in segs:
-            self.staging.release(s)
 
 
 class Staging:

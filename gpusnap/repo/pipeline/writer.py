@@ -19,7 +19,8 @@ from gpusnap.repo.index import write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
 from gpusnap.criu.protocol import is_pages_image
-from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, DataSink, ImageSink, PagesSink
+from gpusnap.repo.pipeline.datasink import DataSink
+from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, ImageSink, PagesSink
 
 __all__ = ["SnapshotWriter"]
 

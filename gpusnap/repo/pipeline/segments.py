@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import TYPE_CHECKING, Iterable
-
-if TYPE_CHECKING:
-    from gpusnap.repo.pipeline.staging import Staging
+from typing import Iterable
 
 
 class StagingCancelled(Exception):
@@ -35,7 +32,7 @@ class Hold:
     time (the memmove and the page faults of fresh group buffers)."""
     __slots__ = ("staging", "seg")
 
-    def __init__(self, staging: "Staging", seg: Segment):
+    def __init__(self, staging, seg: Segment):
         self.staging, self.seg = staging, seg
 
     def retain(self, n: int) -> None:
@@ -48,7 +45,7 @@ class Hold:
 class StagedImage:
     """One image's segments in stream order: the drain appends, the ingest takes."""
 
-    def __init__(self, staging: "Staging", name: str):
+    def __init__(self, staging, name: str):
         self.staging = staging
         self.name = name
         self._segs: collections.deque[Segment] = collections.deque()

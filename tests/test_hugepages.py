@@ -152,3 +152,60 @@ def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_pa
         if job.poll() is None:
             job.kill()
             job.wait()
+
+
+MAPPER = r'''
+import mmap, os, sys, time
+kind, mb = sys.argv[1], int(sys.argv[2])
+n = mb << 20
+if kind == "huge":
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40000)   # MAP_HUGETLB
+else:
+    m = mmap.mmap(-1, n)
+    fd = os.open(sys.argv[3], os.O_RDWR | os.O_CREAT, 0o600)    # a tmpfs file: no block device
+    os.ftruncate(fd, 1 << 20)
+    shm = mmap.mmap(fd, 1 << 20)
+for off in range(0, n, 4096):
+    m[off] = 1
+print("ready", flush=True)
+time.sleep(60)
+'''
+
+
+def _mapper(tmp_path: Path, *args: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", MAPPER, *args], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_hugetlb_bytes_without_huge_pages_reads_no_smaps(tmp_path):
+    """Plain anonymous memory and a file on tmpfs (major 0, so smaps is read after all):
+    no hugetlb bytes, the same answer as reading smaps for every process."""
+    from gpusnap.ops import restore_needs
+
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    p = _mapper(tmp_path, "plain", "32", str(shm / f"gpusnap-test-{os.getpid()}"))
+    try:
+        assert restore_needs.hugetlb_bytes([p.pid]) == 0 == restore_needs._smaps_hugetlb(p.pid)
+        # this interpreter maps only files on block devices and anonymous memory, unless its
+        # files live on a major-0 filesystem (overlay, tmpfs): then the check reads smaps
+        me = os.getpid()
+        assert restore_needs.hugetlb_bytes([me]) == restore_needs._smaps_hugetlb(me)
+        assert restore_needs._maybe_hugetlb(p.pid)      # the tmpfs mapping is a candidate
+    finally:
+        p.kill()
+        p.wait()
+        (shm / f"gpusnap-test-{os.getpid()}").unlink(missing_ok=True)
+
+
+def test_hugetlb_bytes_counts_a_private_huge_page_mapping(hugepages, tmp_path):
+    from gpusnap.ops import restore_needs
+
+    p = _mapper(tmp_path, "huge", str(HUGE_MB))
+    try:
+        assert restore_needs._maybe_hugetlb(p.pid)
+        assert restore_needs.hugetlb_bytes([p.pid]) == HUGE_MB << 20
+    finally:
+        p.kill()
+        p.wait()
+    assert restore_needs.hugetlb_bytes([p.pid]) == 0      # gone: counts as none

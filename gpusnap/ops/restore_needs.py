@@ -18,22 +18,41 @@ MAP_HUGETLB = 0x40000
 
 
 def hugetlb_bytes(pids: list[int]) -> int:
-    """Bytes of hugetlb mappings in the tree now (/proc/PID/smaps: VmFlags 'ht'). A process
-    that vanished meanwhile counts as none; the dump fails later anyway."""
-    total = 0
-    for pid in pids:
-        try:
-            text = Path(f"/proc/{pid}/smaps").read_text(errors="replace")
-        except OSError:
-            continue
-        start = end = 0
-        for line in text.splitlines():
-            c = line[:1]
-            if c in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
-                a, b = line.split(" ", 1)[0].split("-")
-                start, end = int(a, 16), int(b, 16)
-            elif line.startswith("VmFlags:") and " ht" in f" {line[8:]}":
-                total += end - start
+    """Bytes of hugetlb mappings in the tree now. A process that vanished meanwhile counts as
+    none; the dump fails later anyway."""
+    return sum(_smaps_hugetlb(pid) for pid in pids if _maybe_hugetlb(pid))
+
+
+def _maybe_hugetlb(pid: int) -> bool:
+    """Whether /proc/PID/maps shows a mapping that may be hugetlb. Every hugetlb mapping is a
+    file on a hugetlbfs superblock, which has no block device (major 0): /anon_hugepage,
+    /SYSV..., /memfd:..., or a file on a hugetlbfs mount. maps costs nothing per page; smaps
+    walks every page table (~12 ms per GiB resident), so it is read only for such a tree."""
+    try:
+        text = Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        f = line.split(None, 5)
+        if len(f) >= 5 and f[3].startswith("00:") and f[4] != "0":
+            return True
+    return False
+
+
+def _smaps_hugetlb(pid: int) -> int:
+    """Bytes of PID's mappings whose /proc/PID/smaps VmFlags have 'ht'."""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text(errors="replace")
+    except OSError:
+        return 0
+    total = start = end = 0
+    for line in text.splitlines():
+        c = line[:1]
+        if c in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            a, b = line.split(" ", 1)[0].split("-")
+            start, end = int(a, 16), int(b, 16)
+        elif line.startswith("VmFlags:") and " ht" in f" {line[8:]}":
+            total += end - start
     return total
 
 

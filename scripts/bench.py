@@ -27,10 +27,12 @@ ticks every 2 ms in a thread of its own (--tick-ms):
 Every timed step starts after --settle seconds idle (after the `sync`), so that none pays
 for the previous one's writeback. On the VMs measured here, memory the guest has not used
 lately is slow to fault in (the host backs it on first touch), and memory freed a moment ago
-is fast: in a repetition, the second dump finds less recently freed memory than the first
-(a gpusnap dump's staging arena took 0.3-0.8 s to fault in after raw CRIU's dump, 0.05 s
-before it). The order alternates, so an even --reps (the default, 4) gives each side the
-same share. For the warm restores both sides' files are read once first (raw CRIU's images
+is fast. gpusnap frees its staging arena after its dump and writes its packs around the
+page cache, but raw CRIU's images stayed in the page cache after its dump: a gpusnap dump
+after raw CRIU's found no recently freed memory (its 544 MiB staging arena took 0.4-0.7 s
+to fault in, against 0.06-0.11 s when it dumped first), raw CRIU after gpusnap always did.
+So raw CRIU's images are dropped from the page cache once synced (evict_files), and the
+order alternates, so an even --reps (the default, 4) gives each side the same share. For the warm restores both sides' files are read once first (raw CRIU's images
 are in the page cache from its dump; gpusnap writes its packs around it).
 Wall times are the whole command as a user runs it (process start-up included). gpusnap's
 own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
@@ -203,6 +205,24 @@ def cache_files(*dirs: Path) -> None:
                     pass
 
 
+def evict_files(*dirs: Path) -> None:
+    """Drop raw CRIU's synced images from the page cache (untimed), so that both dumps leave
+    the memory as they found it: gpusnap writes its packs around the page cache and frees
+    its staging arena, while raw CRIU's images would stay cached and hold the recently freed
+    memory that the other side's dump then needs (see the top of this file)."""
+    for d in dirs:
+        for dp, _, fns in os.walk(d):
+            for fn in fns:
+                try:
+                    fd = os.open(os.path.join(dp, fn), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def _synced(r: dict) -> dict:
     t0 = time.monotonic()
     os.sync()
@@ -234,6 +254,7 @@ def raw_dump(pid: int, raw: Path, job: "Job | None" = None) -> dict:
     if job is not None:
         r["freeze"] = job.gap()
     _synced(r)
+    evict_files(raw)
     r["bytes"], r["pages_bytes"] = dir_bytes(raw)
     return r
 

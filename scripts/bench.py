@@ -32,8 +32,12 @@ page cache, but raw CRIU's images stayed in the page cache after its dump: a gpu
 after raw CRIU's found no recently freed memory (its 544 MiB staging arena took 0.4-0.7 s
 to fault in, against 0.06-0.11 s when it dumped first), raw CRIU after gpusnap always did.
 So raw CRIU's images are dropped from the page cache once synced (evict_files), and the
-order alternates, so an even --reps (the default, 4) gives each side the same share. For the warm restores both sides' files are read once first (raw CRIU's images
-are in the page cache from its dump; gpusnap writes its packs around it).
+order alternates, so an even --reps (the default, 4) gives each side the same share.
+For the warm restores both sides' files are read once first. That read also puts them in
+the host's cache (drop_caches empties only the guest's), so the cold restores read both
+sides' files from there alike; before evict_files, raw CRIU's images were still in the
+guest's cache at that point, never reached the host's, and were read from the host's disk
+(1.10 s against 0.45-0.56 s for the same restore once read).
 Wall times are the whole command as a user runs it (process start-up included). gpusnap's
 own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
 runs; CRIU, its child, is not counted), next to its staging budget (--staging-budget). Page

@@ -27,7 +27,7 @@ def _maybe_hugetlb(pid: int) -> bool:
     """Whether /proc/PID/maps shows a mapping that may be hugetlb. Every hugetlb mapping is a
     file on a hugetlbfs superblock, which has no block device (major 0): /anon_hugepage,
     /SYSV..., /memfd:..., or a file on a hugetlbfs mount. maps costs nothing per page; smaps
-    walks every page table (~12 ms per GiB resident), so it is read only for such a tree."""
+    walks every page table (~12 ms per GiB resident), so it is read only for such a process."""
     try:
         text = Path(f"/proc/{pid}/maps").read_text(errors="replace")
     except OSError:

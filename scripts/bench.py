@@ -19,11 +19,12 @@ ticks every 2 ms in a thread of its own (--tick-ms):
      dump gives the incremental size (bytes stored by the second / by the first dump).
   3. the job is killed (reaped, PID free); then, first from a warm page cache and then from a
      cold one (`sync; echo 3 > /proc/sys/vm/drop_caches` before each restore), raw
-     `criu restore -d -D RAW`, `gpusnap restore --via stream` and `gpusnap restore --via files`
-     are timed, each restored job killed before the next; from warm only, `criu restore
-     --stream` fed unchanged from RAW (stream_floor.py): the floor under the stream path. Last,
-     `gpusnap restore` (auto, cold) of the last gpusnap snapshot is timed, and that job must
-     finish with the digest of an uninterrupted run.
+     `criu restore -d -D RAW` and `gpusnap restore --via stream` are timed, each restored
+     job killed before the next; from warm only, `criu restore --stream` fed unchanged from
+     RAW (stream_floor.py): the floor under the stream path. Then `gpusnap restore --via
+     files`, warm and cold, and one untimed raw restore. Last, `gpusnap restore` (auto, cold)
+     of the last gpusnap snapshot is timed, and that job must finish with the digest of an
+     uninterrupted run.
 Every timed step starts after --settle seconds idle (after the `sync`), so that none pays
 for the previous one's writeback. On the VMs measured here, memory the guest has not used
 lately is slow to fault in (the host backs it on first touch), and memory freed a moment ago
@@ -38,6 +39,12 @@ the host's cache (drop_caches empties only the guest's), so the cold restores re
 sides' files from there alike; before evict_files, raw CRIU's images were still in the
 guest's cache at that point, never reached the host's, and were read from the host's disk
 (1.10 s against 0.45-0.56 s for the same restore once read).
+A cold restore right after one through files (which frees its tmpfs images and the job at
+once) took ~0.2 s longer here (a stream restore of 512 MiB, 5 pairs: median 0.877 s after a
+files restore, 0.686 s after a raw one). The files path used to be timed between the
+others, so raw CRIU's cold restore and gpusnap's auto restore came right after one and the
+stream restore did not; now the files path comes after the raw and stream restores, and an
+untimed raw restore separates it from the last, auto, restore.
 Wall times are the whole command as a user runs it (process start-up included). gpusnap's
 own peak RSS is the VmHWM of the gpusnap Python process alone (polled from /proc while it
 runs; CRIU, its child, is not counted), next to its staging budget (--staging-budget). Page
@@ -312,7 +319,14 @@ def restore_side(s: dict, job: "Job", raw: Path, repo: Path, snapshot: str, veri
             s["floor_restore"] = stream_floor("restore", str(raw))
             kill(job.pid)
         gs("gs_restore_stream" + sfx, "stream", cold)
-        gs("gs_restore_files" + sfx, "files", cold)
+    # The files path last, and an untimed raw restore after it: a cold restore right after
+    # one through files took ~0.2 s longer here (its tmpfs images and job freed at once), so
+    # whichever restore came next was slowed (see the top of this file).
+    cache_files(raw, repo)
+    gs("gs_restore_files", "files", False)
+    gs("gs_restore_files_cold", "files", True)
+    restore_timed(raw_cmd, False)
+    kill(job.pid)
     # what a user gets by default, cold, and the restored job must finish identically
     gs("gs_restore", "auto", True, last=True)
     if verify:
@@ -373,6 +387,12 @@ def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: di
     return s
 
 
+def spread(ratios: list[float]) -> list[float] | None:
+    """[lowest, highest] of the per-repetition ratios behind a median: how much this machine's
+    noise moved it."""
+    return [min(ratios), max(ratios)] if ratios else None
+
+
 def summarize(kind: str, samples: list[dict]) -> dict:
     med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
     raw_d = [s["raw_dump"]["wall"] for s in samples]
@@ -396,8 +416,11 @@ def summarize(kind: str, samples: list[dict]) -> dict:
         "raw_restore_s": med(raw_r), "raw_restore_cold_s": med(raw_rc), "gpusnap_restore_s": med(gs_r),
         "gpusnap_restore_via": samples[-1]["gs_restore"]["info"].get("via"),
         "restore_ratio": med([g / r for g, r in zip(gs_r, raw_rc)]),
+        "restore_ratio_range": spread([g / r for g, r in zip(gs_r, raw_rc)]),
         **{f"gpusnap_restore_{k}_s": med(v) for k, v in rs.items()},
         **{f"restore_{k}_ratio": med([g / r for g, r in zip(v, raw_rc if k.endswith("_cold") else raw_r)])
+           for k, v in rs.items()},
+        **{f"restore_{k}_ratio_range": spread([g / r for g, r in zip(v, raw_rc if k.endswith("_cold") else raw_r)])
            for k, v in rs.items()},
         "gpusnap_materialize_s": med([s["gs_restore_files"]["info"]["phases"].get("materialize", 0)
                                       for s in samples]),
@@ -434,10 +457,12 @@ def summarize_dump(samples: list[dict]) -> dict:
     return {
         "raw_freeze_s": med([r["freeze"] for r in raw]), "gpusnap_freeze_s": med([g["freeze"] for g in gs]),
         "freeze_ratio": med([g["freeze"] / r["freeze"] for g, r in zip(gs, raw)]),
+        "freeze_ratio_range": spread([g["freeze"] / r["freeze"] for g, r in zip(gs, raw)]),
         "raw_freeze_samples": [r["freeze"] for r in raw], "gpusnap_freeze_samples": [g["freeze"] for g in gs],
         "gpusnap_frozen_seconds": med([g["info"].get("frozen_seconds") or 0 for g in gs]),
         "raw_committed_s": med([r["committed"] for r in raw]), "gpusnap_committed_s": med([g["committed"] for g in gs]),
         "committed_ratio": med([g["committed"] / r["committed"] for g, r in zip(gs, raw)]),
+        "committed_ratio_range": spread([g["committed"] / r["committed"] for g, r in zip(gs, raw)]),
         "gpusnap_storing_s": med([g["info"].get("phases", {}).get("storing", 0) for g in gs]),
         "staging_budget_mib": med([x.get("budget", 0) / 2**20 for x in st]),
         "staging_memory_peak_mib": med([x.get("memory_peak", 0) / 2**20 for x in st]),
@@ -446,14 +471,20 @@ def summarize_dump(samples: list[dict]) -> dict:
     }
 
 
+def ratio_cell(m: dict, key: str) -> str:
+    """A median ratio, and the per-repetition range behind it when there is one."""
+    r = m.get(key + "_range")
+    return f"{m[key]:.2f}" + (f" [{r[0]:.2f}-{r[1]:.2f}]" if r and len(r) == 2 else "")
+
+
 def dump_rows(m: dict) -> list[tuple]:
     ok = lambda v, t: "" if v is None else ("ok" if v <= t else "MISSED")  # noqa: E731
     return [
         ("", "freeze (longest tick gap) s", f"{m['raw_freeze_s']:.3f}", f"{m['gpusnap_freeze_s']:.3f}",
-         f"{m['freeze_ratio']:.2f}", f"<= {FREEZE_TARGET}", ok(m["freeze_ratio"], FREEZE_TARGET)),
+         ratio_cell(m, "freeze_ratio"), f"<= {FREEZE_TARGET}", ok(m["freeze_ratio"], FREEZE_TARGET)),
         ("", "  gpusnap's frozen_seconds (CRIU's figure)", "", f"{m['gpusnap_frozen_seconds']:.3f}", "", "", ""),
         ("", "dump until committed (+ sync) s", f"{m['raw_committed_s']:.2f}", f"{m['gpusnap_committed_s']:.2f}",
-         f"{m['committed_ratio']:.2f}", f"<= {COMMITTED_TARGET}", ok(m["committed_ratio"], COMMITTED_TARGET)),
+         ratio_cell(m, "committed_ratio"), f"<= {COMMITTED_TARGET}", ok(m["committed_ratio"], COMMITTED_TARGET)),
         ("", "  storing after the job resumed s", "", f"{m['gpusnap_storing_s']:.2f}", "", "", ""),
         ("", "staging budget / memory peak / spilled MiB", "",
          f"{m['staging_budget_mib']:.0f} / {m['staging_memory_peak_mib']:.0f} / {m['staging_spilled_mib']:.0f}",
@@ -486,17 +517,20 @@ def draw_chart(summaries: list[dict], mb: int, path: Path) -> bool:
                 v = m["incremental_ratio"]
             vals.append(v if v is not None else 0)
         xs = [k + (i - (len(measures) - 1) / 2) * width for k in range(len(kinds))]
-        bars = ax.bar(xs, vals, width, label=label + (f" (target <= {target})" if target else ""))
-        for x, v in zip(xs, vals):
+        rng = [m.get(key + "_range") or [v, v] for m, v in zip(summaries, vals)]
+        err = [[max(0, v - r[0]) for v, r in zip(vals, rng)], [max(0, r[1] - v) for v, r in zip(vals, rng)]]
+        bars = ax.bar(xs, vals, width, yerr=err, capsize=2, error_kw={"elinewidth": 0.7},
+                      label=label + (f" (target <= {target})" if target else ""))
+        for x, v, r in zip(xs, vals, rng):
             if v:
-                ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+                ax.text(x, max(v, r[1]), f"{v:.2f}", ha="center", va="bottom", fontsize=7)
             if target:
                 ax.hlines(target, x - width / 2, x + width / 2, colors=bars.patches[0].get_facecolor(),
                           linestyles="dashed", linewidth=1)
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_xticks(range(len(kinds)), kinds)
     ax.set_ylabel("gpusnap / raw CRIU (lower is better)")
-    ax.set_title(f"gpusnap against raw CRIU, {mb} MiB jobs, medians")
+    ax.set_title(f"gpusnap against raw CRIU, {mb} MiB jobs, medians (whiskers: lowest and highest repetition)")
     ax.set_ylim(top=ax.get_ylim()[1] * 1.35)     # room for the legend above the bars
     ax.legend(fontsize=7, loc="upper left", ncol=2)
     rss = [m.get("dump_peak_rss_mib") or 0 for m in summaries]
@@ -532,14 +566,15 @@ def table(summaries: list[dict], mb: int) -> str:
         rows.append(("", "  MB/s (CRIU stream bytes)", f"{m['raw_dump_MBps']:.0f}", f"{m['gpusnap_dump_MBps']:.0f}",
                      "", "", ""))
         rows.append(("", f"restore cold s (auto: {m['gpusnap_restore_via']})", f"{m['raw_restore_cold_s']:.2f}",
-                     f"{m['gpusnap_restore_s']:.2f}", f"{m['restore_ratio']:.2f}", f"<= {RESTORE_TARGET}",
+                     f"{m['gpusnap_restore_s']:.2f}", ratio_cell(m, "restore_ratio"), f"<= {RESTORE_TARGET}",
                      fmt_ok(m["restore_ratio"], RESTORE_TARGET)))
         for via in ("files", "stream"):
             for sfx, raw_k, tgt in (("_cold", "raw_restore_cold_s", RESTORE_TARGET),
                                     ("", "raw_restore_s", RESTORE_WARM_TARGET)):
                 r = m[f"restore_{via}{sfx}_ratio"]
                 rows.append(("", f"  --via {via}, {'cold' if sfx else 'warm'}", f"{m[raw_k]:.2f}",
-                             f"{m[f'gpusnap_restore_{via}{sfx}_s']:.2f}", f"{r:.2f}", f"<= {tgt}", fmt_ok(r, tgt)))
+                             f"{m[f'gpusnap_restore_{via}{sfx}_s']:.2f}", ratio_cell(m, f"restore_{via}{sfx}_ratio"),
+                             f"<= {tgt}", fmt_ok(r, tgt)))
         rows.append(("", "  --via files warm: materialize + criu s", "", f"{m['gpusnap_materialize_s']:.2f} + "
                      f"{m['gpusnap_files_criu_phase_s']:.2f}", "", "", ""))
         rows.append(("", "  CRIU --stream restore alone / gpusnap's 'criu' phase", f"{m['stream_restore_floor_s']:.2f}",
@@ -561,7 +596,8 @@ def table(summaries: list[dict], mb: int) -> str:
                      else ("not checked" if not m["verified"] else "DIFFERS"), "", "", ""))
     widths = [max(len(str(r[i])) for r in [hdr, *rows]) for i in range(len(hdr))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([f"gpusnap vs raw CRIU, {mb} MiB workloads, medians", line(hdr),
+    return "\n".join([f"gpusnap vs raw CRIU, {mb} MiB workloads, medians [lowest-highest ratio of the repetitions]",
+                      line(hdr),
                       line(["-" * w for w in widths]), *map(line, rows)])
 
 

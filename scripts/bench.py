@@ -387,10 +387,11 @@ def one_rep(kind: str, mb: int, base: Path, rep: int, verify: bool, expected: di
     return s
 
 
-def spread(ratios: list[float]) -> list[float] | None:
-    """[lowest, highest] of the per-repetition ratios behind a median: how much this machine's
-    noise moved it."""
-    return [min(ratios), max(ratios)] if ratios else None
+def ratio(key: str, gs: list[float], raw: list[float]) -> dict:
+    """{key: the median of the per-repetition ratios gs/raw, key_range: [lowest, highest] of
+    them (how much this machine's noise moved the median)}."""
+    rs = [g / r for g, r in zip(gs, raw)]
+    return {key: statistics.median(rs) if rs else None, key + "_range": [min(rs), max(rs)] if rs else None}
 
 
 def summarize(kind: str, samples: list[dict]) -> dict:
@@ -415,13 +416,10 @@ def summarize(kind: str, samples: list[dict]) -> dict:
         "dump_ratio_vs_raw_sync": med([g / r for g, r in zip(gs_d, raw_ds)]),
         "raw_restore_s": med(raw_r), "raw_restore_cold_s": med(raw_rc), "gpusnap_restore_s": med(gs_r),
         "gpusnap_restore_via": samples[-1]["gs_restore"]["info"].get("via"),
-        "restore_ratio": med([g / r for g, r in zip(gs_r, raw_rc)]),
-        "restore_ratio_range": spread([g / r for g, r in zip(gs_r, raw_rc)]),
+        **ratio("restore_ratio", gs_r, raw_rc),
         **{f"gpusnap_restore_{k}_s": med(v) for k, v in rs.items()},
-        **{f"restore_{k}_ratio": med([g / r for g, r in zip(v, raw_rc if k.endswith("_cold") else raw_r)])
-           for k, v in rs.items()},
-        **{f"restore_{k}_ratio_range": spread([g / r for g, r in zip(v, raw_rc if k.endswith("_cold") else raw_r)])
-           for k, v in rs.items()},
+        **{kv: x for k, v in rs.items()
+           for kv, x in ratio(f"restore_{k}_ratio", v, raw_rc if k.endswith("_cold") else raw_r).items()},
         "gpusnap_materialize_s": med([s["gs_restore_files"]["info"]["phases"].get("materialize", 0)
                                       for s in samples]),
         "gpusnap_files_criu_phase_s": med([s["gs_restore_files"]["info"]["phases"].get("criu", 0)
@@ -456,13 +454,11 @@ def summarize_dump(samples: list[dict]) -> dict:
     st = [g["info"].get("staging", {}) for g in gs]
     return {
         "raw_freeze_s": med([r["freeze"] for r in raw]), "gpusnap_freeze_s": med([g["freeze"] for g in gs]),
-        "freeze_ratio": med([g["freeze"] / r["freeze"] for g, r in zip(gs, raw)]),
-        "freeze_ratio_range": spread([g["freeze"] / r["freeze"] for g, r in zip(gs, raw)]),
+        **ratio("freeze_ratio", [g["freeze"] for g in gs], [r["freeze"] for r in raw]),
         "raw_freeze_samples": [r["freeze"] for r in raw], "gpusnap_freeze_samples": [g["freeze"] for g in gs],
         "gpusnap_frozen_seconds": med([g["info"].get("frozen_seconds") or 0 for g in gs]),
         "raw_committed_s": med([r["committed"] for r in raw]), "gpusnap_committed_s": med([g["committed"] for g in gs]),
-        "committed_ratio": med([g["committed"] / r["committed"] for g, r in zip(gs, raw)]),
-        "committed_ratio_range": spread([g["committed"] / r["committed"] for g, r in zip(gs, raw)]),
+        **ratio("committed_ratio", [g["committed"] for g in gs], [r["committed"] for r in raw]),
         "gpusnap_storing_s": med([g["info"].get("phases", {}).get("storing", 0) for g in gs]),
         "staging_budget_mib": med([x.get("budget", 0) / 2**20 for x in st]),
         "staging_memory_peak_mib": med([x.get("memory_peak", 0) / 2**20 for x in st]),

@@ -85,7 +85,7 @@ def test_inspect_shows_what_a_restore_depends_on(tmp_path):
     data = work / "state.bin"
     code = ("import os,socket,sys,time; os.chdir(sys.argv[1]); f=open('state.bin','w'); f.write('x'*5000); "
             "f.flush(); s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            "s.bind(('127.0.0.1',0)); s.listen(1); open('port','w').write(str(s.getsockname()[1])); "
+            "s.bind(('127.0.0.1',0)); s.listen(1); open('port.tmp','w').write(str(s.getsockname()[1])); os.rename('port.tmp','port'); "
             "time.sleep(600)")
     job = subprocess.Popen([sys.executable, "-c", code, str(work), "--layers", "[idx]"], start_new_session=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
+from gpusnap.errors import AccessDenied
 from gpusnap.repo import Repository
+from gpusnap.system import hostlock
 from gpusnap.repo.maint.prune import execute_prune, plan_prune, snapshots_info
 from gpusnap.repo.maint.verify import verify
 from gpusnap.render.maint import verify_summary
@@ -82,6 +84,48 @@ def test_damaged_index_file_is_an_index_problem_not_a_snapshot_one(tmp_path, dam
     assert "index is damaged" in verify_summary(rep) and "no snapshot is affected" in verify_summary(rep)
     for s, img in zip(repo.snapshots(), imgs):                       # and each one does restore
         assert read_all(s, "pages-1.img") == img
+
+
+@pytest.mark.criu
+def test_a_restore_waits_while_another_restore_of_the_job_holds_it(sample_job, repo):
+    """The lock that keeps two restores of one job apart: while it is held, a restore neither
+    touches the job's files nor starts CRIU; once released, it restores."""
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
+    job.wait_steps(3)
+    snap = run_json("dump", job.pid, "--repo", repo, "--name", "held")["snapshot"]
+    job.wait_steps(job.steps_done() + 3)                 # the log grows past the snapshot's size
+    job.kill()
+    log = job.out / "job.log"
+    size = log.stat().st_size
+    try:
+        with hostlock.held(f"restore-pid-{job.pid}"):
+            r = subprocess.Popen([*GPUSNAP, "restore", snap, "--repo", str(repo), "--json"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            deadline = time.monotonic() + 120                # (a safety net, not a measure)
+            while not _blocked_on_flock(r.pid):
+                assert r.poll() is None, r.communicate()
+                assert time.monotonic() < deadline, "restore never waited for the lock"
+                time.sleep(0.01)
+            assert log.stat().st_size == size and not list(job.out.glob("job.log.gpusnap-*"))
+            assert not os.path.exists(f"/proc/{job.pid}")
+        out, err = r.communicate(timeout=300)
+        assert r.returncode == 0, (out, err)
+        assert list(job.out.glob("job.log.gpusnap-*-after")) and log.stat().st_size < size
+    finally:
+        kill_pids(job.pids or [job.pid])
+
+
+def test_lock_directory_of_another_user_is_refused(tmp_path, monkeypatch):
+    d = tmp_path / "locks"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)                                    # (mkdir's mode is masked by the umask)
+    monkeypatch.setenv("GPUSNAP_LOCK_DIR", str(d))
+    with pytest.raises(AccessDenied, match="not a directory private"):
+        with hostlock.held("restore-pid-1"):
+            pass
+    os.chmod(d, 0o700)
+    with hostlock.held("restore-pid-1"):
+        assert (d / "restore-pid-1.lock").exists()
 
 
 @pytest.mark.criu

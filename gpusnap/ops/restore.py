@@ -23,7 +23,7 @@ from typing import Callable
 
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
-from gpusnap.system import paths, proc
+from gpusnap.system import hostlock, paths, proc
 from gpusnap.ops import restore_files, restore_needs
 from gpusnap.criu import runner
 from gpusnap.criu import pbwire, sparse
@@ -75,6 +75,8 @@ def snapshot_pids(snap) -> list[int]:
     for e in entries:
         pids.append(int(e["pid"]))
         pids.extend(int(t) for t in e.get("threads", []) if int(t) != int(e["pid"]))
+    if not pids or not all(0 < x < 1 << 22 for x in pids):
+        raise CorruptSnapshot(f"snapshot {snap.path} has a process tree without valid PIDs")
     return pids
 
 
@@ -230,6 +232,15 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
     if own_pidns is None:               # older snapshots, jobs started with unshare: pstree.img says
         own_pidns = pidns_init(snap)
     own_pidns = own_pidns is True
+    # One restore per job at a time (two started together would both find the PIDs free and
+    # both set aside the same files); a job in a PID namespace of its own may run side by side,
+    # but its copies still share its files.
+    key = f"restore-{snap.id}" if own_pidns else f"restore-pid-{pids[0]}"
+    with hostlock.held(key):
+        return _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close)
+
+
+def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close):
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))

@@ -41,11 +41,18 @@ def digest() -> str:
     return hashlib.sha256(bytes(anon) + bytes(filemap) + bytes(cow)).hexdigest()
 
 
+def publish(name: str, text: str) -> None:
+    # whole or not at all: the test reads a file as soon as it exists
+    tmp = out / f".{name}.{os.getpid()}"
+    tmp.write_text(text)
+    os.rename(tmp, out / name)
+
+
 def serve(role: str) -> None:
-    (out / f"expected-{role}").write_text(digest())
+    publish(f"expected-{role}", digest())
     while not (out / "finish").exists():
         time.sleep(0.01)
-    (out / f"result-{role}").write_text(digest())
+    publish(f"result-{role}", digest())
 
 
 child = os.fork()
@@ -55,6 +62,6 @@ if child == 0:
     os._exit(0)
 while not (out / "expected-child").exists():
     time.sleep(0.01)
-(out / "pid").write_text(f"{os.getpid()} {child}")
+publish("pid", f"{os.getpid()} {child}")
 serve("parent")
 os.waitpid(child, 0)

@@ -1,0 +1,50 @@
+"""Machine-wide locks for work that contends for this host's own resources, not a repository's.
+
+Two restores of one job started at the same moment would both find its PIDs free and both set
+aside what its output files gained since the snapshot; one restore at a time per job keeps the
+checks true until CRIU has taken the PIDs. The locks are flock(2) on files in a root-only
+directory under /run (tmpfs, emptied at boot); the kernel drops a lock when its holder dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import stat
+import tempfile
+from typing import Iterator
+
+from gpusnap.errors import AccessDenied
+
+LOCK_DIR = "/run/gpusnap"
+
+
+def _lock_dir() -> str:
+    d = os.environ.get("GPUSNAP_LOCK_DIR", LOCK_DIR)   # (set by tests)
+    if not os.path.isdir(os.path.dirname(d)):              # a container without /run
+        d = os.path.join(tempfile.gettempdir(), f"gpusnap-{os.geteuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(d, 0o700)
+    st = os.lstat(d)
+    # another user's directory (or a link) could let them hold our locks or swap the files
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise AccessDenied(f"{d} (gpusnap's lock directory) is not a directory private to uid {os.geteuid()}",
+                           hint=f"remove it (`rm -rf {d}`); gpusnap makes it again, mode 0700")
+    return d
+
+
+@contextlib.contextmanager
+def held(name: str) -> Iterator[None]:
+    """Hold the machine-wide lock `name` (letters, digits, '-', '.'), waiting while another
+    process holds it."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,100}", name):
+        raise ValueError(f"bad lock name {name!r}")
+    fd = os.open(os.path.join(_lock_dir(), name + ".lock"),
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)      # the only fd: closing it releases the lock

@@ -2,6 +2,7 @@
 file, verify during a prune, two restores of one snapshot at once, a damaged or deleted index
 file whose snapshots still restore."""
 
+import json
 import os
 import subprocess
 import time
@@ -111,6 +112,55 @@ def test_a_restore_waits_while_another_restore_of_the_job_holds_it(sample_job, r
         out, err = r.communicate(timeout=300)
         assert r.returncode == 0, (out, err)
         assert list(job.out.glob("job.log.gpusnap-*-after")) and log.stat().st_size < size
+    finally:
+        kill_pids(job.pids or [job.pid])
+
+
+@pytest.mark.criu
+def test_a_dump_waits_while_another_dump_of_the_job_holds_it(sample_job, repo):
+    """While another gpusnap dumps the job (the lock held), a dump starts no CRIU; once
+    released, it dumps the job as it is then."""
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
+    job.wait_steps(3)
+    try:
+        with hostlock.held(f"dump-pid-{job.pid}"):
+            d = subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--json"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            deadline = time.monotonic() + 120                # (a safety net, not a measure)
+            while not _blocked_on_flock(d.pid):
+                assert d.poll() is None, d.communicate()
+                assert time.monotonic() < deadline, "the dump never waited for the lock"
+                time.sleep(0.01)
+            at = job.steps_done()
+            job.wait_steps(at + 3)                          # not frozen meanwhile
+            assert not (repo / "snapshots").exists() or not list((repo / "snapshots").iterdir())
+        out, err = d.communicate(timeout=300)
+        assert d.returncode == 0, (out, err)
+        assert job.alive()
+    finally:
+        kill_pids(job.pids or [job.pid])
+
+
+@pytest.mark.criu
+def test_two_dumps_of_one_job_at_once_both_succeed_and_restore(sample_job, tmp_path, reference):
+    """Two schedules into two repositories firing together: one waits for the other."""
+    kw = dict(steps=200, mb=16, threads=2)
+    expected = reference(**kw)
+    job = sample_job(**kw, step_ms=20)
+    job.wait_steps(5)
+    repos = [tmp_path / "r1", tmp_path / "r2"]
+    dumps = [subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(r), "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in repos]
+    results = [(d.wait(timeout=300), *d.communicate()) for d in dumps]
+    try:
+        assert [r[0] for r in results] == [0, 0], results
+        at = job.steps_done()
+        job.wait_steps(at + 3)
+        job.kill()
+        snap = json.loads(results[1][1])["snapshot"]
+        restored = run_json("restore", snap, "--repo", repos[1])
+        assert restored["pid"] == job.pid
+        assert job.result() == expected
     finally:
         kill_pids(job.pids or [job.pid])
 

@@ -92,7 +92,8 @@ def progress(label: str, enabled: bool):
         if phase != shown[0]:      # dump: "frozen" (staging), then "storing" (the job runs again)
             shown[0] = phase
             desc = {"frozen": f"{label}: job frozen, staging",
-                    "storing": f"{label}: job running, storing"}.get(phase or "", label)
+                    "storing": f"{label}: job running, storing",
+                    "waiting": f"{label}: waiting for another gpusnap working on this job"}.get(phase or "", label)
             bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap.system import appendfiles, preflight, proc
+from gpusnap.system import appendfiles, hostlock, preflight, proc
 from gpusnap.ops import dump_session as session, restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
@@ -182,6 +182,21 @@ def _early_arena(pid: int, budget: int):
 
 
 def _dump(req: DumpRequest, progress, t0: float, budget: int, arena) -> DumpResult:
+    """One dump of a job at a time on this machine (another gpusnap may be dumping it into
+    another repository): wait for it, then look at the job afresh. Without the privileges or
+    a valid PID (the preflight says so, in its words) there is nothing to lock."""
+    if req.pid <= 0 or preflight.privileges().status == "fail":
+        return _dump_held(req, progress, t0, budget, arena)
+
+    def waiting() -> None:
+        if progress is not None:
+            progress(0, 0, "waiting")
+
+    with hostlock.held(f"dump-pid-{req.pid}", waiting):
+        return _dump_held(req, progress, t0, budget, arena)
+
+
+def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> DumpResult:
     from gpusnap.repo.repository import Repository
 
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()

@@ -211,7 +211,7 @@ def _check_hugepages(hugetlb: int) -> None:
 
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
-            progress: Callable[[int, int], None] | None = None, via: str = "auto",
+            progress: Callable[..., None] | None = None, via: str = "auto",
             tcp_close: bool = False) -> RestoreResult:
     t0 = time.monotonic()
     if via not in VIAS:
@@ -236,7 +236,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
     # both set aside the same files); a job in a PID namespace of its own may run side by side,
     # but its copies still share its files.
     key = f"restore-{snap.id}" if own_pidns else f"restore-pid-{pids[0]}"
-    with hostlock.held(key):
+    with hostlock.held(key, (lambda: progress(0, 0, "waiting")) if progress else None):
         return _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close)
 
 

@@ -1,9 +1,11 @@
 """Machine-wide locks for work that contends for this host's own resources, not a repository's.
 
 Two restores of one job started at the same moment would both find its PIDs free and both set
-aside what its output files gained since the snapshot; one restore at a time per job keeps the
-checks true until CRIU has taken the PIDs. The locks are flock(2) on files in a root-only
-directory under /run (tmpfs, emptied at boot); the kernel drops a lock when its holder dies.
+aside what its output files gained since the snapshot; two dumps of one job (into two
+repositories) would race to seize it, and one CRIU would fail. One dump and one restore at a
+time per job keeps each one's checks true while it works. The locks are flock(2) on files in a
+root-only directory under /run (tmpfs, emptied at boot); the kernel drops a lock when its
+holder dies.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import re
 import stat
 import tempfile
-from typing import Iterator
+from typing import Callable, Iterator
 
 from gpusnap.errors import AccessDenied
 
@@ -22,9 +24,13 @@ LOCK_DIR = "/run/gpusnap"
 
 
 def _lock_dir() -> str:
-    d = os.environ.get("GPUSNAP_LOCK_DIR", LOCK_DIR)   # (set by tests)
-    if not os.path.isdir(os.path.dirname(d)):              # a container without /run
-        d = os.path.join(tempfile.gettempdir(), f"gpusnap-{os.geteuid()}")
+    d = os.environ.get("GPUSNAP_LOCK_DIR")                 # (set by tests)
+    if not d:
+        d = LOCK_DIR
+        if os.geteuid() != 0 or not os.path.isdir(os.path.dirname(d)):
+            # CRIU's non-root mode (capabilities) cannot write /run; nor can anyone where it is missing
+            base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+            d = os.path.join(base, f"gpusnap-{os.geteuid()}")
     with contextlib.suppress(FileExistsError):
         os.mkdir(d, 0o700)
     st = os.lstat(d)
@@ -36,15 +42,20 @@ def _lock_dir() -> str:
 
 
 @contextlib.contextmanager
-def held(name: str) -> Iterator[None]:
+def held(name: str, waiting: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold the machine-wide lock `name` (letters, digits, '-', '.'), waiting while another
-    process holds it."""
+    process holds it (`waiting` is called once before such a wait)."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,100}", name):
         raise ValueError(f"bad lock name {name!r}")
     fd = os.open(os.path.join(_lock_dir(), name + ".lock"),
                  os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)      # the only fd: closing it releases the lock

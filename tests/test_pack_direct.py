@@ -104,6 +104,28 @@ def test_a_filesystem_refusing_the_alignment_falls_back_to_buffered(tmp_path, mo
         assert _resident_pages(got[name]) > 0          # written through the page cache
 
 
+def test_writes_refused_by_both_flushers_at_once_fall_back_together(tmp_path, monkeypatch):
+    """Every O_DIRECT write is refused (the bounce buffers start one byte off alignment), and
+    each pack's first writes go to the disk from two flusher threads at once: whichever is
+    refused second finds the pack already switched to buffered and writes again. Several
+    buffers per pack, byte for byte the buffered result."""
+    def skewed(self):
+        self.map = mmap.mmap(-1, self.COUNT * self.SIZE + mmap.PAGESIZE)
+        whole = memoryview(self.map)
+        self.views = [whole[1 + i * self.SIZE:1 + (i + 1) * self.SIZE] for i in range(self.COUNT)]
+        whole.release()
+        self.io = packout._Flusher(self.views, 2)
+    monkeypatch.setattr(packout.DirectBuffer, "__init__", skewed)
+    got = _write_packs(tmp_path / "skewed", "1", monkeypatch)
+    want = _write_packs(tmp_path / "ref", "0", monkeypatch)
+    assert len(got) >= 2 and sorted(got) == sorted(want)
+    assert max(os.path.getsize(p) for p in got.values()) > 2 * packout.DirectBuffer.SIZE
+    for name in got:
+        assert got[name].read_bytes() == want[name].read_bytes()
+        if not _is_tmpfs(tmp_path):
+            assert _resident_pages(got[name]) > 0      # written through the page cache
+
+
 @pytest.mark.parametrize("direct", ["0", "1"])
 def test_pack_tmp_files_are_gone_after_an_abort(tmp_path, monkeypatch, direct):
     """An aborted writer leaves no temporary pack, direct or buffered."""

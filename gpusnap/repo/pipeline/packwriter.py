@@ -164,11 +164,11 @@ class PackWriter:
         self.done = []
 
     # -- the background threads ----------------------------------------------------------
-    # Three threads, so that copying, writing and flushing to disk overlap with each other
-    # and with the page pipeline:
+    # Threads, so that copying, writing and flushing to disk overlap with each other and with
+    # the page pipeline:
     #   writer: copies the bytes into a bounce buffer (O_DIRECT, see packout.PackOut; buffered
     #           packs are written here) and passes finished packs on to
-    #   flusher: writes each full bounce buffer while the writer fills the other one;
+    #   flushers (two): write the full bounce buffers while the writer fills the next one;
     #   syncer: for buffered packs starts writeback early (sync_file_range every SYNC_STEP
     #           bytes, as the writer reports progress), then per finished pack fsync, close,
     #           rename; and lets go of the payloads' memory (add_many's done). The parent

@@ -40,7 +40,10 @@ def _wait(pred, what: str, timeout: float = 60) -> None:
 
 
 @pytest.mark.slow
-def test_pid_namespace_init_restores_while_the_original_runs(tmp_path, repo):
+@pytest.mark.parametrize("via", ["auto", "lazy"])
+def test_pid_namespace_init_restores_while_the_original_runs(tmp_path, repo, via):
+    """lazy: CRIU names the processes by their PIDs inside the namespace; gpusnap must find
+    their memory by those and, should it fail, kill the restored tree by its host PIDs."""
     out = tmp_path / "job"
     out.mkdir()
     (out / "job.py").write_text(JOB)
@@ -67,8 +70,10 @@ def test_pid_namespace_init_restores_while_the_original_runs(tmp_path, repo):
         _wait(lambda: (out / "job.log").exists() and len((out / "job.log").read_text().splitlines()) >= 10,
               "the job's first steps")
         snap = run_json("dump", job, "--repo", repo)["snapshot"]
-        r = run_json("restore", snap, "--repo", repo)        # the original still runs
+        r = run_json("restore", snap, "--repo", repo, "--via", via)        # the original still runs
         restored = r["pid"]
+        if via == "lazy":
+            assert r["via"] == "lazy" and r["lazy"]["bytes"] > 0
         assert restored != job and Path(f"/proc/{job}").exists()
         assert "NSpid:" in (s := Path(f"/proc/{restored}/status").read_text()) and \
             [ln for ln in s.splitlines() if ln.startswith("NSpid:")][0].split()[-1] == "1"

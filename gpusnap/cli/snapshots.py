@@ -75,10 +75,12 @@ def restore(
                                           help="Put the snapshot's GPUs on other GPUs (indices or UUIDs)."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the PID."),
-    via: str = typer.Option("auto", "--via", metavar="auto|stream|files",
+    via: str = typer.Option("auto", "--via", metavar="auto|stream|files|lazy",
                             help="How CRIU reads the images: through a stream, or from image files written "
                                  "to tmpfs or the repository's disk (auto: the stream, unless files "
-                                 "are needed: huge pages)."),
+                                 "are needed: huge pages); lazy: the job runs at once and its memory is "
+                                 "filled in while it runs (no GPU state; the command returns once every "
+                                 "page is in place)."),
     tcp_close: bool = typer.Option(False, "--tcp-close",
                                    help="Restore established TCP connections closed (the job sees a reset "
                                         "and reconnects); the default when their peer is gone."),

@@ -152,10 +152,12 @@ def images_dir(snap, repo_path: Path):
             signal.signal(s, h)
 
 
-def write_images(snap, d: Path, threads: int | None = None, progress=None, total: int = 0, sparse=None) -> int:
+def write_images(snap, d: Path, threads: int | None = None, progress=None, total: int = 0, sparse=None,
+                 holes=None) -> int:
     """Write every image of the snapshot into d; returns the bytes written (holes excluded).
     Any failure (a bad page, a full disk) stops the others and is raised. sparse: zero-page
-    runs to leave out (criu/sparse.py)."""
+    runs to leave out (criu/sparse.py); holes: byte ranges of pages images not to write (the
+    lazy restore's, criu/lazypages.py)."""
     import errno
 
     from gpusnap.repo import materialize as repo_materialize
@@ -165,7 +167,7 @@ def write_images(snap, d: Path, threads: int | None = None, progress=None, total
     done = [0]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-materialize") as ex:
         try:
-            futs = [ex.submit(repo_materialize.write_images, snap, d, threads, stop, done, sparse)]
+            futs = [ex.submit(repo_materialize.write_images, snap, d, threads, stop, done, sparse, holes)]
             if progress:
                 while wait(futs, timeout=0.1).not_done:
                     progress(min(done[0], total), total)

@@ -1,35 +1,32 @@
-"""Bringing a snapshot back: checks first, then CRIU, detached, by one of two paths.
+"""Bringing a snapshot back: checks first, then CRIU, detached, by one of three paths.
 
 Before CRIU starts: the snapshot's structure, its PIDs (must be free), its GPUs, huge pages,
 and the files the job had open (gpusnap/ops/restore_files.py: output files that grew are set
-aside and truncated back; anything else changed is refused). Then CRIU gets the images either
-through `--stream` from the serve streamer, or as image files written into a private directory
-for a plain `criu restore -D` (gpusnap/criu/materialize.py): faster when they fit on tmpfs, and
-the only way for private huge-page mappings (gpusnap/ops/restore_needs.py). Either way every page
-is checked against its checksum before CRIU can use it, so a damaged snapshot fails before the
-restored tree ever runs.
+aside and truncated back; anything else changed is refused). Then CRIU gets the images
+(gpusnap/ops/restore_paths.py) through `--stream` from the serve streamer, or as image files
+written into a private directory for a plain `criu restore -D` (gpusnap/criu/materialize.py):
+faster when they fit on tmpfs, and the only way for private huge-page mappings
+(gpusnap/ops/restore_needs.py). Either way every page is checked against its checksum before
+CRIU can use it, so a damaged snapshot fails before the restored tree ever runs. The third
+path, only when asked for (`--via lazy`), resumes the job before its private memory is in,
+and fills it while the job runs (gpusnap/criu/lazypages.py): there a damaged page kills the
+job, which has run for a moment.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
-from gpusnap.system import hostlock, paths, proc
-from gpusnap.ops import restore_files, restore_needs
+from gpusnap.system import hostlock, proc
+from gpusnap.ops import restore_files, restore_needs, restore_paths
 from gpusnap.criu import runner
 from gpusnap.criu import pbwire, sparse
-from gpusnap.criu.streamer import ServeServer
-from gpusnap.repo import materialize as repo_materialize
-from gpusnap.errors import CorruptSnapshot, CriuFailed, GpuRestoreFailed, GpusnapError, HugePagesUnavailable, PidsInUse, UsageError
+from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, PidsInUse, UsageError
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.
@@ -46,11 +43,15 @@ class RestoreResult:
     # written, --via files only), criu (CRIU restoring; with --via stream while the images
     # stream out of the repository)
     phases: dict[str, float] = field(default_factory=dict)
-    via: str = "stream"             # how CRIU got the images: stream, or files (plain -D)
+    via: str = "stream"             # how CRIU got the images: stream, files (plain -D), or lazy
     images: str | None = None       # where image files were written: tmpfs or disk
     notes: list[str] = field(default_factory=list)   # what restore changed (files set aside)
     # established TCP connections in the snapshot came back closed (--tcp-close), and why
     tcp_closed: str | None = None
+    # --via lazy: wall seconds until the tree ran again (`seconds`: until every page was in)
+    running_seconds: float | None = None
+    # --via lazy: what the job did while its memory was filled (criu/lazypages.py)
+    lazy: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,16 +118,6 @@ def pids_hint(busy: list[int]) -> str:
             "with `gpusnap run`, or `unshare --pid --fork setsid CMD`) restores side by side")
 
 
-def _pids_taken_meanwhile(pids: list[int], kept) -> None:
-    """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
-    the same moment): that is PidsInUse, not a CRIU failure."""
-    busy = [p for p in pids if proc.read_stat(p) is not None]
-    if busy:
-        raise PidsInUse(f"PID(s) needed by the snapshot were taken while it was restoring: "
-                        f"{', '.join(map(str, busy[:5]))} (another restore of the same job?)",
-                        hint=f"the job is probably running again already; check it (CRIU log kept at {kept})")
-
-
 def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     meta = snap.manifest.get("meta", {})
     recorded = meta.get("gpu")
@@ -141,42 +132,7 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
     return env
 
 
-def _gpu_report_env(workdir: Path) -> dict[str, str]:
-    from gpusnap.gpu import limits
-
-    return {"GPUSNAP_CUDA_REPORT": str(workdir / "cuda-report"),
-            "GPUSNAP_CALL_TIMEOUT_MS": str(limits.call_timeout_ms())}
-
-
-def check_gpu_restore(workdir: Path, snap, root: int | None, pids: list[int], log: str | None,
-                      same_pids: bool = True) -> None:
-    """CRIU ignores a failed GPU restore (RESUME_DEVICES_LATE): read the plugin's report, and
-    when a CUDA process was not brought back to RUNNING kill the restored tree (it would
-    hang on its next CUDA call) and raise GpuRestoreFailed. `same_pids`: the restored tree
-    has the snapshot's PIDs (not so in a PID namespace of its own: then only counted)."""
-    from gpusnap.gpu import report
-
-    expected = [int(p) for p in snap.manifest.get("meta", {}).get("cuda_pids") or [] if str(p).isdigit()]
-    problems = report.restore_failures(report.read(workdir / "cuda-report"), expected, same_pids=same_pids)
-    if not problems:
-        return
-    tree = list(dict.fromkeys([root, *proc.tree(root), *pids])) if root and proc.exists(root) else list(pids)
-    killed = []
-    for pid in tree:
-        try:
-            os.kill(pid, 9)
-            killed.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait_gone(killed, 10)
-    raise GpuRestoreFailed(
-        "CRIU restored the job but its GPU state could not be brought back: " + "; ".join(problems)
-        + f"; the half-restored job was killed (PIDs {', '.join(map(str, killed)) or 'none left'}), nothing runs",
-        hint="see the CUDA plugin's lines in " + (log or "the CRIU log")
-             + "; the snapshot itself is unchanged: fix the cause (driver, GPU, --gpu-map) and restore again")
-
-
-VIAS = ("auto", "stream", "files")
+VIAS = ("auto", "stream", "files", "lazy")
 
 
 def choose_via(via: str, snap, hugetlb: int) -> str:
@@ -190,6 +146,12 @@ def choose_via(via: str, snap, hugetlb: int) -> str:
         raise UsageError(f"snapshot {snap.path} maps {hugetlb >> 20} MiB of huge pages, which CRIU cannot "
                          "restore from a stream (its restorer reads them at an offset in the pages image)",
                          hint="restore with --via files (or auto, the default)")
+    if via == "lazy":
+        meta = snap.manifest.get("meta", {})
+        if meta.get("gpu") or meta.get("cuda_pids"):
+            raise UsageError(f"snapshot {snap.path} holds GPU state, which --via lazy does not restore (the "
+                             "CUDA restore reads the job's memory while it is still being filled)",
+                             hint="restore it with --via files or --via stream (or auto, the default)")
     if via != "auto":
         return via
     return "files" if hugetlb else "stream"
@@ -259,10 +221,14 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
     phases = {"preflight": round(time.monotonic() - t0, 3)}
     where = None
+    running = lazy = None
     try:
-        if mode == "stream":
+        if mode == "lazy":
+            pid, where, running, lazy = restore_paths.via_lazy(repository, snap, info, env, flags, progress, phases, check, sp,
+                                                  t0)
+        elif mode == "stream":
             try:
-                pid = _via_stream(repository, snap, info, env, flags, progress, phases, check, sp)
+                pid = restore_paths.via_stream(repository, snap, info, env, flags, progress, phases, check, sp)
             except CriuFailed as e:
                 # A hugetlb mapping made after the dump's preflight looked: the stream cannot
                 # carry it, image files can (restore_needs.py).
@@ -271,9 +237,9 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
                 mode = "files"
                 if not own_pidns:
                     _check_pids_free(pids)
-                pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check, sp)
+                pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp)
         else:
-            pid, where = _via_files(repository, snap, info, env, flags, progress, phases, check, sp)
+            pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp)
     except BaseException:
         fixes.undo()
         raise
@@ -285,112 +251,11 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
         pid = pids[0]
     if closed:
         netlock.unlock_closed(conns)
+    notes = fixes.notes()
+    if lazy and lazy.get("signals_deferred"):
+        notes.append("a signal to stop came while the job's memory was being filled; gpusnap finished the fill "
+                     "first (stopping then would have killed the job), and the job runs")
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases=phases, via=mode, images=where, notes=fixes.notes(),
-                         tcp_closed=why if closed else None)
-
-
-def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,
-                  total: int, pids: list[int] | None) -> int | None:
-    """Run `criu restore` on an images directory (with a serve streamer when `server`); the
-    restored root PID, or CriuFailed / the streamer's error."""
-    log = workdir / "criu.log"
-    pidfile = workdir / "restored.pid"
-    stream = ["--stream"] if server is not None else []
-    env = {**env, **_gpu_report_env(workdir)}   # the CUDA plugin's report, read below
-    criu = subprocess.Popen(
-        [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
-         "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        start_new_session=True)
-    if server is not None:
-        runner.supervise(criu, server, progress, total)
-    else:
-        try:
-            criu.wait()
-        except BaseException:
-            criu.wait()      # interrupted: let CRIU finish before its images directory goes
-            raise
-    if criu.returncode != 0 or (server is not None and server.failed):
-        if server is not None:
-            server.abort()
-        kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
-                                                f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
-        err = server.error() if server is not None else None
-        if isinstance(err, GpusnapError):
-            err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
-            raise err
-        lines = runner.log_errors(log)
-        if pids:
-            _pids_taken_meanwhile(pids, kept)
-        raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
-                         last_lines=lines, hint=runner.explain_restore(lines))
-    if server is not None:
-        server.finish(timeout=30)
-    kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
-    try:
-        pid = int(pidfile.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pid = None
-    check_gpu_restore(workdir, snap, pid, list(pids or []), kept, same_pids=pids is not None)
-    return pid
-
-
-def restore_threads(stream: bool) -> int:
-    """Decoding workers: $GPUSNAP_RESTORE_THREADS, else the cores (up to 8), one fewer for the
-    stream path, where CRIU reads at the same time."""
-    env = os.environ.get("GPUSNAP_RESTORE_THREADS", "")
-    if env.isdigit() and 0 < int(env) <= 64:
-        return int(env)
-    cores = os.cpu_count() or 2
-    return max(1, min(8, cores - 1 if stream else cores))
-
-
-def _via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -> int | None:
-    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
-
-    threads = restore_threads(stream=True)
-
-    def source(name: str):
-        if not snap.has_image(name):
-            return None
-        if sp is not None and name in sp.pagemaps:
-            return (b for b in (sp.pagemaps[name],))
-        drop = sp.drop.get(name) if sp is not None else None
-        if threads > 1 and repo_materialize.parallel_ok(snap, name):
-            return repo_materialize.iter_image_parallel(snap, name, threads, drop)
-        return snap.read_image(name, drop)
-
-    server = ServeServer(workdir, source).start()
-    t = time.monotonic()
-    try:
-        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids)
-        if progress:
-            progress(total, total)
-    finally:
-        server.abort()
-        shutil.rmtree(workdir, ignore_errors=True)
-    phases["criu"] = round(time.monotonic() - t, 3)
-    return pid
-
-
-def _via_files(repository, snap, info, env, flags, progress, phases, pids, sp) -> tuple[int | None, str]:
-    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    from gpusnap.criu import materialize   # the files path only: the stream path never loads it
-
-    with materialize.images_dir(snap, repository.path) as (images, plan):
-        t = time.monotonic()
-        materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
-                                 progress=progress, total=total, sparse=sp)
-        phases["materialize"] = round(time.monotonic() - t, 3)
-        t = time.monotonic()
-        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
-        try:
-            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        phases["criu"] = round(time.monotonic() - t, 3)
-    if progress:
-        progress(total, total)
-    return pid, plan.where
+                         phases=phases, via=mode, images=where, notes=notes,
+                         tcp_closed=why if closed else None, running_seconds=running,
+                         lazy=lazy)

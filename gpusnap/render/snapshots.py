@@ -32,6 +32,9 @@ def restore(result, o, quiet: bool = False) -> None:
     for note in result.notes:
         o.err.print(f"[yellow]note:[/] {note}")
     o.out.print(result.pid)
+    if result.running_seconds is not None and not quiet:
+        o.err.print(f"running again after {result.running_seconds:.2f} s; its memory filled in while it ran, "
+                    f"all in place after {result.seconds:.2f} s", markup=False)
     if result.tcp_closed and not quiet:
         o.err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
 

@@ -129,11 +129,24 @@ def _write_sequential(snap, d: Path, name: str, stop: threading.Event, done: lis
     return written
 
 
-def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list, sparse=None) -> int:
+def _inside(holes: list | None, lo: int, hi: int) -> bool:
+    """Whether bytes [lo, hi) lie within one of the sorted (start, end) ranges `holes`."""
+    if not holes:
+        return False
+    import bisect
+
+    i = bisect.bisect_right(holes, lo, key=lambda h: h[0]) - 1
+    return i >= 0 and holes[i][1] >= hi
+
+
+def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list, sparse=None,
+                 holes: dict | None = None) -> int:
     """Write every image of `snap` into directory `d` (which must be empty and private);
     returns the bytes written (holes excluded). Raises CorruptSnapshot on any bad byte, and
     OSError on a write failure; `stop` set by the caller ends the work early. sparse: a
-    criu/sparse.py plan (zero-page runs left out, pagemaps to match)."""
+    criu/sparse.py plan (zero-page runs left out, pagemaps to match). holes: pages image ->
+    sorted (start, end) byte ranges not to write (the lazy restore's pages, which CRIU does
+    not read: criu/lazypages.py); a job wholly inside one is left a hole."""
     loc = snap.reading_locations()
     names = sorted(snap.image_names(), key=lambda n: -int(snap.image(n).get("size", 0) or 0))
     big = [n for n in names if parallel_ok(snap, n)]
@@ -153,10 +166,14 @@ def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list,
                     total = 0
                     drop = sparse.drop.get(name) if sparse is not None else None
                     size = sparse.size.get(name, im["size"]) if sparse is not None else im["size"]
+                    skip = holes.get(name) if holes else None
                     for job in reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES, drop):
                         if stop.is_set():
                             break
                         total = job.pos + job.size
+                        if _inside(skip, job.pos, total):
+                            done[0] += job.size
+                            continue
                         pending.add(ex.submit(_run_job, snap, name, fd, job, readers, all_readers, lock, done))
                         while len(pending) >= 2 * threads:     # bounded memory: jobs in flight
                             fin, pending = wait(pending, return_when=FIRST_COMPLETED)

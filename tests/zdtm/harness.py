@@ -8,6 +8,8 @@ SIGTERM, on which the test checks its state and writes PASS or FAIL to NAME.out)
 that verdict.
 
     python tests/zdtm/harness.py [--mode gpusnap|criu|both] [NAME ...]   # a report per test
+
+$ZDTM_VIA (e.g. lazy) restores through that `gpusnap restore --via` path instead of auto.
 """
 
 from __future__ import annotations
@@ -176,7 +178,8 @@ def run_one(static: Path, name: str, mode: str, work: Path) -> Outcome:
         if not _gone(pid, 60):
             return fail("dump", f"the dumped test {pid} was still there 60 s later")
         if mode == "gpusnap":
-            r = _gpusnap("restore", snap, "--repo", str(work / "repo"))
+            via = ["--via", os.environ["ZDTM_VIA"]] if os.environ.get("ZDTM_VIA") else []
+            r = _gpusnap("restore", snap, "--repo", str(work / "repo"), *via)
             if r.returncode != 0:
                 return fail("restore", r.stdout + r.stderr)
         else:

@@ -1,0 +1,247 @@
+"""The three ways CRIU gets a snapshot's images on restore, and running `criu restore` itself.
+
+stream: `criu restore --stream`, fed by the serve streamer; files: image files written into a
+private directory for a plain `criu restore -D` (gpusnap/criu/materialize.py); lazy: those
+files less the lazy pages, `criu restore --lazy-pages`, and the lazy pages filled in while the
+job already runs (gpusnap/criu/lazypages.py). gpusnap/ops/restore.py checks everything
+first and chooses; each path here returns the restored root PID, or raises with nothing
+running. After CRIU, the CUDA plugin's report is read: CRIU ignores a failed GPU restore.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from gpusnap.criu import runner
+from gpusnap.criu.streamer import ServeServer
+from gpusnap.errors import CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
+from gpusnap.repo import materialize as repo_materialize
+from gpusnap.system import paths, proc
+
+
+def _pids_taken_meanwhile(pids: list[int], kept) -> None:
+    """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
+    the same moment): that is PidsInUse, not a CRIU failure."""
+    busy = [p for p in pids if proc.read_stat(p) is not None]
+    if busy:
+        raise PidsInUse(f"PID(s) needed by the snapshot were taken while it was restoring: "
+                        f"{', '.join(map(str, busy[:5]))} (another restore of the same job?)",
+                        hint=f"the job is probably running again already; check it (CRIU log kept at {kept})")
+
+
+
+def _gpu_report_env(workdir: Path) -> dict[str, str]:
+    from gpusnap.gpu import limits
+
+    return {"GPUSNAP_CUDA_REPORT": str(workdir / "cuda-report"),
+            "GPUSNAP_CALL_TIMEOUT_MS": str(limits.call_timeout_ms())}
+
+
+def check_gpu_restore(workdir: Path, snap, root: int | None, pids: list[int], log: str | None,
+                      same_pids: bool = True) -> None:
+    """CRIU ignores a failed GPU restore (RESUME_DEVICES_LATE): read the plugin's report, and
+    when a CUDA process was not brought back to RUNNING kill the restored tree (it would
+    hang on its next CUDA call) and raise GpuRestoreFailed. `same_pids`: the restored tree
+    has the snapshot's PIDs (not so in a PID namespace of its own: then only counted)."""
+    from gpusnap.gpu import report
+
+    expected = [int(p) for p in snap.manifest.get("meta", {}).get("cuda_pids") or [] if str(p).isdigit()]
+    problems = report.restore_failures(report.read(workdir / "cuda-report"), expected, same_pids=same_pids)
+    if not problems:
+        return
+    tree = list(dict.fromkeys([root, *proc.tree(root), *pids])) if root and proc.exists(root) else list(pids)
+    killed = []
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait_gone(killed, 10)
+    raise GpuRestoreFailed(
+        "CRIU restored the job but its GPU state could not be brought back: " + "; ".join(problems)
+        + f"; the half-restored job was killed (PIDs {', '.join(map(str, killed)) or 'none left'}), nothing runs",
+        hint="see the CUDA plugin's lines in " + (log or "the CRIU log")
+             + "; the snapshot itself is unchanged: fix the cause (driver, GPU, --gpu-map) and restore again")
+
+
+
+def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,
+                  total: int, pids: list[int] | None, lazy=None) -> int | None:
+    """Run `criu restore` on an images directory (with a serve streamer when `server`; with
+    --lazy-pages, served by the criu/lazypages.py daemon `lazy`, when given); the restored
+    root PID, or CriuFailed / the streamer's error."""
+    log = workdir / "criu.log"
+    pidfile = workdir / "restored.pid"
+    stream = ["--stream"] if server is not None else []
+    env = {**env, **_gpu_report_env(workdir)}   # the CUDA plugin's report, read below
+    if lazy is not None:
+        stream = ["--lazy-pages"]
+    criu = subprocess.Popen(
+        [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
+         "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        start_new_session=True)
+    if lazy is not None:
+        lazy.criu_started(criu.pid)
+    if server is not None:
+        runner.supervise(criu, server, progress, total)
+    else:
+        try:
+            criu.wait()
+        except BaseException:
+            criu.wait()      # interrupted: let CRIU finish before its images directory goes
+            raise
+    if criu.returncode != 0 or (server is not None and server.failed):
+        if server is not None:
+            server.abort()
+        if lazy is not None:
+            lazy.abort()
+        kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
+                                                f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+        err = server.error() if server is not None else None
+        if isinstance(err, GpusnapError):
+            err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
+            raise err
+        lines = runner.log_errors(log)
+        if pids:
+            _pids_taken_meanwhile(pids, kept)
+        raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
+                         last_lines=lines, hint=runner.explain_restore(lines))
+    if server is not None:
+        server.finish(timeout=30)
+    kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+    try:
+        pid = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pid = None
+    check_gpu_restore(workdir, snap, pid, list(pids or []), kept, same_pids=pids is not None)
+    return pid
+
+
+def restore_threads(stream: bool) -> int:
+    """Decoding workers: $GPUSNAP_RESTORE_THREADS, else the cores (up to 8), one fewer for the
+    stream path, where CRIU reads at the same time."""
+    env = os.environ.get("GPUSNAP_RESTORE_THREADS", "")
+    if env.isdigit() and 0 < int(env) <= 64:
+        return int(env)
+    cores = os.cpu_count() or 2
+    return max(1, min(8, cores - 1 if stream else cores))
+
+
+def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -> int | None:
+    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+    workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+
+    threads = restore_threads(stream=True)
+
+    def source(name: str):
+        if not snap.has_image(name):
+            return None
+        if sp is not None and name in sp.pagemaps:
+            return (b for b in (sp.pagemaps[name],))
+        drop = sp.drop.get(name) if sp is not None else None
+        if threads > 1 and repo_materialize.parallel_ok(snap, name):
+            return repo_materialize.iter_image_parallel(snap, name, threads, drop)
+        return snap.read_image(name, drop)
+
+    server = ServeServer(workdir, source).start()
+    t = time.monotonic()
+    try:
+        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids)
+        if progress:
+            progress(total, total)
+    finally:
+        server.abort()
+        shutil.rmtree(workdir, ignore_errors=True)
+    phases["criu"] = round(time.monotonic() - t, 3)
+    return pid
+
+
+def via_files(repository, snap, info, env, flags, progress, phases, pids, sp) -> tuple[int | None, str]:
+    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+    from gpusnap.criu import materialize   # the files path only: the stream path never loads it
+
+    with materialize.images_dir(snap, repository.path) as (images, plan):
+        t = time.monotonic()
+        materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
+                                 progress=progress, total=total, sparse=sp)
+        phases["materialize"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+        try:
+            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        phases["criu"] = round(time.monotonic() - t, 3)
+    if progress:
+        progress(total, total)
+    return pid, plan.where
+
+
+def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0) -> tuple:
+    """Image files without the lazy pages, `criu restore --lazy-pages` on them, and the lazy
+    pages filled in by criu/lazypages.py while the job already runs. Returns (root PID, where
+    the files were, seconds until the tree ran, what the fill saw); returns once every page
+    is in place."""
+    from gpusnap.criu import lazypages, lazyplan, materialize
+
+    lp = lazyplan.plan(snap, sp)
+    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+    with materialize.images_dir(snap, repository.path) as (images, plan):
+        t = time.monotonic()
+        materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
+                                 progress=progress, total=total, sparse=sp, holes=lp.holes)
+        phases["materialize"] = round(time.monotonic() - t, 3)
+        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+        daemon = lazypages.LazyDaemon(snap, lp, images, workdir / "restored.pid", restore_threads(stream=False),
+                                      drop=sp.drop if sp is not None else None)
+        # From here until the last page is in, a signal must not end gpusnap: the job would
+        # be killed (by the watcher) for nothing. It is noted, and the fill finishes.
+        caught: list[int] = []
+        with _signals_deferred(caught):
+            try:
+                daemon.start()
+                t = time.monotonic()
+                pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total,
+                                    pids, lazy=daemon)
+                phases["criu"] = round(time.monotonic() - t, 3)
+                running = round(time.monotonic() - t0, 3)
+                t = time.monotonic()
+                daemon.wait(progress)
+                phases["fill"] = round(time.monotonic() - t, 3)
+            except BaseException:
+                daemon.abort()
+                raise
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+    if progress:
+        progress(total, total)
+    seen = {"bytes": lp.bytes, **daemon.events}
+    if caught:
+        seen["signals_deferred"] = len(caught)
+    return pid, plan.where, running, seen
+
+
+@contextmanager
+def _signals_deferred(caught: list):
+    """SIGINT, SIGTERM and SIGHUP recorded in `caught` instead of acted on (main thread only)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, lambda n, f: caught.append(n)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,235 @@
+"""`restore --via lazy` with the real CRIU: the job runs while gpusnap fills its memory through
+userfaultfd (gpusnap/criu/lazypages.py). It must end exactly as an uninterrupted run, also
+when it forks, mremaps, unmaps and madvises during the fill; a gpusnap killed mid-fill must
+take the job with it (never leave it running on zero-filled memory); a signal mid-fill is
+deferred; a damaged page kills the job and fails the restore. The bookkeeping of what is
+still pending (Mm) is checked on its own at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import PY, ROOT, kill_pids, run_gpusnap, run_json
+from gpusnap.criu.lazyplan import Mm, _cut
+from gpusnap.errors import UsageError
+from gpusnap.ops.restore import choose_via
+from gpusnap.repo.materialize import _inside
+
+JOB = dict(steps=120, mb=24, threads=2)
+CHURN = Path(__file__).parent / "jobs" / "churn.py"
+
+
+def _running(pid: int) -> bool:
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return st[st.rindex(")") + 2] not in "ZX"
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, what
+        time.sleep(0.01)
+
+
+class Churn:
+    """tests/jobs/churn.py, dumped and killed: ready to be restored."""
+
+    def __init__(self, out: Path, repo: Path, mb: int = 16):
+        self.out = out
+        out.mkdir(parents=True)
+        self.popen = subprocess.Popen([PY, str(CHURN), str(out), "--mb", str(mb)], cwd=ROOT,
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=open(out.parent / f"{out.name}.err", "wb"), start_new_session=True)
+        _wait(lambda: (out / "ready").exists(), 60, "the churn job did not start")
+        self.pids = [int(p) for p in (out / "pids").read_text().split()]
+        self.expected = (out / "expected").read_text().strip()
+        self.snap = run_json("dump", self.pids[0], "--repo", repo)["snapshot"]
+        kill_pids(self.pids)
+        self.popen.wait(timeout=30)
+        _wait(lambda: not any(Path(f"/proc/{p}").exists() for p in self.pids), 30, "the job's PIDs stayed taken")
+
+    def restore(self, pause: float, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "GPUSNAP_LAZY_PAUSE": str(pause)}
+        return subprocess.Popen([PY, "-m", "gpusnap", "restore", self.snap, "--via", "lazy", "--json", *args],
+                                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def go(self) -> None:
+        """Start churning as soon as the restored job exists (it churns once it runs)."""
+        _wait(lambda: Path(f"/proc/{self.pids[0]}").exists(), 60, "the restored job never appeared")
+        (self.out / "go").touch()
+
+    def rounds(self) -> int:
+        try:
+            return int((self.out / "rounds").read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def finish(self) -> dict:
+        (self.out / "finish").touch()
+        _wait(lambda: (self.out / "result").exists(), 120, "the restored job gave no result")
+        return json.loads((self.out / "result").read_text())
+
+
+@pytest.fixture
+def churn(tmp_path):
+    jobs: list[Churn] = []
+
+    def make(**kw) -> Churn:
+        jobs.append(Churn(tmp_path / f"churn{len(jobs)}", tmp_path / "repo", **kw))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        kill_pids(j.pids)
+
+
+pytestmark = pytest.mark.criu
+
+
+def test_lazy_restore_finishes_like_an_uninterrupted_run(sample_job, repo, reference):
+    job = sample_job(**JOB)
+    job.wait_steps(10)
+    snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
+    job.kill()
+    restored = run_json("restore", snap, "--repo", repo, "--via", "lazy")
+    try:
+        assert restored["via"] == "lazy" and restored["pid"] == job.pid
+        assert 0 < restored["running_seconds"] <= restored["seconds"]
+        assert restored["lazy"]["bytes"] >= JOB["mb"] << 20           # the job's buffers came lazily
+        assert "fill" in restored["phases"]
+        assert job.result() == reference(**JOB)
+    finally:
+        kill_pids(job.pids)
+
+
+def test_forks_remaps_unmaps_and_madvise_during_the_fill(churn):
+    job = churn()
+    r = job.restore(0.03)
+    job.go()
+    out, err = r.communicate(timeout=300)
+    rounds_during_fill = job.rounds()
+    assert r.returncode == 0, err
+    info = json.loads(out)
+    res = job.finish()
+    assert res["mismatches"] == []
+    assert res["digest"] == job.expected, "the restored job's memory differs from the dumped job's"
+    assert res["keeper"] == job.expected, "the second process of the tree came back different"
+    # the churn overlapped the fill, and the daemon followed every kind of event
+    assert rounds_during_fill >= 1
+    ev = info["lazy"]
+    assert ev["forks"] >= 1 and ev["remaps"] >= 1 and ev["unmaps"] >= 1 and ev["faults"] >= 1, ev
+
+
+def test_gpusnap_killed_mid_fill_takes_the_job_with_it(churn):
+    """Without the watcher the kernel would zero-fill what was not copied yet and the job
+    would run on with wrong memory; with it, the job dies, and the snapshot restores again."""
+    job = churn()
+    r = job.restore(0.2)
+    job.go()
+    _wait(lambda: job.rounds() >= 1 or r.poll() is not None, 60, "the restored job never ran")
+    assert r.poll() is None, "the fill ended before the test could interrupt it"
+    r.kill()
+    r.wait()
+    _wait(lambda: not any(_running(p) for p in job.pids), 30,
+          "the job kept running after gpusnap died in the middle of filling its memory")
+    _wait(lambda: not any(Path(f"/proc/{p}").exists() for p in job.pids), 30, "the job's PIDs stayed taken")
+    # nothing lost: the same snapshot restores (eagerly this time) and ends right
+    restored = run_json("restore", job.snap)
+    assert restored["via"] != "lazy"
+    res = job.finish()
+    assert res["digest"] == job.expected and res["keeper"] == job.expected
+
+
+def test_a_signal_mid_fill_is_deferred_until_every_page_is_in(churn):
+    job = churn()
+    r = job.restore(0.1)
+    job.go()
+    _wait(lambda: job.rounds() >= 1 or r.poll() is not None, 60, "the restored job never ran")
+    assert r.poll() is None, "the fill ended before the test could interrupt it"
+    r.send_signal(signal.SIGTERM)
+    r.send_signal(signal.SIGINT)
+    out, err = r.communicate(timeout=300)
+    assert r.returncode == 0, err
+    info = json.loads(out)
+    assert info["lazy"]["signals_deferred"] == 2
+    assert any("signal" in n for n in info["notes"])
+    res = job.finish()
+    assert res["digest"] == job.expected and res["mismatches"] == []
+
+
+def test_damaged_page_fails_the_restore_and_kills_the_job(churn, tmp_path):
+    job = churn()
+    packs = sorted(p for p in (tmp_path / "repo" / "packs").rglob("*") if p.is_file())
+    big = max(packs, key=lambda p: p.stat().st_size)
+    data = bytearray(big.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    os.chmod(big, 0o600)
+    big.write_bytes(bytes(data))
+    r = run_gpusnap("restore", job.snap, "--via", "lazy", "--json")
+    assert r.returncode == 9, r.stdout + r.stderr
+    msg = json.loads(r.stdout)["message"]
+    # found while filling (the job had run): the job is killed, and the message says so
+    assert "damaged" in msg and "the restored job was killed" in msg, msg
+    _wait(lambda: not any(_running(p) for p in job.pids), 30, "a job restored from a damaged snapshot kept running")
+
+
+# -- what is pending, on its own ---------------------------------------------------------------
+
+def _mm() -> Mm:
+    # two pieces of one pages image: image bytes [0, 16K) at 0x10000, [16K, 24K) at 0x40000
+    return Mm(-1, {"p": [[0, 0x10000, 0x4000], [0x4000, 0x40000, 0x2000]]})
+
+
+def test_take_cuts_pieces_to_the_job_and_keeps_the_rest():
+    mm = _mm()
+    assert mm.take("p", 0x1000, 0x5000) == [[0x1000, 0x11000, 0x3000], [0x4000, 0x40000, 0x1000]]
+    assert mm.pending["p"] == [[0, 0x10000, 0x1000], [0x5000, 0x41000, 0x1000]]
+    assert mm.take("p", 0x8000, 0x9000) == [] and mm.take("q", 0, 1 << 30) == []
+    mm.put("p", [0x1000, 0x11000, 0x1000])
+    assert [p[0] for p in mm.pending["p"]] == [0, 0x1000, 0x5000]
+    assert mm.bytes_pending() == 0x3000
+
+
+def test_unmapped_ranges_are_dropped_and_remapped_ones_follow():
+    mm = _mm()
+    mm.drop(0x11000, 0x12000)                      # a hole in the first piece
+    assert mm.pending["p"] == [[0, 0x10000, 0x1000], [0x2000, 0x12000, 0x2000], [0x4000, 0x40000, 0x2000]]
+    mm.remap(0x12000, 0x90000, 0x1000)             # half of a piece moves
+    assert mm.find(0x90000) == ("p", 0x2000) and mm.find(0x12000) is None
+    assert mm.find(0x13000) == ("p", 0x3000)
+    child = mm.clone(-2)
+    mm.drop(0, 1 << 47)
+    assert mm.bytes_pending() == 0 and child.bytes_pending() == 0x1000 + 0x2000 + 0x2000
+
+
+def test_cut_splits_a_piece_around_a_range():
+    p = [0, 0x1000, 0x4000]
+    assert _cut(p, 0x2000, 0x3000) == ([0, 0x1000, 0x1000], [0x1000, 0x2000, 0x1000], [0x2000, 0x3000, 0x2000])
+    assert _cut(p, 0x8000, 0x9000) == (p, None, None)
+    assert _cut(p, 0, 0x800) == (None, None, p)
+
+
+def test_materialize_leaves_out_only_jobs_wholly_inside_a_lazy_range():
+    holes = [(0, 8 << 20), (12 << 20, 20 << 20)]
+    assert _inside(holes, 0, 4 << 20) and _inside(holes, 12 << 20, 16 << 20)
+    assert not _inside(holes, 6 << 20, 10 << 20) and not _inside(holes, 8 << 20, 12 << 20)
+    assert not _inside(None, 0, 1)
+
+
+def test_gpu_snapshots_are_refused_for_lazy_restore():
+    snap = SimpleNamespace(path="/r/snapshots/s", manifest={"meta": {"cuda_pids": [42]}})
+    with pytest.raises(UsageError):
+        choose_via("lazy", snap, 0)
+    assert choose_via("lazy", SimpleNamespace(path="/r/s", manifest={"meta": {}}), 0) == "lazy"

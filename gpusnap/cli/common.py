@@ -93,6 +93,7 @@ def progress(label: str, enabled: bool):
             shown[0] = phase
             desc = {"frozen": f"{label}: job frozen, staging",
                     "storing": f"{label}: job running, storing",
+                    "filling": f"{label}: job running, filling its memory",
                     "waiting": f"{label}: waiting for another gpusnap on this job"}.get(phase or "", label)
             bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)

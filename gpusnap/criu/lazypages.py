@@ -441,7 +441,7 @@ class LazyDaemon:
         """Until every lazy page is in place; raises (the tree killed) if that failed."""
         while not self._done.wait(0.1):
             if progress:
-                progress(min(self.filled, self.lp.bytes), self.lp.bytes)
+                progress(min(self.filled, self.lp.bytes), self.lp.bytes, "filling")
         self._end()
 
     def abort(self) -> None:

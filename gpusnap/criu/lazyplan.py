@@ -75,6 +75,10 @@ def plan(snap, sp=None) -> LazyPlan:
         if not snap.has_image(pages) or snap.image(pages)["type"] != "pages":
             raise UsageError(f"snapshot {snap.path}: {pages} is not stored as pages, so it cannot be "
                              "restored lazily", hint="restore it with --via files or --via stream")
+        size = sp.size.get(pages) if sp is not None and pages in sp.size else int(snap.image(pages)["size"])
+        if off > size:         # the pagemap is data: it may not point past its pages
+            raise CorruptSnapshot(f"snapshot {snap.path}: {name} lists {off} bytes of pages, {pages} "
+                                  f"holds {size}")
         lp.tasks[pid] = (pages, pieces)
         holes = lp.holes.setdefault(pages, [])
         for o, _, ln in pieces:

@@ -185,7 +185,11 @@ def explain_dump(lines: list[str]) -> str:
 
 # Restore failures users meet, from CRIU's log lines to what to do (first match wins; the
 # specific before the generic). The PIDs case is worded like restore.pids_hint.
+_NO_UFFD = ("this kernel (or a seccomp filter around gpusnap) does not let CRIU use userfaultfd, which "
+            "--via lazy needs: restore with --via stream or --via files (or auto, the default)")
 RESTORE_RULES = [
+    ("userfaultfd", _NO_UFFD),
+    ("uffd API", _NO_UFFD),
     ("Can't read pages data",
      "CRIU cannot read this snapshot's pages from a stream (private huge-page mappings need to be read "
      "at an offset): restore with --via files"),

@@ -7,6 +7,7 @@ cases check the mapping from CRIU's own error lines (copied from real CRIU 4.2 l
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -47,3 +48,17 @@ CASES = [
 def test_criu_restore_errors_map_to_advice(line, needle):
     hint = runner.explain_restore([line])
     assert hint and needle in hint
+
+
+def test_pids_count_as_taken_meanwhile_only_when_criu_says_so():
+    """A PID held (here: by this test) after CRIU failed is PidsInUse only when CRIU's log
+    says it could not have a PID; after any other failure it is what CRIU itself left."""
+    from gpusnap.errors import PidsInUse
+    from gpusnap.ops.restore_paths import _pids_taken_meanwhile
+
+    me = [os.getpid()]
+    _pids_taken_meanwhile(me, "log", ["Error (criu/sk-inet.c:1059): Can't bind inet socket (id 7)"])
+    with pytest.raises(PidsInUse):
+        _pids_taken_meanwhile(me, "log", ["Error (criu/cr-restore.c:1237): Can't fork for 4242: File exists"])
+    with pytest.raises(PidsInUse):
+        _pids_taken_meanwhile(me, "log", ["Error (criu/cr-restore.c:1546): Pid 4242 do not match expected 4243"])

@@ -185,6 +185,44 @@ def test_damaged_page_fails_the_restore_and_kills_the_job(churn, tmp_path):
     _wait(lambda: not any(_running(p) for p in job.pids), 30, "a job restored from a damaged snapshot kept running")
 
 
+@pytest.mark.parametrize("via", ["lazy", "files", "stream"])
+def test_criu_failing_mid_restore_says_why_and_leaves_nothing_behind(tmp_path, repo, via):
+    """CRIU fails mid-restore (the job's port is taken; for lazy, after the daemon and its
+    watcher started): exit 8 with the port named (not "PIDs taken", which the processes CRIU
+    had begun and killed seemed to say), no process of the job, no watcher and no image
+    directory left; freed, the snapshot restores lazily and serves."""
+    import socket
+
+    from test_sockets import PAGE, HttpServer, wait_answering
+
+    server = HttpServer(tmp_path)
+    restored = None
+    try:
+        snap = run_json("dump", server.pid, "--repo", repo)["snapshot"]
+        server.kill()
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        blocker.bind(("127.0.0.1", server.port))
+        blocker.listen(1)
+        try:
+            r = run_gpusnap("restore", snap, "--repo", repo, "--via", via, "--json")
+        finally:
+            blocker.close()
+        assert r.returncode == 8, r.stdout + r.stderr
+        assert "port" in json.loads(r.stdout)["hint"]
+        assert not _running(server.pid)
+        watchers = [p for p in os.listdir("/proc") if p.isdigit() and _running(int(p))
+                    and "lazywatch" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+        assert not watchers
+        assert not [p for p in Path("/dev/shm").iterdir() if p.name.startswith("gpusnap-images-")
+                    and not Path(f"/proc/{p.name.split('-')[2]}").exists()]
+        restored = run_json("restore", snap, "--repo", repo, "--via", "lazy")["pid"]
+        assert wait_answering(server.port, restored) == (200, PAGE)
+    finally:
+        kill_pids([p for p in (server.pid, restored) if p])
+        server.close()
+
+
 # -- what is pending, on its own ---------------------------------------------------------------
 
 def _mm() -> Mm:

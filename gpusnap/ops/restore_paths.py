@@ -25,15 +25,22 @@ from gpusnap.repo import materialize as repo_materialize
 from gpusnap.system import paths, proc
 
 
-def _pids_taken_meanwhile(pids: list[int], kept) -> None:
+# what CRIU's log says when it could not have a PID (criu/cr-restore.c)
+PID_RACE = ("do not match expected", "Can't fork for")
+
+
+def _pids_taken_meanwhile(pids: list[int], kept, lines: list[str]) -> None:
     """CRIU lost a race for the snapshot's PIDs (another restore of the same job started at
-    the same moment): that is PidsInUse, not a CRIU failure."""
+    the same moment): that is PidsInUse, not a CRIU failure. Only when CRIU's log says so:
+    after any other failure, the processes CRIU had begun to restore (and killed) may still
+    hold those PIDs for a moment, as zombies not yet reaped."""
+    if not any(needle in ln for ln in lines for needle in PID_RACE):
+        return
     busy = [p for p in pids if proc.read_stat(p) is not None]
     if busy:
         raise PidsInUse(f"PID(s) needed by the snapshot were taken while it was restoring: "
                         f"{', '.join(map(str, busy[:5]))} (another restore of the same job?)",
                         hint=f"the job is probably running again already; check it (CRIU log kept at {kept})")
-
 
 
 def _gpu_report_env(workdir: Path) -> dict[str, str]:
@@ -111,7 +118,7 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
             raise err
         lines = runner.log_errors(log)
         if pids:
-            _pids_taken_meanwhile(pids, kept)
+            _pids_taken_meanwhile(pids, kept, lines)
         raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                          last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:

@@ -136,7 +136,7 @@ def test_leave_running_dump_kill_then_restore(tmp_path, fake, jobs):
     img = tmp_path / "img"
     assert criu_dump(job.pid, img, env_for(fake, tmp_path)).rc == 0
     assert fake.state(job.pid) == "running"
-    job.kill()
+    job.kill(finish=False)
     job.reap()
     fake.reset_log()
     r = criu_restore(img, env_for(fake, tmp_path))

@@ -47,6 +47,7 @@ class Churn:
 
     def __init__(self, out: Path, repo: Path, mb: int = 16):
         self.out = out
+        self.repo = repo
         out.mkdir(parents=True)
         self.popen = subprocess.Popen([PY, str(CHURN), str(out), "--mb", str(mb)], cwd=ROOT,
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -145,11 +146,25 @@ def test_gpusnap_killed_mid_fill_takes_the_job_with_it(churn):
     _wait(lambda: not any(_running(p) for p in job.pids), 30,
           "the job kept running after gpusnap died in the middle of filling its memory")
     _wait(lambda: not any(Path(f"/proc/{p}").exists() for p in job.pids), 30, "the job's PIDs stayed taken")
-    # nothing lost: the same snapshot restores (eagerly this time) and ends right
+    # what the killed gpusnap could not clean up: its work directory (and its image files)
+    left = _leftovers(r.pid, job.repo)
+    assert any(p.name.startswith("gpusnap-restore-") for p in left), left
+    # nothing lost: the same snapshot restores (eagerly this time) and ends right, and that
+    # run removes the leftovers of the dead one
     restored = run_json("restore", job.snap)
     assert restored["via"] != "lazy"
+    assert _leftovers(r.pid, job.repo) == []
     res = job.finish()
     assert res["digest"] == job.expected and res["keeper"] == job.expected
+
+
+def _leftovers(pid: int, repo: Path) -> list[Path]:
+    """Restore work and image directories of gpusnap process `pid`, wherever they go."""
+    import tempfile
+
+    places = [Path(tempfile.gettempdir()), Path("/dev/shm"), repo / "tmp"]
+    return [p for d in places if d.is_dir() for p in d.iterdir()
+            if p.name.startswith((f"gpusnap-restore-{pid}-", f"gpusnap-images-{pid}-"))]
 
 
 def test_a_signal_mid_fill_is_deferred_until_every_page_is_in(churn):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, Interrupted, NoSpace
+from gpusnap.system import proc
 
 PREFIX = "gpusnap-images-"
 SHM = Path("/dev/shm")
@@ -107,19 +108,15 @@ def plan(snap, repo_path: Path) -> Plan:
 
 def remove_stale(parent: Path) -> None:
     """Remove image directories left by gpusnap processes that no longer exist (SIGKILL)."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for n in names:
-        if not n.startswith(PREFIX):
-            continue
-        try:
-            pid = int(n[len(PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(parent / n, ignore_errors=True)
+    proc.remove_dirs_of_dead(parent, PREFIX)
+
+
+def remove_leftovers(repo_path: Path) -> None:
+    """Image directories of SIGKILLed restores, in both places they can be: every restore
+    calls this, whichever path it takes, so a tmpfs full of a dead run's images (memory)
+    does not wait for the next restore that happens to write images there."""
+    for parent in (SHM, Path(repo_path) / "tmp"):
+        remove_stale(parent)
 
 
 class _Term(BaseException):
@@ -137,7 +134,7 @@ def images_dir(snap, repo_path: Path):
     p = plan(snap, repo_path)
     if p.where == "disk":
         p.parent.mkdir(mode=0o700, exist_ok=True)
-    remove_stale(p.parent)
+    remove_leftovers(repo_path)
     d = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=p.parent))   # 0700, exclusive
     old = {}
     if threading.current_thread() is threading.main_thread():

@@ -132,6 +132,20 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
     return pid
 
 
+WORK_PREFIX = "gpusnap-restore-"
+
+
+def _workdir(repo_path) -> Path:
+    """A private directory for CRIU's side of one restore (its pidfile, sockets). What a
+    SIGKILLed gpusnap left (these, and image files) is removed first."""
+    from gpusnap.criu import materialize
+
+    tmp = Path(tempfile.gettempdir())
+    proc.remove_dirs_of_dead(tmp, WORK_PREFIX)
+    materialize.remove_leftovers(repo_path)
+    return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=tmp))
+
+
 def restore_threads(stream: bool) -> int:
     """Decoding workers: $GPUSNAP_RESTORE_THREADS, else the cores (up to 8), one fewer for the
     stream path, where CRIU reads at the same time."""
@@ -144,7 +158,7 @@ def restore_threads(stream: bool) -> int:
 
 def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -> int | None:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+    workdir = _workdir(repository.path)
 
     threads = restore_threads(stream=True)
 
@@ -173,7 +187,7 @@ def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -
 
 def via_files(repository, snap, info, env, flags, progress, phases, pids, sp) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    from gpusnap.criu import materialize   # the files path only: the stream path never loads it
+    from gpusnap.criu import materialize
 
     with materialize.images_dir(snap, repository.path) as (images, plan):
         t = time.monotonic()
@@ -181,7 +195,7 @@ def via_files(repository, snap, info, env, flags, progress, phases, pids, sp) ->
                                  progress=progress, total=total, sparse=sp)
         phases["materialize"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
-        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+        workdir = _workdir(repository.path)
         try:
             pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids)
         finally:
@@ -206,7 +220,7 @@ def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0)
         materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
                                  progress=progress, total=total, sparse=sp, holes=lp.holes)
         phases["materialize"] = round(time.monotonic() - t, 3)
-        workdir = Path(tempfile.mkdtemp(prefix="gpusnap-restore-"))
+        workdir = _workdir(repository.path)
         daemon = lazypages.LazyDaemon(snap, lp, images, workdir / "restored.pid", restore_threads(stream=False),
                                       drop=sp.drop if sp is not None else None)
         # From here until the last page is in, a signal must not end gpusnap: the job would

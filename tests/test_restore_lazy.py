@@ -22,6 +22,7 @@ from gpusnap.criu.lazyplan import Mm, _cut
 from gpusnap.errors import UsageError
 from gpusnap.ops.restore import choose_via
 from gpusnap.repo.materialize import _inside
+from gpusnap.system import proc
 
 JOB = dict(steps=120, mb=24, threads=2)
 CHURN = Path(__file__).parent / "jobs" / "churn.py"
@@ -46,6 +47,7 @@ class Churn:
     """tests/jobs/churn.py, dumped and killed: ready to be restored."""
 
     def __init__(self, out: Path, repo: Path, mb: int = 16):
+        self.mb = mb
         self.out = out
         self.repo = repo
         out.mkdir(parents=True)
@@ -66,10 +68,11 @@ class Churn:
                                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
 
-    def go(self) -> None:
-        """Start churning as soon as the restored job exists (it churns once it runs)."""
+    def go(self, what: str = "go") -> None:
+        """Start churning (or, with "orphan-go", make a process that leaves the tree) as soon
+        as the restored job exists (it acts once it runs)."""
         _wait(lambda: Path(f"/proc/{self.pids[0]}").exists(), 60, "the restored job never appeared")
-        (self.out / "go").touch()
+        (self.out / what).touch()
 
     def rounds(self) -> int:
         try:
@@ -118,12 +121,17 @@ def test_lazy_restore_finishes_like_an_uninterrupted_run(sample_job, repo, refer
 def test_forks_remaps_unmaps_and_madvise_during_the_fill(churn):
     job = churn()
     r = job.restore(0.03)
+    job.go("orphan-go")
     job.go()
     out, err = r.communicate(timeout=300)
     rounds_during_fill = job.rounds()
     assert r.returncode == 0, err
     info = json.loads(out)
+    _wait(lambda: (job.out / "orphan-ok").exists(), 60, "the process that left the tree never hashed its memory")
+    assert (job.out / "orphan-ok").read_text().strip() == "1", "the process that left the tree read wrong memory"
+    orphan = int((job.out / "orphan").read_text())
     res = job.finish()
+    _wait(lambda: not _running(orphan), 30, "the process that left the tree did not end with the job")
     assert res["mismatches"] == []
     assert res["digest"] == job.expected, "the restored job's memory differs from the dumped job's"
     assert res["keeper"] == job.expected, "the second process of the tree came back different"
@@ -184,20 +192,76 @@ def test_a_signal_mid_fill_is_deferred_until_every_page_is_in(churn):
     assert res["digest"] == job.expected and res["mismatches"] == []
 
 
-def test_damaged_page_fails_the_restore_and_kills_the_job(churn, tmp_path):
-    job = churn()
-    packs = sorted(p for p in (tmp_path / "repo" / "packs").rglob("*") if p.is_file())
+def _damage(repo: Path) -> None:
+    """Flip one bit in the middle of the repository's largest pack (page data)."""
+    packs = sorted(p for p in (repo / "packs").rglob("*") if p.is_file())
     big = max(packs, key=lambda p: p.stat().st_size)
     data = bytearray(big.read_bytes())
     data[len(data) // 2] ^= 0x40
     os.chmod(big, 0o600)
     big.write_bytes(bytes(data))
+
+
+def _damage_page_of_c(job: Churn) -> None:
+    """Flip one bit of a page in the second half of the churn job's buffer C (which only the
+    fill touches, late enough for the test to act first): its random bytes are stored raw, so
+    the page is found in the packs by its content."""
+    import numpy as np
+
+    n = job.mb << 20
+    rng = np.random.default_rng(5)              # tests/jobs/churn.py's seed and order: A, B, C
+    c = [rng.bytes(n) for _ in range(3)][2]
+    page = c[3 * n // 4: 3 * n // 4 + 4096]
+    for pack in (p for p in (job.repo / "packs").rglob("*") if p.is_file()):
+        data = bytearray(pack.read_bytes())
+        at = data.find(page)
+        if at >= 0:
+            data[at + 100] ^= 0x40
+            os.chmod(pack, 0o600)
+            pack.write_bytes(bytes(data))
+            return
+    raise AssertionError("the page to damage is in no pack")
+
+
+def test_damaged_page_fails_the_restore_and_kills_the_job(churn, tmp_path):
+    job = churn()
+    _damage(tmp_path / "repo")
     r = run_gpusnap("restore", job.snap, "--via", "lazy", "--json")
     assert r.returncode == 9, r.stdout + r.stderr
     msg = json.loads(r.stdout)["message"]
     # found while filling (the job had run): the job is killed, and the message says so
     assert "damaged" in msg and "the restored job was killed" in msg, msg
     _wait(lambda: not any(_running(p) for p in job.pids), 30, "a job restored from a damaged snapshot kept running")
+
+
+@pytest.mark.parametrize("end", ["gpusnap killed", "damaged page"])
+def test_a_process_that_left_the_tree_mid_fill_is_killed_too(churn, tmp_path, end):
+    """A double fork while the memory is filled (the middle process exits at once, so the
+    grandchild is reparented out of the tree, with pages still pending): when the restore
+    fails (a damaged page: gpusnap kills the job) or gpusnap dies (its watcher does), that
+    process dies with the rest instead of running on with zero-filled memory."""
+    job = churn()
+    if end == "damaged page":
+        _damage_page_of_c(job)
+    r = job.restore(0.3)
+    job.go("orphan-go")
+    _wait(lambda: (job.out / "orphan").exists() or r.poll() is not None, 60, "no process left the tree")
+    assert r.poll() is None, "the fill ended before a process of the job left the tree"
+    orphan = int((job.out / "orphan").read_text())
+    try:
+        st = proc.read_stat(orphan)
+        assert st is not None and st.ppid not in job.pids, "the grandchild is still in the job's tree"
+        if end == "gpusnap killed":
+            time.sleep(0.5)      # gpusnap tells its watcher about new processes every 20 ms
+            r.kill()
+            r.wait()
+        else:
+            out, _ = r.communicate(timeout=300)
+            assert r.returncode == 9 and "the restored job was killed" in json.loads(out)["message"], out
+        _wait(lambda: not _running(orphan), 30, "the process that had left the tree kept running")
+        _wait(lambda: not any(_running(p) for p in job.pids), 30, "the job kept running")
+    finally:
+        kill_pids([orphan])
 
 
 @pytest.mark.parametrize("via", ["lazy", "files", "stream"])

@@ -20,7 +20,10 @@ kernel gives the process zeros there and it runs on silently. So: the restore co
 pending and fails unless it is all resolved; on any failure the tree is SIGKILLed and gone
 before a userfaultfd is closed; and a watcher process (criu/lazywatch.py) holds a duplicate
 of each userfaultfd, so that if gpusnap itself dies (SIGKILL, OOM), the watcher kills the tree
-instead of the kernel zero-filling it.
+instead of the kernel zero-filling it. "The tree" includes what leaves it: for the fill,
+gpusnap is a child subreaper, so a process of the job whose parent exits (a double fork) is
+adopted by gpusnap instead of init and is killed with the rest; the watcher is told every
+process of the job (PID and start time) as it appears, within SCAN_EVERY.
 
 Over 400 lines on purpose: one thread owns the socket, every userfaultfd and the fill, and
 the order of its steps (kill before close, read an event before retrying a copy) is what
@@ -47,14 +50,17 @@ from pathlib import Path
 
 from gpusnap.criu import uffd
 from gpusnap.criu.lazyplan import LazyPlan, Mm
-from gpusnap.criu.lazywatch import kill_tree
+from gpusnap.criu.lazywatch import descendants, kill_tree
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError
+from gpusnap.system import proc
 
 PAGE = 4096
 SOCK_NAME = "lazy-pages.socket"          # criu/include/uffd.h: LAZY_PAGES_SOCK_NAME
 RESTORE_FINISHED = 0x52535446            # criu/uffd.c: LAZY_PAGES_RESTORE_FINISHED
 JOB_BYTES = 4 << 20
 MAX_PID = 1 << 22
+SCAN_EVERY = 0.02                        # seconds between two looks for new processes of the job
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
 
 class _Retry(Exception):
@@ -100,6 +106,10 @@ class LazyDaemon:
         self._watch: subprocess.Popen | None = None
         self._wsock: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._ours: set[int] = set()                # our children that are not the job's
+        self._told: set[tuple[int, int]] = set()    # (PID, start time) the watcher knows
+        self._next_scan = 0.0
+        self._subreaper: int | None = None          # the setting before ours, to put back
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -116,6 +126,8 @@ class LazyDaemon:
         finally:
             theirs.close()
         self._wsock = ours
+        self._ours = set(proc.children(os.getpid())) | {self._watch.pid}
+        self._subreaper = _set_subreaper(1)
         self._tell(b"R" + os.fsencode(str(self.pidfile)))
         # bound through the directory's descriptor: the images directory's full path may be
         # longer than a socket address can be (CRIU connects relative to its working directory)
@@ -133,7 +145,28 @@ class LazyDaemon:
         return self
 
     def criu_started(self, pid: int) -> None:
+        self._ours.add(pid)
         self._tell(b"C" + struct.pack("<i", pid))
+
+    def _job_pids(self) -> list[int]:
+        """Every process of the restored job: the root's tree, and what gpusnap adopted as
+        the subreaper (processes whose parent exited), with their trees."""
+        roots = [c for c in proc.children(os.getpid()) if c not in self._ours]
+        if self.root:
+            roots.append(self.root)
+        return descendants(roots)
+
+    def _track(self, now: float) -> None:
+        """Tell the watcher the job's processes it does not know yet (PID and start time:
+        it kills only a PID that still names the same process)."""
+        if now < self._next_scan or not self.root:
+            return
+        self._next_scan = now + SCAN_EVERY
+        for pid in self._job_pids():
+            st = proc.read_stat(pid)
+            if st is not None and (pid, st.starttime) not in self._told:
+                self._told.add((pid, st.starttime))
+                self._tell(b"K" + struct.pack("<iQ", pid, st.starttime))
 
     def _tell(self, msg: bytes, fd: int | None = None) -> None:
         """Hand the watcher a message (and a descriptor). Failing to is fatal: without the
@@ -183,7 +216,7 @@ class LazyDaemon:
             n = struct.unpack("<i", raw)[0]
             if n == RESTORE_FINISHED:    # CRIU wrote its pidfile before: the root to kill on failure
                 if self._read_root():
-                    self._tell(b"K" + struct.pack("<i", self.root))
+                    self._track(time.monotonic())
                 return
             if n < 0:
                 continue                                  # a zombie: no memory, no descriptor
@@ -215,8 +248,9 @@ class LazyDaemon:
             p.register(mm.fd, select.POLLIN)
         for fd in extra:
             p.register(fd, select.POLLIN)
-        ready = {fd for fd, _ in p.poll(timeout * 1000)}
+        ready = {fd for fd, _ in p.poll(min(timeout, SCAN_EVERY) * 1000)}
         self._events()
+        self._track(time.monotonic())
         return any(fd in ready for fd in extra)
 
     def _events(self) -> None:
@@ -393,9 +427,9 @@ class LazyDaemon:
                 win.popleft()
                 del self._window[head]
                 if head not in self._applied:
-                    self._apply_job(*head, buf=fut.result(), have=True)
                     if self.pause:
                         self._idle(self.pause)
+                    self._apply_job(*head, buf=fut.result(), have=True)
             self._wait([], 0)
             left = sum(mm.bytes_pending() for mm in self.mms)
             if left:
@@ -416,8 +450,11 @@ class LazyDaemon:
             self._wait([], left)
 
     def _kill(self) -> list[int]:
-        """SIGKILL the restored tree and wait until it is gone (before any userfaultfd closes)."""
-        return kill_tree([self.root]) if self.root or self._read_root() else []
+        """SIGKILL the restored tree, and what of the job left it, and wait until they are
+        gone (before any userfaultfd closes)."""
+        if not self.root:
+            self._read_root()
+        return kill_tree(self._job_pids())
 
     def _close_all(self) -> None:
         with self._lock:
@@ -436,6 +473,15 @@ class LazyDaemon:
                 self._watch.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
+        if self._subreaper is not None:
+            _set_subreaper(self._subreaper)
+            self._subreaper = None
+        for pid in proc.children(os.getpid()):
+            if pid not in self._ours and not proc.exists(pid):
+                try:                       # an adopted process of the job that ended: reap it
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
 
     def wait(self, progress=None) -> None:
         """Until every lazy page is in place; raises (the tree killed) if that failed."""
@@ -465,9 +511,21 @@ class LazyDaemon:
 
 
 def _env_pause() -> float:
-    """$GPUSNAP_LAZY_PAUSE: seconds to sleep between filled jobs (slows the fill down: for
-    tests of what happens during it, or to spare a busy disk)."""
+    """$GPUSNAP_LAZY_PAUSE: seconds to wait (serving faults) before each filled job (slows the
+    fill down: for tests of what happens during it, or to spare a busy disk)."""
     try:
         return max(0.0, float(os.environ.get("GPUSNAP_LAZY_PAUSE", "0") or 0))
     except ValueError:
         return 0.0
+
+
+def _set_subreaper(on: int) -> int | None:
+    """Make this process a child subreaper (or not); returns the setting before, or None if
+    prctl refused (then only the root's own tree is known to the fill)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = ctypes.c_int(0)
+    if libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(before), 0, 0, 0) != 0:
+        return None
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, on, 0, 0, 0) != 0:
+        return None
+    return before.value

@@ -8,11 +8,13 @@ own, ignoring SIGINT, SIGTERM and SIGHUP, spared by the OOM killer) and hands it
 of every userfaultfd over the socket FD as it gets one. The duplicates keep the kernel from
 zero-filling whether gpusnap is alive or not. If the socket closes before gpusnap sent "D"
 (done: every page is in place), the watcher waits for CRIU to exit, SIGKILLs the restored
-tree (the root CRIU wrote into its pidfile, and the PIDs it was told) with every descendant,
-waits until they are gone, and only then lets the descriptors close.
+tree (the root CRIU wrote into its pidfile, and the processes of the job it was told, those
+that left the tree included) with every descendant, waits until they are gone, and only then
+lets the descriptors close.
 
-Messages (each one datagram-like send): b"U" with a userfaultfd attached; b"K" + int32: a
-PID to kill on failure; b"C" + int32: CRIU's PID; b"R" + path: CRIU's pidfile; b"D": done.
+Messages (each one datagram-like send): b"U" with a userfaultfd attached; b"K" + int32 PID +
+uint64 start time (/proc/PID/stat, clock ticks): a process to kill on failure, if that PID
+still names it; b"C" + int32: CRIU's PID; b"R" + path: CRIU's pidfile; b"D": done.
 """
 
 import os
@@ -45,6 +47,14 @@ def alive(pid):
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def starttime(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def kill_tree(roots):
@@ -80,12 +90,10 @@ def main():
         if not msg:
             break
         kind, arg = msg[:1], msg[1:]
-        if kind in (b"K", b"C") and len(arg) == 4:
-            n = struct.unpack("<i", arg)[0]
-            if kind == b"K":
-                pids.append(n)
-            else:
-                criu = n
+        if kind == b"K" and len(arg) == 12:
+            pids.append(struct.unpack("<iQ", arg))
+        elif kind == b"C" and len(arg) == 4:
+            criu = struct.unpack("<i", arg)[0]
         elif kind == b"R":
             pidfile = arg.decode(errors="surrogateescape")
         elif kind == b"D":
@@ -94,13 +102,14 @@ def main():
         end = time.monotonic() + 120
         while criu > 0 and alive(criu) and time.monotonic() < end:
             time.sleep(0.01)         # CRIU writes its pidfile before it resumes the tree
+        roots = [p for p, start in pids if p > 0 and starttime(p) == start]
         if pidfile:
             try:
                 with open(pidfile) as f:
-                    pids.append(int(f.read().split()[0]))
+                    roots.append(int(f.read().split()[0]))
             except (OSError, ValueError, IndexError):
                 pass
-        tree = kill_tree([p for p in pids if p > 0])
+        tree = kill_tree([p for p in roots if p > 0])
         print(f"gpusnap-lazywatch: the lazy restore ended before every page was in place; "
               f"killed {tree}", file=sys.stderr)
     for fd in fds:

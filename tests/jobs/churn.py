@@ -14,6 +14,10 @@ polls OUT every 10 ms:
               size (it may move) and shrink it back; MADV_DONTNEED the first half of C,
               check it now reads as zeros, and write its bytes back; unmap D and map it
               anew with the same bytes
+  OUT/orphan-go  once: a double fork whose middle process exits at once, so the grandchild
+              leaves the tree (it is reparented); the grandchild writes its PID to OUT/orphan,
+              hashes A, writes OUT/orphan-ok (1 if A hashed right, else 0) and waits for
+              OUT/finish
   OUT/finish  the keeper hashes its view and exits; the job writes OUT/result: JSON with the
               digest of A, B, C, D, the keeper's digest, the rounds and every mismatch seen
               (a child's hash of A, a C that did not read as zeros), then exits 0.
@@ -87,7 +91,21 @@ def main(argv=None) -> int:
 
     mismatches: list[str] = []
     rounds = 0
+    orphaned = False
     while not os.path.exists(os.path.join(out, "finish")):
+        if not orphaned and os.path.exists(os.path.join(out, "orphan-go")):
+            orphaned = True
+            middle = os.fork()
+            if middle == 0:
+                if os.fork() == 0:
+                    _write_atomic(os.path.join(out, "orphan"), f"{os.getpid()}\n")
+                    ok = hashlib.sha256(bufs["A"]).hexdigest() == hash_a
+                    _write_atomic(os.path.join(out, "orphan-ok"), f"{int(ok)}\n")
+                    while not os.path.exists(os.path.join(out, "finish")):
+                        time.sleep(0.01)
+                    os._exit(0)
+                os._exit(0)
+            os.waitpid(middle, 0)
         if not os.path.exists(os.path.join(out, "go")):
             time.sleep(0.01)
             continue

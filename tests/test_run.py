@@ -102,12 +102,13 @@ def test_run_then_restore_beside_the_running_original(tmp_path, repo):
         assert all(proc.read_stat(p) for p in original) and all(proc.read_stat(p) for p in restored)
         assert len(restored) == len(original)
 
+        assert res["job"] == "fork-fork1" and res["fork_of"] == "fork"   # a name of its own
         go.touch()
-        body = _wait_for(stdout, "result", count=2)
-        results = [ln for ln in body.splitlines() if ln.startswith("result")]
-        assert results == [f"{expected} pid=2"] * 2, body
-        exits = _wait_for(Path(started["dir"]) / "exit", "0\n", count=2)
-        assert exits == "0\n0\n"
+        for d in (Path(started["dir"]), repo / "jobs" / "fork-fork1"):   # each in its own files
+            body = _wait_for(d / "stdout.log", "result")
+            results = [ln for ln in body.splitlines() if ln.startswith("result")]
+            assert results == [f"{expected} pid=2"], body
+            assert _wait_for(d / "exit", "0\n") == "0\n"
         assert proc.wait_gone(original + restored, 30) == []
     finally:
         kill_pids(restored)
@@ -154,7 +155,8 @@ def test_schedule_finds_the_job_by_its_name(tmp_path, repo):
         s = run_json("schedule", "add", "--name", "sched", "--every", "30m", "--repo", repo, env=env)
         assert s["match"] is None and s["command"].endswith(f"schedule run sched --config-dir {tmp_path / 'schedules'}")
         # the command the cron line runs really dumps the job, found by its name
-        subprocess.run(shlex.split(s["command"]), check=True, timeout=300, env=dict(os.environ, **env))
+        subprocess.run(shlex.split(s["command"]), check=True, timeout=300,
+                       env=dict(os.environ, **env, PYTHONPATH=str(Path(__file__).parents[1])))  # this checkout's gpusnap
         listing = run_json("ls", "--repo", repo)
         assert [r["name"] for r in listing["snapshots"]] == ["sched"]
     finally:

@@ -210,44 +210,80 @@ def test_match_never_picks_another_users_process(tmp_path):
             p.wait()
 
 
-@pytest.mark.skipif(any(os.path.exists(f"/usr/sbin/{d}") for d in schedule.CRON_DAEMONS),
-                    reason="this machine has a cron daemon in /usr/sbin")
+NOTHING_RUNS = "gpusnap-test-no-such-crond"     # a process name nothing on any machine has
+
+
 def test_detect_scheduler_finds_none_without_systemd_or_cron(tmp_path, monkeypatch):
     monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
-    kind, why = schedule.detect_scheduler(str(tmp_path / "none"), which=lambda n: None)
-    assert kind is None and "cron daemon" in why
+    kind, why = schedule.detect_scheduler(schedule.Probes(daemons=(NOTHING_RUNS,),
+                                                          systemd_run_dir=str(tmp_path / "none")))
+    assert kind is None and "no cron daemon runs" in why
 
 
 def test_detect_scheduler_prefers_systemd_when_it_is_pid_1(tmp_path, monkeypatch):
     monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
     (tmp_path / "run-systemd").mkdir()
-    assert schedule.detect_scheduler(str(tmp_path / "run-systemd"))[0] == "systemd"
+    pid1 = open("/proc/1/comm").read().strip()     # what PID 1 is here stands for systemd
+    assert schedule.detect_scheduler(schedule.Probes(systemd_run_dir=str(tmp_path / "run-systemd"),
+                                                     pid1_names=(pid1,)))[0] == "systemd"
+    # the directory alone (left behind, or bind-mounted into a container) is not systemd running
+    assert schedule.detect_scheduler(schedule.Probes(systemd_run_dir=str(tmp_path / "run-systemd"),
+                                                     daemons=(NOTHING_RUNS,),
+                                                     pid1_names=("not-" + pid1,)))[0] is None
 
 
-def test_detect_scheduler_finds_a_cron_daemon(tmp_path, monkeypatch):
+def test_detect_scheduler_finds_a_running_cron_daemon(tmp_path, monkeypatch):
+    """A live process of that name counts (read from /proc), not an installed binary."""
     monkeypatch.delenv("GPUSNAP_SCHEDULER", raising=False)
-    assert schedule.detect_scheduler(str(tmp_path / "none"), which=lambda n: "/usr/sbin/cron" if n == "cron"
-                                     else None)[0] == "cron"
+    p = subprocess.Popen(["sleep", "600"])
+    try:
+        while open(f"/proc/{p.pid}/comm").read().strip() != "sleep":   # (exec'd once Popen returns)
+            assert p.poll() is None
+        kind, why = schedule.detect_scheduler(schedule.Probes(daemons=("sleep",),
+                                                              systemd_run_dir=str(tmp_path / "none")))
+        assert kind == "cron" and "sleep runs" in why
+    finally:
+        p.kill()
+        p.wait()
 
 
-NO_SCHEDULER = pytest.mark.skipif(os.path.isdir("/run/systemd/system") or any(
-    os.path.exists(p) for d in schedule.CRON_DAEMONS for p in (f"/usr/sbin/{d}", f"/usr/bin/{d}")),
-    reason="this machine has a scheduler")
+def _no_scheduler_env(sched_env, tmp_path, installed: bool) -> dict:
+    """No scheduler: cron daemons looked for under a name nothing runs as (installed: an
+    executable of that name on PATH, which nobody started)."""
+    env = dict(sched_env, GPUSNAP_SCHEDULER="", GPUSNAP_CRON_DAEMONS=NOTHING_RUNS,
+               GPUSNAP_SYSTEMD_RUN_DIR=str(tmp_path / "no-systemd"))
+    if installed:
+        b = tmp_path / "bin"
+        b.mkdir()
+        (b / NOTHING_RUNS).write_text("#!/bin/sh\nexit 0\n")
+        (b / NOTHING_RUNS).chmod(0o755)
+        env["PATH"] = f"{b}:{os.environ['PATH']}"
+    return env
 
 
-@NO_SCHEDULER
 def test_no_scheduler_makes_add_refuse_naming_the_package(sched_env, tmp_path):
-    env = dict(sched_env)
-    env["GPUSNAP_SCHEDULER"] = ""
+    env = _no_scheduler_env(sched_env, tmp_path, installed=False)
     p = run_gpusnap("schedule", "add", "--match", "x", "--name", "n", "--every", "30m", "--user", "root",
                     "--repo", tmp_path / "repo", env=env)
     assert p.returncode == 22 and "apt install cron" in p.stderr, p.stderr
+    assert not os.path.exists(sched_env["GPUSNAP_CRON_DIR"]) and not os.path.exists(sched_env["GPUSNAP_SCHEDULE_DIR"])
 
 
-@NO_SCHEDULER
-def test_no_scheduler_is_a_doctor_warning(sched_env):
-    env = dict(sched_env)
-    env["GPUSNAP_SCHEDULER"] = ""
+def test_an_installed_cron_daemon_nobody_started_is_no_scheduler(sched_env, tmp_path):
+    """The issue: cron installed, no daemon running: `add` said ok and nothing ever ran."""
+    env = _no_scheduler_env(sched_env, tmp_path, installed=True)
+    p = run_gpusnap("schedule", "add", "--match", "x", "--name", "n", "--every", "30m", "--user", "root",
+                    "--repo", tmp_path / "repo", env=env)
+    assert p.returncode == 22, p.stderr
+    assert "installed but not running" in p.stderr and f"start the cron daemon" in p.stderr, p.stderr
+    d = json.loads(run_gpusnap("doctor", "--json", env=env).stdout)
+    check = {c["name"]: c for c in d["checks"]}["scheduler"]
+    assert check["status"] == "warn" and "installed but not running" in check["detail"]
+    assert "start the cron daemon" in check["fix"]
+
+
+def test_no_scheduler_is_a_doctor_warning(sched_env, tmp_path):
+    env = _no_scheduler_env(sched_env, tmp_path, installed=False)
     d = run_gpusnap("doctor", "--json", env=env)
     checks = {c["name"]: c for c in json.loads(d.stdout)["checks"]}
     assert checks["scheduler"]["status"] == "warn" and "cron" in checks["scheduler"]["fix"]

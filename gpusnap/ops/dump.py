@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.system import appendfiles, hostlock, preflight, proc
-from gpusnap.ops import dump_session as session, restore_needs, validate
+from gpusnap.ops import dump_session as session, identity, restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
@@ -201,7 +201,8 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> Dum
 
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
     native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
-    name = req.name or default_name(req.pid)
+    # a named job's root is dumped under its name (identity.py), anything else under its command's
+    name = req.name or identity.name_of(req.repo, req.pid) or default_name(req.pid)
     pids = plan.pids
     estimate = proc.rss_bytes(pids)
     from gpusnap.gpu import procs as gpu_procs
@@ -384,6 +385,8 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> Dum
                     staging.close()
                 shutil.rmtree(workdir, ignore_errors=True)
 
+        if req.name and req.leave_running:   # `dump --name N PID`: N stands for this job from now on
+            identity.note_dump(req.repo, req.name, req.pid)
         if gpu_problems:
             raise GpuCheckpointFailed(
                 f"snapshot {snap.path} was saved, but a GPU process could not be handed back: "

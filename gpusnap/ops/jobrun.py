@@ -6,37 +6,75 @@ CRIU then dumps the whole namespace from its init, and a restore recreates it, s
 snapshot restores beside a still-running original (a fork) and its PIDs never clash with
 processes in use. stdin is /dev/null and stdout/stderr go to files in the job directory
 REPO/jobs/N/ (not a terminal, so no --shell-job). job.json there records the name, so
-`gpusnap dump --name N`, `gpusnap schedule add --name N` and `gpusnap restore N` find it.
+`gpusnap dump --name N`, `gpusnap schedule add --name N` and `gpusnap restore N` find it
+(gpusnap/ops/identity.py: the name follows the job through restores). The init shows as
+`gpusnap-init N` in ps.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import select
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gpusnap.system import proc
-from gpusnap.errors import ProcessNotFound, UsageError
+from gpusnap.ops import identity
+from gpusnap.ops.identity import Job, jobs_dir  # noqa: F401 - callers use jobrun.Job, jobrun.jobs_dir
+from gpusnap.errors import UsageError
 
 
 # The namespace's init. Run with `python3 -I -S` so that it maps no gpusnap file: a snapshot
-# then depends only on the system's Python, not on this checkout or its virtualenv.
+# then depends only on the system's Python, not on this checkout or its virtualenv. It gets
+# the job's files as descriptors (argv: name, ready fd, exit fd, stdout fd, stderr fd, CMD...): its own
+# stdio is /dev/null, so nothing of its own (nor of unshare's) lands in the job's stderr.log,
+# and a fork restored from a snapshot gets files of its own through CRIU's --inherit-fd.
 INIT = r"""
 import os, signal, sys
-exit_file, cmd = sys.argv[2], sys.argv[3:]  # argv[1] is the "gpusnap run init" tag
+name, ready_fd, exit_fd, out_fd, err_fd = sys.argv[1], *map(int, sys.argv[2:6])
+cmd = sys.argv[6:]
+with open("/proc/self/stat", "rb") as f:   # /proc is the machine's: its PIDs, not the namespace's
+    stat = f.read()
+rest = stat.rsplit(b")", 1)[1].split()
+def title(text):
+    # one short line in ps, pgrep -f and inspect instead of this script: a rewritten argument
+    # area whose last byte is not NUL is read up to its first NUL (the kernel's setproctitle rule)
+    try:
+        start, end = int(rest[45]), int(rest[46])   # arg_start, arg_end
+        raw = text.encode()[:end - start - 2] + b"\0"
+        mem = os.open("/proc/self/mem", os.O_RDWR)
+        try:
+            os.pwrite(mem, raw + b" " * (end - start - len(raw)), start)
+        finally:
+            os.close(mem)
+        with open("/proc/self/comm", "w") as f:
+            f.write("gpusnap-init")
+    except (OSError, ValueError, IndexError):
+        pass
+null = os.open("/dev/null", os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+os.close(null)
+title("gpusnap-init " + name)
+os.write(ready_fd, stat.split(b" ", 1)[0] + b" " + rest[19] + b"\n")   # PID and start time, for job.json
+os.close(ready_fd)
 os.setsid()  # a session of its own, led inside the namespace (CRIU recreates it)
 child = os.fork()
 if child == 0:
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    for fd in (exit_fd, out_fd, err_fd):
+        os.close(fd)
     try:
         os.execvp(cmd[0], cmd)
     except OSError as e:
         sys.stderr.write(f"gpusnap run: cannot start {cmd[0]}: {e}\n")
+        sys.stderr.flush()
         os._exit(127)
+os.close(out_fd)
+os.close(err_fd)
 def forward(sig, frame):
     try:
         os.kill(child, sig)
@@ -55,35 +93,12 @@ while True:
     if pid == child:
         code = os.waitstatus_to_exitcode(status)
         code = 128 - code if code < 0 else code
-with open(exit_file, "a") as f:
-    f.write(f"{code}\n")
+os.write(exit_fd, f"{code}\n".encode())
 sys.exit(code)
 """
-
-
-@dataclass
-class Job:
-    name: str
-    pid: int          # the namespace's init, as this machine sees it
-    dir: str
-    cmd: list[str]
-    cwd: str
-    started: float
-
-    @property
-    def stdout(self) -> Path:
-        return Path(self.dir) / "stdout.log"
-
-    @property
-    def stderr(self) -> Path:
-        return Path(self.dir) / "stderr.log"
-
-    def to_dict(self) -> dict:
-        return dict(asdict(self), stdout=str(self.stdout), stderr=str(self.stderr))
-
-
-def jobs_dir(repo: Path) -> Path:
-    return Path(repo) / "jobs"
+# what unshare's command line shows instead of the script (the init takes it out of the
+# environment, so the job never sees it)
+BOOT = 'import os; exec(os.environ.pop("GPUSNAP_RUN_INIT"))'
 
 
 def _system_python() -> str:
@@ -91,20 +106,6 @@ def _system_python() -> str:
         if os.access(p, os.X_OK):
             return p
     return sys.executable
-
-
-def _load(path: Path) -> Job | None:
-    try:
-        d = json.loads(path.read_text())
-        return Job(name=d["name"], pid=int(d["pid"]), dir=d["dir"], cmd=list(d["cmd"]), cwd=d["cwd"],
-                   started=float(d["started"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _running(job: Job) -> bool:
-    """The recorded init still runs (and is ours: same command line, not a recycled PID)."""
-    return proc.exists(job.pid) and "gpusnap run init" in proc.cmdline(job.pid)
 
 
 def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None = None) -> Job:
@@ -121,59 +122,63 @@ def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None =
 
     Repository.open(repo, create=True)  # the job directory lives in the repository it is dumped to
     d = jobs_dir(repo) / name
-    old = _load(d / "job.json")
-    if old and _running(old):
+    old = identity.load(repo, name)
+    if old and identity.alive(old):
         raise UsageError(f"a job named {name!r} is already running (PID {old.pid})",
                          hint="pick another --name, or stop that job first")
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     cwd = cwd or os.getcwd()
-    stdout = open(d / "stdout.log", "ab")
-    stderr = open(d / "stderr.log", "ab")
+    files = [open(d / n, "ab") for n in ("exit", "stdout.log", "stderr.log")]
+    ready_r, ready_w = os.pipe()
+    fds = [str(ready_w)] + [str(f.fileno()) for f in files]
     try:
-        # --fork: unshare's child is PID 1 of the new namespace (our init); unshare waits for it
+        # --fork: unshare's child is PID 1 of the new namespace (our init); unshare waits for it.
+        # unshare's own stderr is a pipe read only if the start fails (never the job's log).
         launcher = subprocess.Popen(
-            [unshare, "--pid", "--fork", _system_python(), "-I", "-S", "-c", INIT, "gpusnap run init",
-             str(d / "exit"), *cmd],
-            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=cwd, start_new_session=True)
+            [unshare, "--pid", "--fork", _system_python(), "-I", "-S", "-c", BOOT, name, *fds, *cmd],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd,
+            env=dict(os.environ, GPUSNAP_RUN_INIT=INIT),
+            start_new_session=True, pass_fds=[ready_w, *(f.fileno() for f in files)])
     except OSError as e:
+        os.close(ready_r)
         raise UsageError(f"cannot start {cmd[0]}: {e}") from None
     finally:
-        stdout.close()
-        stderr.close()
-    deadline = time.monotonic() + 30
-    while not (kids := proc.children(launcher.pid)):
-        if launcher.poll() is not None:
-            raise UsageError(f"the job could not start in a PID namespace of its own (unshare exited "
-                             f"{launcher.returncode}); see {d / 'stderr.log'}")
-        if time.monotonic() > deadline:
-            raise UsageError("the job's init did not appear within 30 s")
-        time.sleep(0.01)
-    job = Job(name=name, pid=kids[0], dir=str(d), cmd=list(cmd), cwd=cwd, started=time.time())
-    tmp = d / "job.json.tmp"
-    tmp.write_text(json.dumps(asdict(job), indent=1) + "\n")
-    os.replace(tmp, d / "job.json")
+        os.close(ready_w)
+        for f in files:
+            f.close()
+    try:
+        pid, start = _wait_for_init(launcher, ready_r)
+    finally:
+        os.close(ready_r)
+        launcher.stderr.close()
+    job = Job(name=name, pid=pid, dir=str(d), cmd=list(cmd), cwd=cwd, started=time.time(), start=start,
+              boot=identity.boot_id())
+    identity.save(repo, job)
     return job
+
+
+def _wait_for_init(launcher: subprocess.Popen, ready: int) -> tuple[int, int]:
+    """The init's PID and start time, which it sends once it shows its short title (so ps and
+    pgrep see it at once); a job that ends at once has still been recorded."""
+    r, _, _ = select.select([ready], [], [], 30)
+    line = os.read(ready, 100) if r else b""
+    try:
+        pid, start = map(int, line.split())
+        return pid, start
+    except ValueError:
+        pass
+    if not r:
+        raise UsageError("the job's init did not start within 30 s")
+    launcher.wait()
+    err = launcher.stderr.read().decode(errors="replace").strip()[-300:]
+    raise UsageError(f"the job could not start in a PID namespace of its own (unshare exited "
+                     f"{launcher.returncode}{': ' + err if err else ''})")
 
 
 def find(name: str, repo: Path) -> Job:
-    """The running job started as `gpusnap run --name NAME` with this repository."""
-    job = _load(jobs_dir(repo) / name / "job.json")
-    if job is None:
-        raise ProcessNotFound(f"no job named {name!r} was started with `gpusnap run` (looked in "
-                              f"{jobs_dir(repo) / name})", hint="give the PID, or --match PATTERN")
-    if not _running(job):
-        raise ProcessNotFound(f"job {name!r} (PID {job.pid}) is not running any more",
-                              hint=f"its output is in {job.dir}; `gpusnap restore {name}` brings back "
-                                   "its last snapshot")
-    return job
+    """The running job named `name` (`gpusnap run --name`, `dump --name`, or restored under it)."""
+    return identity.find(name, repo)
 
 
 def list_jobs(repo: Path) -> list[tuple[Job, bool]]:
-    out = []
-    d = jobs_dir(repo)
-    if d.is_dir():
-        for p in sorted(d.iterdir()):
-            job = _load(p / "job.json")
-            if job:
-                out.append((job, _running(job)))
-    return out
+    return identity.list_jobs(repo)

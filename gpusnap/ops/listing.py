@@ -1,7 +1,8 @@
 """`gpusnap ls` and `gpusnap schedule ls`: the rows to list, in their order.
 
 `snapshots()` returns exactly what `ls --json` prints: the repository, one row per snapshot
-(oldest first) with its unique and shared sizes, and the repository's totals. The usage of a
+(oldest first) with its unique and shared sizes, the repository's totals, and its named jobs
+(which PID carries each name now, forks). The usage of a
 repository without snapshots is not computed (that would load numpy for nothing).
 """
 
@@ -32,7 +33,20 @@ def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
             if name is None or row.get("name") == name:
                 rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
         rows.sort(key=lambda r: (r.get("created", 0), r["dir"]))
-    return {"repository": str(root), "snapshots": rows, "totals": totals}
+    return {"repository": str(root), "snapshots": rows, "totals": totals, "jobs": jobs(root, name)}
+
+
+def jobs(root: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """The named jobs (gpusnap/ops/identity.py): which tree carries each name now, and forks."""
+    from gpusnap.ops import identity
+
+    out = []
+    for job, up in identity.list_jobs(root):
+        if name is None or name in (job.name, job.forked_from):
+            out.append({"name": job.name, "pid": job.pid, "running": up, "kind": job.kind,
+                        "forked_from": job.forked_from, "restores": job.restores,
+                        "restored_from": job.restored_from, "dir": job.dir})
+    return out
 
 
 def _has_snapshots(root: Path) -> bool:

@@ -23,7 +23,7 @@ from typing import Callable
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
 from gpusnap.system import hostlock, proc
-from gpusnap.ops import restore_files, restore_needs, restore_paths
+from gpusnap.ops import identity, restore_files, restore_needs, restore_paths
 from gpusnap.criu import runner
 from gpusnap.criu import pbwire, sparse
 from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, PidsInUse, UsageError
@@ -52,6 +52,11 @@ class RestoreResult:
     running_seconds: float | None = None
     # --via lazy: what the job did while its memory was filled (criu/lazypages.py)
     lazy: dict | None = None
+    # the name the restored tree carries (gpusnap/ops/identity.py): the snapshot's, or for a
+    # fork beside the still-running original its own (NAME-forkK); fork_of: that original
+    job: str | None = None
+    fork_of: str | None = None
+    job_dir: str | None = None      # a `run` job's: where its stdout.log and stderr.log are
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -216,7 +221,14 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
-    fixes = restore_files.prepare(snap)
+    # the name the restored tree will carry (the snapshot's, or a fork's: gpusnap/ops/identity.py)
+    claim = identity.claim(repository.path, snap)
+    try:
+        fixes = restore_files.prepare(snap, inherited=claim.paths)
+    except BaseException:
+        claim.abandon()
+        raise
+    flags += claim.criu_flags()
     check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
     sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
     phases = {"preflight": round(time.monotonic() - t0, 3)}
@@ -240,8 +252,9 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
                 pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp)
         else:
             pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp)
-    except BaseException:
+    except BaseException as e:
         fixes.undo()
+        claim.abandon(e)
         raise
     if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
         if pid is None:   # never hand back the original's PIDs as the restored ones
@@ -252,10 +265,14 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     if closed:
         netlock.unlock_closed(conns)
     notes = fixes.notes()
+    job, unrecorded = claim.commit(pid)
+    if unrecorded:
+        notes.append(unrecorded)
     if lazy and lazy.get("signals_deferred"):
         notes.append("a signal to stop came while the job's memory was being filled; gpusnap finished the fill "
                      "first (stopping then would have killed the job), and the job runs")
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
                          phases=phases, via=mode, images=where, notes=notes,
                          tcp_closed=why if closed else None, running_seconds=running,
-                         lazy=lazy)
+                         lazy=lazy, job=claim.job.name, fork_of=claim.fork_of,
+                         job_dir=claim.job.dir if job is not None and job.kind == "run" else None)

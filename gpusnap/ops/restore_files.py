@@ -199,9 +199,10 @@ def _same_file(st: os.stat_result, e: dict, same_host: bool) -> bool:
     return st.st_ino == e["ino"] and (st.st_dev == e["dev"] or not same_host)
 
 
-def prepare(snap) -> FileFixes:
+def prepare(snap, inherited=frozenset()) -> FileFixes:
     """Check every file the snapshot had open against what CRIU will expect; refuse
-    (FilesChanged, naming each file) or fix output files that grew. Returns what was fixed."""
+    (FilesChanged, naming each file) or fix output files that grew. Returns what was fixed.
+    `inherited`: paths CRIU gets as open descriptors (a fork's own files): left alone."""
     skip = _remapped_ids(snap)
     problems: list[str] = []
     grown: list[tuple[str, int]] = []
@@ -220,6 +221,8 @@ def prepare(snap) -> FileFixes:
         appended[e["path"]] = e
         files.setdefault(e["path"], [e["size"], True])[1] = True
     for name, (size, writable) in files.items():
+        if name in inherited:
+            continue
         kind = "output file" if writable else "input file"
         try:
             st = os.stat(name)

@@ -94,7 +94,7 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
          "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        start_new_session=True)
+        start_new_session=True, pass_fds=inherited_fds(flags))
     if lazy is not None:
         lazy.criu_started(criu.pid)
     if server is not None:
@@ -130,6 +130,11 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         pid = None
     check_gpu_restore(workdir, snap, pid, list(pids or []), kept, same_pids=pids is not None)
     return pid
+
+
+def inherited_fds(flags: list[str]) -> list[int]:
+    """The descriptors `--inherit-fd fd[N]:KEY` flags hand to CRIU (a fork's own files)."""
+    return [int(f.split("]")[0][3:]) for i, f in enumerate(flags) if i and flags[i - 1] == "--inherit-fd"]
 
 
 WORK_PREFIX = "gpusnap-restore-"

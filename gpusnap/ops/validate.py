@@ -113,9 +113,9 @@ def find_job(match: str, uid: int | None = None) -> int:
     if not hits:
         extra = (f" of user {user_name(uid)}" if uid is not None else "")
         more = f" ({len(others)} of other users ignored)" if others else ""
-        raise ProcessNotFound(f"no running process{extra} matches {match!r}{more}")
+        raise ProcessNotFound(f"no running process{extra} matches `{match}`{more}")
     if len(hits) > 1:
         listing = "; ".join(f"{p}: {proc.cmdline(p)[:60]}" for p in hits[:5])
-        raise UsageError(f"{len(hits)} process trees match {match!r} ({listing})",
+        raise UsageError(f"{len(hits)} process trees match `{match}` ({listing})",
                          hint="make the pattern more specific, or pass the PID")
     return hits[0]

@@ -90,7 +90,7 @@ def job_started(job, o) -> None:
 
 
 def schedule_added(s, o) -> None:
-    o.out.print(f"{s.name}: {s.when}, job {s.match!r} of user {s.user}, repository {s.repo}, "
+    o.out.print(f"{s.name}: {s.when}, {s.job} (user {s.user}), repository {s.repo}, "
                 f"keep {s.keep_last}", markup=False)
     o.out.print(f"  {s.backend}: {', '.join(s.files)}; log {s.log}", markup=False)
     moved = getattr(s, "replaced_repo", None)
@@ -106,7 +106,7 @@ def schedules(items: list[dict[str, Any]], o) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for col in ("name", "when", "user", "last run (UTC)", "result", "next run (UTC)", "repository"):
+    for col in ("name", "when", "user", "job PID", "last run (UTC)", "result", "next run (UTC)", "repository"):
         table.add_column(col)
     for st in items:
         result = st["result"] or "-"
@@ -114,7 +114,7 @@ def schedules(items: list[dict[str, Any]], o) -> None:
             result = f"JOB GONE ({st['runs_without_job']} runs)"
         elif not st["installed"]:
             result += " (NOT INSTALLED)"
-        table.add_row(st["name"], st["when"], st["user"], st["last_run"] or "never", result,
+        table.add_row(st["name"], st["when"], st["user"], str(st.get("job_pid") or "-"), st["last_run"] or "never", result,
                       st["next_run"] or "-", plain(st["repo"]))
     o.out.print(table)
 

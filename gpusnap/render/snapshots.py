@@ -32,6 +32,14 @@ def restore(result, o, quiet: bool = False) -> None:
     for note in result.notes:
         o.err.print(f"[yellow]note:[/] {note}")
     o.out.print(result.pid)
+    if result.job and not quiet:
+        where = f"; its output goes to {result.job_dir}/" if result.job_dir else ""
+        if result.fork_of:
+            o.err.print(f"job {result.job}: a fork of {result.fork_of}, which still runs and keeps its name{where}",
+                        markup=False)
+        else:
+            o.err.print(f"job {result.job} is PID {result.pid} now (`dump --name {result.job}` and its schedules "
+                        f"find it){where}", markup=False)
     if result.running_seconds is not None and not quiet:
         o.err.print(f"running again after {result.running_seconds:.2f} s; its memory filled in while it ran, "
                     f"all in place after {result.seconds:.2f} s", markup=False)
@@ -55,11 +63,27 @@ def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
                           utc(r.get("created", 0)), human_bytes(r.get("bytes_raw", 0)),
                           human_bytes(r.get("bytes_unique", 0)), human_bytes(r.get("bytes_shared", 0)))
         o.out.print(table)
+    job_list(listing.get("jobs") or [], o)
     if totals["snapshots"]:
         ratio = f" ({totals['ratio']:.1%} of what CRIU produced)" if totals.get("ratio") else ""
         o.err.print(f"{totals['snapshots']} snapshot(s) of {totals['names']} name(s): "
                     f"{human_bytes(totals['bytes_raw'])} from CRIU, {human_bytes(totals['bytes_stored'])} "
                     f"in the repository{ratio}", markup=False)
+
+
+def job_list(jobs: list[dict[str, Any]], o) -> None:
+    """The named jobs of `gpusnap ls`: which PID carries each name now (after restores, forks)."""
+    if not jobs:
+        return
+    from rich.table import Table
+
+    table = Table(box=None)
+    for col in ("job", "PID", "state", "restored", "fork of"):
+        table.add_column(col)
+    for j in jobs:
+        table.add_row(plain(j["name"]), str(j["pid"]), "running" if j["running"] else "gone",
+                      f"{j['restores']}x" if j["restores"] else "-", plain(j["forked_from"] or "-"))
+    o.out.print(table)
 
 
 def exported(result: dict[str, Any], o, to_stdout: bool) -> None:

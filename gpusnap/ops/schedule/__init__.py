@@ -16,8 +16,8 @@ manage.py: `add` and `rm`; runlog.py: `schedule run`, its log, status and doctor
 
 from gpusnap.ops.schedule.record import (Schedule, SPEC_VERSION, gpusnap_executable, list_schedules, load,  # noqa: F401
                                          log_dir, spec_dir)
-from gpusnap.ops.schedule.backends import (CRON_DAEMONS, MARK, PREFIX, cron_dir, detect_scheduler,  # noqa: F401
-                                           require_scheduler, systemd_dir)
+from gpusnap.ops.schedule.backends import (CRON_DAEMONS, MARK, PREFIX, Probes, cron_dir, detect_scheduler,  # noqa: F401
+                                           probes, require_scheduler, scheduler_fix, systemd_dir)
 from gpusnap.ops.schedule.manage import add, remove  # noqa: F401
-from gpusnap.ops.schedule.runlog import (GONE_AFTER, append_log, doctor_checks, next_run, read_log, run,  # noqa: F401
-                                         status)
+from gpusnap.ops.schedule.runlog import (GONE_AFTER, append_log, current_job, doctor_checks, next_run,  # noqa: F401
+                                         read_log, run, status)

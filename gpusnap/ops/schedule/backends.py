@@ -1,5 +1,6 @@
 """Where a schedule runs: a systemd timer where systemd is PID 1, a file in /etc/cron.d
-otherwise. Which one runs here, the files each gets (only a schedule name and checked paths
+where a cron daemon runs (a live process, seen in /proc: an installed daemon nobody started
+runs nothing). Which one runs here, the files each gets (only a schedule name and checked paths
 go in them: the job's arguments stay in the spec), and systemctl."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.ops import cronexpr
@@ -28,29 +30,86 @@ def systemd_dir() -> Path:
 CRON_DAEMONS = ("cron", "crond", "cronie", "busybox-crond")
 
 
-def detect_scheduler(systemd_run_dir: str = "/run/systemd/system", which=shutil.which) -> tuple[str | None, str]:
-    """("systemd"|"cron"|None, why). systemd when PID 1 is systemd (sd_booted()'s test),
-    cron when a cron daemon is installed, else None and what to install.
-    GPUSNAP_SCHEDULER=cron|systemd forces one (tests, containers with an outside cron)."""
+@dataclass(frozen=True)
+class Probes:
+    """Where the scheduler checks look: the one place a test points elsewhere
+    (GPUSNAP_CRON_DAEMONS=name,name and GPUSNAP_SYSTEMD_RUN_DIR)."""
+    daemons: tuple[str, ...] = CRON_DAEMONS        # process names (/proc/PID/comm) of cron daemons
+    systemd_run_dir: str = "/run/systemd/system"   # exists when systemd booted the machine (sd_booted)
+    pid1_names: tuple[str, ...] = ("systemd",)     # what PID 1 is called when systemd runs the machine
+    sbin: tuple[str, ...] = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")   # where daemons are installed
+
+
+def probes() -> Probes:
+    names = os.environ.get("GPUSNAP_CRON_DAEMONS")
+    daemons = tuple(n for n in names.split(",") if n) if names is not None else CRON_DAEMONS
+    return Probes(daemons=daemons,
+                  systemd_run_dir=os.environ.get("GPUSNAP_SYSTEMD_RUN_DIR", Probes.systemd_run_dir),
+                  pid1_names=tuple(n for n in os.environ.get("GPUSNAP_PID1_NAMES", "systemd").split(",") if n))
+
+
+def running_daemon(names) -> tuple[str, int] | None:
+    """(name, PID) of a live process called one of `names` (a cron daemon), from /proc."""
+    from gpusnap.system import proc
+
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        st = proc.read_stat(int(entry))
+        if st is not None and st.comm in names and st.state not in ("Z", "X"):
+            return st.comm, st.pid
+    return None
+
+
+def installed_daemon(p: Probes) -> str | None:
+    for d in p.daemons:
+        exe = shutil.which(d) or next((f"{b}/{d}" for b in p.sbin if os.access(f"{b}/{d}", os.X_OK)), None)
+        if exe:
+            return exe
+    return None
+
+
+def detect_scheduler(p: Probes | None = None) -> tuple[str | None, str]:
+    """("systemd"|"cron"|None, why). What will run a schedule: systemd when it is PID 1 (and
+    booted the machine), cron when a cron daemon runs now (an installed one that nobody
+    started runs nothing). GPUSNAP_SCHEDULER=cron|systemd forces one (tests, containers
+    whose cron runs outside)."""
     forced = os.environ.get("GPUSNAP_SCHEDULER")
     if forced in ("cron", "systemd"):
         return forced, f"forced by GPUSNAP_SCHEDULER={forced}"
-    if os.path.isdir(systemd_run_dir):
+    p = p or probes()
+    try:
+        with open("/proc/1/comm") as f:
+            pid1 = f.read().strip()
+    except OSError:
+        pid1 = ""
+    if pid1 in p.pid1_names and os.path.isdir(p.systemd_run_dir):
         return "systemd", "PID 1 is systemd: a systemd timer runs the schedule"
-    for d in CRON_DAEMONS:
-        exe = which(d) or (f"/usr/sbin/{d}" if os.path.exists(f"/usr/sbin/{d}") else None)
-        if exe:
-            return "cron", f"cron daemon {exe}: a file in /etc/cron.d runs the schedule"
-    return None, ("neither systemd (PID 1) nor a cron daemon runs on this machine, so nothing would "
-                  "ever run a schedule")
+    daemon = running_daemon(p.daemons)
+    if daemon:
+        return "cron", f"the cron daemon {daemon[0]} runs (PID {daemon[1]}): a file in {cron_dir()} runs the schedule"
+    exe = installed_daemon(p)
+    if exe:
+        return None, (f"the cron daemon {exe} is installed but not running, and systemd is not PID 1 "
+                      f"(PID 1 is {pid1 or 'unknown'}), so nothing would ever run a schedule")
+    return None, (f"no cron daemon runs and systemd is not PID 1 (PID 1 is {pid1 or 'unknown'}), so nothing "
+                  "would ever run a schedule")
+
+
+def scheduler_fix(p: Probes | None = None) -> str:
+    """What to start or install so that schedules run."""
+    exe = installed_daemon(p or probes())
+    if exe:
+        return (f"start the cron daemon and keep it running: `{exe}` (as root; Debian/Ubuntu: `service cron "
+                "start`), then add the schedule again")
+    return ("install and start a cron daemon (Debian/Ubuntu: apt install cron, then `service cron start`; "
+            "Fedora/RHEL: dnf install cronie, then `systemctl enable --now crond`) and add the schedule again")
 
 
 def require_scheduler() -> str:
     kind, why = detect_scheduler()
     if kind is None:
-        raise SchedulerUnavailable(why, hint="install a cron daemon (Debian/Ubuntu: apt install cron, "
-                                             "then start it; Fedora/RHEL: dnf install cronie) and add the "
-                                             "schedule again")
+        raise SchedulerUnavailable(why, hint=scheduler_fix())
     return kind
 
 

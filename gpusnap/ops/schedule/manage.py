@@ -23,6 +23,16 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
 
     validate.check_schedule_name(name)
     validate.check_name(name)               # it is also the snapshot name
+    # a name clash first: what else is wrong (the job gone, no scheduler) is moot for a name in use
+    old = None
+    try:
+        old = load(name)
+    except UsageError:
+        pass
+    if (old is not None or installed_files(name)) and not replace:
+        where = f" (repository {old.repo}, {old.job})" if old else ""
+        raise UsageError(f"a schedule named {name} exists{where}",
+                         hint="give --replace to overwrite it, or choose another name")
     if match is not None:
         validate.check_match(match)
     if type(keep_last) is not int or keep_last < 1:
@@ -45,15 +55,6 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
     if repo_path.exists():                  # a repository every run would refuse: say so now
         from gpusnap.repo.repository import Repository
         Repository.open(repo_path)
-    old = None
-    try:
-        old = load(name)
-    except UsageError:
-        pass
-    if (old is not None or installed_files(name)) and not replace:
-        where = f" (repository {old.repo})" if old else ""
-        raise UsageError(f"a schedule named {name!r} exists{where}",
-                         hint="give --replace to overwrite it, or choose another name")
     sd, ld = spec_dir(), log_dir()
     s = Schedule(name=name, match=match, uid=uid, repo=str(repo_path), keep_last=keep_last, backend=backend,
                  when=when, every=every, cron=cronexpr.check(cron) if cron else None, exit_after=exit_after,
@@ -95,9 +96,9 @@ def _run_job_owner(name: str, repo: Path, user) -> int:
     job = jobrun.find(name, repo)
     uid = validate.process_uid(job.pid)
     if uid is None:
-        raise UsageError(f"job {name!r} (PID {job.pid}) went away while the schedule was added")
+        raise UsageError(f"job {name} (PID {job.pid}) went away while the schedule was added")
     if user is not None and validate.resolve_user(user) != uid:
-        raise UsageError(f"job {name!r} runs as {validate.user_name(uid)}, not {user}")
+        raise UsageError(f"job {name} runs as {validate.user_name(uid)}, not {user}")
     return uid
 
 
@@ -109,10 +110,10 @@ def _job_owner(match: str, user) -> int:
     hits = proc.find_matching(match)
     uids = sorted({u for u in (validate.process_uid(p) for p in hits) if u is not None})
     if not uids:
-        raise UsageError(f"no running process matches {match!r}, so the job's owner is unknown",
+        raise UsageError(f"no running process matches `{match}`, so the job's owner is unknown",
                          hint="start the job first, or give --user USER (only that user's processes are ever dumped)")
     if len(uids) > 1:
-        raise UsageError(f"processes of several users match {match!r} ({', '.join(map(validate.user_name, uids))})",
+        raise UsageError(f"processes of several users match `{match}` ({', '.join(map(validate.user_name, uids))})",
                          hint="give --user USER: only that user's processes are ever dumped")
     return uids[0]
 

@@ -52,6 +52,13 @@ class Schedule:
         return validate.user_name(self.uid)
 
     @property
+    def job(self) -> str:
+        """The job as the user named it, for messages: the pattern as typed (no repr escapes)."""
+        if self.match is None:
+            return f"the job named {self.name}"
+        return f"the job matching `{self.match}`"
+
+    @property
     def path(self) -> str:
         return self.files[0] if self.files else ""
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpusnap.ops import cronexpr, validate
 from gpusnap.errors import GpusnapError, InterruptedAfterCommit, ProcessNotFound
-from gpusnap.ops.schedule.backends import detect_scheduler, legacy_cron_files
+from gpusnap.ops.schedule.backends import detect_scheduler, legacy_cron_files, scheduler_fix
 from gpusnap.ops.schedule.record import Schedule, list_schedules, load, private_dir
 
 GONE_AFTER = 3          # runs in a row without the job before ls/doctor say it is gone
@@ -69,7 +69,7 @@ def run(name: str, config_dir: Path | None = None) -> dict:
 
             pid = jobrun.find(s.name, Path(s.repo)).pid
             if validate.process_uid(pid) != s.uid:
-                raise ProcessNotFound(f"job {s.name!r} (PID {pid}) no longer runs as {s.user}")
+                raise ProcessNotFound(f"job {s.name} (PID {pid}) no longer runs as {s.user}")
         else:
             pid = validate.find_job(s.match, s.uid)
         rec["pid"] = pid
@@ -129,14 +129,29 @@ def status(s: Schedule, now: float | None = None) -> dict:
     recs = read_log(s)
     last = recs[-1] if recs else None
     streak = _no_job_streak(recs)
+    pid = current_job(s)     # the job now (after a restore, found before the next run)
     out = {"name": s.name, "backend": s.backend, "when": s.when, "match": s.match, "user": s.user,
            "repo": s.repo, "keep_last": s.keep_last, "last_run": last.get("time") if last else None,
            "result": last.get("outcome") if last else None,
            "last_message": last.get("message") if last else None,
-           "runs_without_job": streak, "job_gone": streak >= GONE_AFTER,
+           "job_pid": pid, "runs_without_job": streak if pid is None else 0, "job_gone": streak >= GONE_AFTER and pid is None,
            "installed": all(os.path.exists(f) for f in s.files) and bool(s.files),
            "next_run": next_run(s, recs, now)}
     return out
+
+
+def current_job(s: Schedule) -> int | None:
+    """The PID the next run would dump (the named job wherever it was restored, or what
+    --match finds among its owner's processes); None when there is none."""
+    try:
+        if s.match is None:
+            from gpusnap.ops import identity
+
+            job = identity.running(s.name, Path(s.repo))
+            return job.pid if job is not None and validate.process_uid(job.pid) == s.uid else None
+        return validate.find_job(s.match, s.uid)
+    except GpusnapError:
+        return None
 
 
 def next_run(s: Schedule, recs: list[dict], now: float) -> str | None:
@@ -164,8 +179,7 @@ def doctor_checks(add) -> None:
     except GpusnapError:
         items = []
     if kind is None:
-        add("scheduler", "fail" if items else "warn", why,
-            "install a cron daemon (Debian/Ubuntu: apt install cron; Fedora/RHEL: dnf install cronie)")
+        add("scheduler", "fail" if items else "warn", why, scheduler_fix())
     else:
         add("scheduler", "ok", why)
     known = {f for s in items for f in s.files}
@@ -183,7 +197,7 @@ def doctor_checks(add) -> None:
                 "add it again with --replace")
         elif st["job_gone"]:
             add(f"schedule {s.name}", "warn",
-                f"the job ({s.match!r}, user {s.user}) has been gone for {st['runs_without_job']} runs in a row",
+                f"{s.job} (user {s.user}) has been gone for {st['runs_without_job']} runs in a row",
                 f"restart the job, or gpusnap schedule rm {s.name}")
         elif st["result"] not in (None, "ok"):
             add(f"schedule {s.name}", "warn", f"last run {st['last_run']}: {st['result']}: {st['last_message']}",

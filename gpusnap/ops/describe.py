@@ -176,6 +176,8 @@ def processes(snap) -> list[dict[str, Any]]:
         if mm.get("mm_arg_end", 0) > mm.get("mm_arg_start", 0):
             raw = _read_memory(snap, pagemap, [(int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))])[0]
             if raw is not None:
+                if raw[-1:] not in (b"", b"\0"):   # rewritten (setproctitle): up to its first NUL, as ps shows it
+                    raw = raw.split(b"\0", 1)[0]
                 cmdline = [a.decode(errors="replace") for a in raw.rstrip(b"\0").split(b"\0")]
                 cmdline_from = "memory"
         if cmdline is None and pid == meta.get("pid") and meta.get("cmdline"):

@@ -73,10 +73,20 @@ def _crash(init: int) -> None:
     assert proc.wait_gone(tree, 30) == []
 
 
+def checkout_gpusnap(tmp_path: Path) -> str:
+    """A PATH whose `gpusnap` (what a schedule's command line runs) is this checkout's, whatever
+    else is installed on the machine or the venv's entry point imports."""
+    b = tmp_path / "bin"
+    b.mkdir(exist_ok=True)
+    (b / "gpusnap").write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {PY} -m gpusnap \"$@\"\n")
+    (b / "gpusnap").chmod(0o755)
+    return f"{b}:{os.environ['PATH']}"
+
+
 def _sched_env(tmp_path: Path) -> dict:
     return {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log"),
             "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"), "GPUSNAP_SYSTEMD_DIR": str(tmp_path / "systemd"),
-            "GPUSNAP_SCHEDULER": "cron"}
+            "GPUSNAP_SCHEDULER": "cron", "PATH": checkout_gpusnap(tmp_path)}
 
 
 def test_a_crashed_run_job_restored_is_dumped_by_name_and_by_its_schedule(tmp_path, repo):
@@ -100,7 +110,7 @@ def test_a_crashed_run_job_restored_is_dumped_by_name_and_by_its_schedule(tmp_pa
         assert res["job"] == "fold" and res["fork_of"] is None and res["pid"] != job["pid"]
         # the command the cron line runs (this checkout's gpusnap, as the cron line's would be)
         p = subprocess.run(shlex.split(s["command"]), capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, **env, PYTHONPATH=str(ROOT)))
+                           env=dict(os.environ, **env))
         assert p.returncode == 0, p.stderr
         rec = [json.loads(ln) for ln in open(s["log"]).read().splitlines()][-1]
         assert rec["outcome"] == "ok" and rec["pid"] == res["pid"]
@@ -205,7 +215,7 @@ def test_a_name_given_to_a_plain_dump_follows_its_restore(tmp_path, repo, sample
         s = run_json("schedule", "add", "--name", "plain", "--every", "30m", "--repo", repo, env=env)
         assert s["match"] is None
         p = subprocess.run(shlex.split(s["command"]), capture_output=True, text=True, timeout=300,
-                           env=dict(os.environ, **env, PYTHONPATH=str(ROOT)))
+                           env=dict(os.environ, **env))
         assert p.returncode == 0, p.stderr
         assert [r["name"] for r in run_json("ls", "--repo", repo)["snapshots"]] == ["plain"] * 3
     finally:

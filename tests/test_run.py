@@ -16,6 +16,7 @@ import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
 from gpusnap.ops import jobrun
+from test_job_identity import checkout_gpusnap
 from gpusnap.system import proc
 
 pytestmark = pytest.mark.criu
@@ -151,12 +152,11 @@ def test_schedule_finds_the_job_by_its_name(tmp_path, repo):
     try:
         env = {"GPUSNAP_CRON_DIR": str(tmp_path / "cron.d"), "GPUSNAP_LOG_DIR": str(tmp_path / "log"),
                "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"), "GPUSNAP_SYSTEMD_DIR": str(tmp_path / "systemd"),
-               "GPUSNAP_SCHEDULER": "cron"}
+               "GPUSNAP_SCHEDULER": "cron", "PATH": checkout_gpusnap(tmp_path)}
         s = run_json("schedule", "add", "--name", "sched", "--every", "30m", "--repo", repo, env=env)
         assert s["match"] is None and s["command"].endswith(f"schedule run sched --config-dir {tmp_path / 'schedules'}")
         # the command the cron line runs really dumps the job, found by its name
-        subprocess.run(shlex.split(s["command"]), check=True, timeout=300,
-                       env=dict(os.environ, **env, PYTHONPATH=str(Path(__file__).parents[1])))  # this checkout's gpusnap
+        subprocess.run(shlex.split(s["command"]), check=True, timeout=300, env=dict(os.environ, **env))
         listing = run_json("ls", "--repo", repo)
         assert [r["name"] for r in listing["snapshots"]] == ["sched"]
     finally:

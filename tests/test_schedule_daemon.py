@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, kill_pids, run_gpusnap, run_json
+from conftest import PY, kill_pids, run_gpusnap, run_json
 from gpusnap.system import proc
-from test_job_identity import _crash, _run, _wait_for
+from test_job_identity import _crash, _run, _wait_for, checkout_gpusnap
 from test_schedule import no_scheduler_env, sched_env  # noqa: F401 - a fixture
 
 CRON = "/usr/sbin/cron"
@@ -79,15 +79,6 @@ def test_messages_show_what_was_typed(sched_env, tmp_path):  # noqa: F811
         kill_pids(proc.tree(job["pid"]) if proc.exists(job["pid"]) else [])
 
 
-def _wrapper(tmp_path: Path) -> Path:
-    """`gpusnap` on PATH for the cron line: this checkout's, whatever the venv's entry points at."""
-    b = tmp_path / "bin"
-    b.mkdir()
-    (b / "gpusnap").write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {PY} -m gpusnap \"$@\"\n")
-    (b / "gpusnap").chmod(0o755)
-    return b
-
-
 def test_a_real_cron_daemon_snapshots_the_restored_job(tmp_path):
     """The whole scenario with the real cron daemon: `schedule add` sees it running; the job
     crashes and is restored; cron's next run (at a minute boundary) dumps the restored job by
@@ -96,7 +87,7 @@ def test_a_real_cron_daemon_snapshots_the_restored_job(tmp_path):
     repo = tmp_path / "repo"
     name = f"crontest{os.getpid()}"
     env = {"GPUSNAP_LOG_DIR": str(tmp_path / "log"), "GPUSNAP_SCHEDULE_DIR": str(tmp_path / "schedules"),
-           "PATH": f"{_wrapper(tmp_path)}:{os.environ['PATH']}"}
+           "PATH": checkout_gpusnap(tmp_path)}
     for k in ("GPUSNAP_SCHEDULER", "GPUSNAP_CRON_DIR", "GPUSNAP_CRON_DAEMONS", "GPUSNAP_SYSTEMD_RUN_DIR"):
         assert k not in os.environ
     cron = subprocess.Popen([CRON, "-f"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

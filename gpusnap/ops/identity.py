@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from gpusnap.errors import GpusnapError, Interrupted, ProcessNotFound
+from gpusnap.errors import GpusnapError, Interrupted, ProcessNotFound, RepositoryError
 from gpusnap.system import hostlock, proc
 
 RUN_FILES = ("stdout.log", "stderr.log", "exit")   # a `run` job's files, each held open by the job
@@ -88,6 +88,7 @@ def load(repo: Path, name: str) -> Job | None:
 def save(repo: Path, job: Job) -> None:
     """job.json, replaced atomically (a private temp file, then rename)."""
     d = jobs_dir(repo) / job.name
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
     write_record(d / "job.json", json.dumps(asdict(job), indent=1) + "\n")
 
 
@@ -148,7 +149,7 @@ def list_jobs(repo: Path) -> list[tuple[Job, bool]]:
     d = jobs_dir(repo)
     try:
         names = sorted(os.listdir(d))
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:            # none yet, or not readable by this user: no named jobs to go by
         return out
     for n in names:
         job = load(repo, n)
@@ -177,7 +178,6 @@ def note_dump(repo: Path, name: str, pid: int) -> None:
     if job is None:
         return
     with contextlib.suppress(OSError):
-        (jobs_dir(repo) / name).mkdir(parents=True, exist_ok=True, mode=0o700)
         save(repo, job)
 
 
@@ -241,8 +241,8 @@ class Claim:
 
 
 def _lock_name(repo: Path, name: str) -> str:
-    h = hashlib.sha256(str(Path(repo).absolute()).encode()).hexdigest()[:16]
-    return f"job-{h}-{name}"
+    # a name may hold '_' and '+', which lock names may not: a digest of repository and name
+    return "job-" + hashlib.sha256(f"{Path(repo).absolute()}\0{name}".encode()).hexdigest()[:32]
 
 
 def claim(repo: Path, snap) -> Claim:
@@ -256,18 +256,27 @@ def claim(repo: Path, snap) -> Claim:
         if old is None:
             job = Job(name=name, pid=0, dir=str(jobs_dir(repo) / name), cmd=[], cwd="", started=0.0,
                       kind="process", restored_from=str(snap.path), restores=1)
-            (jobs_dir(repo) / name).mkdir(parents=True, exist_ok=True, mode=0o700)
             return Claim(repo=Path(repo), job=job, _locks=locks)
         if not alive(old):   # the job is gone: the restored tree takes its name
             job = replace(old, restored_from=str(snap.path), restores=old.restores + 1, forked_from=None)
             return Claim(repo=Path(repo), job=job, _locks=locks)
-        fork_name, d = _new_fork_dir(repo, name)
+        try:
+            fork_name, d = _new_fork_dir(repo, name)
+        except OSError as e:
+            raise RepositoryError(f"cannot make a directory for a fork of job {name} in {jobs_dir(repo)}: "
+                                  f"{e.strerror}", hint="nothing was restored; the running original is "
+                                  "untouched") from None
         c = Claim(repo=Path(repo), job=replace(old, name=fork_name, dir=str(d), forked_from=name,
                                                restored_from=str(snap.path), restores=1),
                   fork_of=name, made_dir=d, _locks=locks)
         try:
             if old.kind == "run":
                 _open_fork_files(c, snap, Path(old.dir), d)
+        except OSError as e:
+            c.abandon()
+            raise RepositoryError(f"cannot make the fork's own files in {d}: {e.strerror}",
+                                  hint="nothing was restored; the running original and its files are "
+                                       "untouched") from None
         except BaseException:
             c.abandon()
             raise
@@ -286,7 +295,8 @@ def _new_fork_dir(repo: Path, name: str) -> tuple[str, Path]:
             return fork, base / fork
         except FileExistsError:
             continue
-    raise ProcessNotFound(f"no free fork name for job {name!r} (tried {name}-fork1 to -fork9999)")
+    raise RepositoryError(f"no free fork name for job {name} (tried {name}-fork1 to {name}-fork9999 in {base})",
+                          hint="remove the directories of old forks that ended")
 
 
 def _open_fork_files(c: Claim, snap, orig_dir: Path, d: Path) -> None:

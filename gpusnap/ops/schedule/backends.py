@@ -33,7 +33,7 @@ CRON_DAEMONS = ("cron", "crond", "cronie", "busybox-crond")
 @dataclass(frozen=True)
 class Probes:
     """Where the scheduler checks look: the one place a test points elsewhere
-    (GPUSNAP_CRON_DAEMONS=name,name and GPUSNAP_SYSTEMD_RUN_DIR)."""
+    (GPUSNAP_CRON_DAEMONS=name,name, GPUSNAP_SYSTEMD_RUN_DIR, GPUSNAP_PID1_NAMES=name,name)."""
     daemons: tuple[str, ...] = CRON_DAEMONS        # process names (/proc/PID/comm) of cron daemons
     systemd_run_dir: str = "/run/systemd/system"   # exists when systemd booted the machine (sd_booted)
     pid1_names: tuple[str, ...] = ("systemd",)     # what PID 1 is called when systemd runs the machine

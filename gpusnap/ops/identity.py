@@ -223,7 +223,7 @@ class Claim:
             self.job = job
             return job, None
         except OSError as e:
-            return None, f"the name {self.job.name!r} could not be recorded for the restored job: {e}"
+            return None, f"the name {self.job.name} could not be recorded for the restored job: {e}"
         finally:
             self._close()
 

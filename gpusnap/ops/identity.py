@@ -289,7 +289,8 @@ def claim(repo: Path, snap) -> Claim:
 def _new_fork_dir(repo: Path, name: str) -> tuple[str, Path]:
     base = jobs_dir(repo)
     for k in range(1, 10000):
-        fork = f"{name}-fork{k}"
+        suffix = f"-fork{k}"
+        fork = name[:100 - len(suffix)] + suffix     # still a valid name (at most 100 characters)
         try:
             (base / fork).mkdir(mode=0o700)
             return fork, base / fork

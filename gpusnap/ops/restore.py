@@ -265,7 +265,7 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     if closed:
         netlock.unlock_closed(conns)
     notes = fixes.notes()
-    job, unrecorded = claim.commit(pid)
+    _, unrecorded = claim.commit(pid)
     if unrecorded:
         notes.append(unrecorded)
     if lazy and lazy.get("signals_deferred"):
@@ -275,4 +275,4 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
                          phases=phases, via=mode, images=where, notes=notes,
                          tcp_closed=why if closed else None, running_seconds=running,
                          lazy=lazy, job=claim.job.name, fork_of=claim.fork_of,
-                         job_dir=claim.job.dir if job is not None and job.kind == "run" else None)
+                         job_dir=claim.job.dir if claim.job.kind == "run" else None)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY
+from conftest import PY, run_json
 from slurm_cluster import SlurmCluster, available
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -151,6 +151,9 @@ def test_preempted_job_snapshots_requeues_and_resumes(cluster, tmp_path, referen
     assert len(final) == 1 and resumed["snapshot"] == final[0]["snapshot"], _events(repo)
     assert resumed["work_saved_s"] > 0
     assert cluster.comment(job).startswith("gpusnap: resumed from"), cluster.comment(job)
+    # the name follows the resumed job (gpusnap/ops/identity.py): `dump --name sjob` would find it
+    named = {j["name"]: j for j in run_json("ls", "--repo", repo)["jobs"]}["sjob"]
+    assert named["pid"] == resumed["pid"] and named["restores"] == 1 and named["forked_from"] is None
 
     # The restored processes belong to the new job: below its slurm-run, in its cgroup.
     pid = resumed["pid"]

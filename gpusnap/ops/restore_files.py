@@ -6,15 +6,23 @@ gpusnap/system/appendfiles.py) and refuses to restore when the size differs ("Fi
 A job started as `python train.py > train.log` keeps writing its log after the dump; when it
 crashes later, the log is longer than the snapshot expects. Here, before CRIU runs:
 
-- an output file (opened for writing) that grew: the bytes beyond the snapshot's size are moved
-  into `<file>.gpusnap-<snapshot id>-after` next to it (fsynced first), the file is truncated
-  back to the size the restored job expects, and the restore says so in one line;
+- an output file (opened for writing) that grew and that no live process has open or mapped
+  (by device and inode, gpusnap/system/fileusers.py): the bytes beyond the snapshot's size are
+  moved into `<file>.gpusnap-<snapshot id>-after` next to it (fsynced first), the file is
+  truncated back to the size the restored job expects, and the restore says so in one line.
+  This is done as the file's owner, through descriptors (gpusnap/system/ownerfs.py): the file's
+  directory may be the owner's, and any name in it a link swapped in while gpusnap works;
+- such a file that another live process uses: an appended one (CRIU checks no size) is left as
+  it is (the restored job appends after the other writer's lines; one line says so); any other
+  is refused, naming the file and the process (its data would be cut);
 - an output file that shrank, was rotated away (for appended files: another inode at that
   path) or vanished: refused, naming the file (the
   snapshot does not hold file contents, so what the job expects there cannot be rebuilt);
 - an input file (opened read-only, or mapped: libraries, data) that changed size or vanished:
   refused, naming the file.
 
+`check` decides all of this once; `prepare` (restore) acts on it and `inspect` reports it
+(gpusnap/ops/describe.py), so the two always agree.
 Nothing is changed unless every file passes; if the restore then fails, the moved bytes are
 put back (undo). The entries come from CRIU's files.img (or reg-files.img of older CRIUs),
 read at the wire level (criu/pbwire.py) instead of through pycriu (whose import alone costs 0.1 s).
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 
 from gpusnap.criu import pbwire
 from gpusnap.errors import CorruptSnapshot, FilesChanged
+from gpusnap.system import fileusers, ownerfs
 
 O_ACCMODE = 0o3
 O_WRONLY = 0o1
@@ -99,7 +108,7 @@ def _remapped_ids(snap) -> set[int]:
     return ids
 
 
-# -- checking and fixing -----------------------------------------------------------------------
+# -- fixing, as the file's owner and through descriptors (gpusnap/system/ownerfs.py) -------------
 
 @dataclass
 class Moved:
@@ -107,75 +116,97 @@ class Moved:
     after: str
     size: int           # the size the snapshot expects (the file was truncated to this)
     moved: int          # bytes moved into `after`
+    ident: tuple[int, int] = (0, 0)         # (dev, ino) of the file
+    after_ident: tuple[int, int] = (0, 0)   # (dev, ino) of `after`, created by gpusnap
+    owner: tuple[int, int] = (0, 0)         # (uid, gid) it was done as
 
 
 @dataclass
 class FileFixes:
     moved: list[Moved] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)   # notes on shared appended files left as they are
 
     def notes(self) -> list[str]:
         return [f"{m.path} grew by {m.moved} bytes after the snapshot; those bytes are in {m.after}, "
-                f"and {m.path} is back at the {m.size} bytes the restored job expects" for m in self.moved]
+                f"and {m.path} is back at the {m.size} bytes the restored job expects" for m in self.moved] \
+            + self.left
 
     def undo(self) -> None:
-        """Put moved bytes back (the restore failed, nothing runs from these files)."""
+        """Put moved bytes back (the restore failed, nothing runs from these files), as each
+        file's owner; a file or `after` that is not the one gpusnap made is left alone."""
         for m in reversed(self.moved):
             try:
-                with open(m.after, "rb") as src, open(m.path, "r+b") as dst:
-                    if os.fstat(dst.fileno()).st_size != m.size:
-                        continue   # someone wrote meanwhile: keep both files as they are
-                    dst.seek(m.size)
-                    while True:
-                        b = src.read(COPY_CHUNK)
-                        if not b:
-                            break
-                        dst.write(b)
-                    dst.flush()
-                    os.fsync(dst.fileno())
-                os.unlink(m.after)
+                ownerfs.as_owner(m.owner[0], m.owner[1], _put_back, m.path, os.path.basename(m.after), m.size,
+                                 list(m.ident), list(m.after_ident))
             except OSError:
                 pass
         self.moved.clear()
 
 
-def _after_name(path: str, snap_id: str) -> str:
-    base = f"{path}.gpusnap-{snap_id}-after"
-    cand, n = base, 1
-    while os.path.lexists(cand):
-        cand = f"{base}.{n}"
-        n += 1
-    return cand
-
-
-def _move_tail(path: str, size: int, snap_id: str) -> Moved:
-    after = _after_name(path, snap_id)
-    with open(path, "r+b") as f:
-        st = os.fstat(f.fileno())
-        fd = os.open(after, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     st.st_mode & 0o666)
-        moved = 0
+def _move_tail(path: str, size: int, snap_id: str, ident: list[int]) -> list:
+    """(runs as the file's owner) The bytes of `path` beyond `size` into a new file next to it,
+    then `path` cut back to `size`. Returns [after name, bytes moved, after's dev, ino]."""
+    dfd, name = ownerfs.open_parent(path)
+    try:
+        fd, st = ownerfs.open_checked(dfd, name, os.O_RDWR, ident[0], ident[1])
         try:
-            with os.fdopen(fd, "wb") as out:
-                f.seek(size)
-                while True:          # until the end as it is now (a late writer's bytes too)
-                    b = f.read(COPY_CHUNK)
-                    if not b:
-                        break
-                    out.write(b)
-                    moved += len(b)
-                out.flush()
-                os.fsync(out.fileno())
+            ofd, after = ownerfs.create_numbered(dfd, f"{name}.gpusnap-{snap_id}-after", st.st_mode & 0o666)
+            ost = os.fstat(ofd)
             try:
-                os.chown(after, st.st_uid, st.st_gid)
-            except OSError:
-                pass
-            f.truncate(size)
-            f.flush()
-            os.fsync(f.fileno())
-        except BaseException:
-            os.unlink(after)
-            raise
-    return Moved(path=path, after=after, size=size, moved=moved)
+                try:
+                    os.fchown(ofd, -1, st.st_gid)    # the log's group (if the owner is in it)
+                except OSError:
+                    pass
+                moved, off = 0, size
+                while b := os.pread(fd, COPY_CHUNK, off):   # to the end as it is now (a late writer's too)
+                    os.write(ofd, b)
+                    moved += len(b)
+                    off += len(b)
+                os.fsync(ofd)
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            except BaseException:
+                ownerfs.unlink_if_same(dfd, after, ost.st_dev, ost.st_ino)
+                raise
+            finally:
+                os.close(ofd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+    return [after, moved, ost.st_dev, ost.st_ino]
+
+
+def _put_back(path: str, after: str, size: int, ident: list[int], after_ident: list[int]) -> bool:
+    """(runs as the file's owner) Append `after` to `path` again and remove it, if both are
+    still the files gpusnap checked and made and nobody wrote to `path` meanwhile."""
+    dfd, name = ownerfs.open_parent(path)
+    try:
+        src, _ = ownerfs.open_checked(dfd, after, os.O_RDONLY, after_ident[0], after_ident[1])
+        try:
+            dst, st = ownerfs.open_checked(dfd, name, os.O_WRONLY, ident[0], ident[1])
+            try:
+                if st.st_size != size:
+                    return False      # someone wrote meanwhile: keep both files as they are
+                off = size
+                while b := os.read(src, COPY_CHUNK):
+                    os.pwrite(dst, b, off)
+                    off += len(b)
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+        return ownerfs.unlink_if_same(dfd, after, after_ident[0], after_ident[1])
+    finally:
+        os.close(dfd)
+
+
+def _set_aside(c: "FileCheck", snap_id: str) -> Moved:
+    after, moved, adev, aino = ownerfs.as_owner(c.uid, c.gid, _move_tail, c.path, c.size, snap_id,
+                                                [c.dev, c.ino])
+    return Moved(path=c.path, after=os.path.join(os.path.dirname(c.path), after), size=c.size, moved=moved,
+                 ident=(c.dev, c.ino), after_ident=(adev, aino), owner=(c.uid, c.gid))
 
 
 def _append_files(snap) -> list[dict]:
@@ -199,66 +230,119 @@ def _same_file(st: os.stat_result, e: dict, same_host: bool) -> bool:
     return st.st_ino == e["ino"] and (st.st_dev == e["dev"] or not same_host)
 
 
-def prepare(snap, inherited=frozenset()) -> FileFixes:
-    """Check every file the snapshot had open against what CRIU will expect; refuse
-    (FilesChanged, naming each file) or fix output files that grew. Returns what was fixed.
-    `inherited`: paths CRIU gets as open descriptors (a fork's own files): left alone."""
+# -- the checks: one function decides, restore acts on it and inspect reports it ---------------
+
+OK, SET_ASIDE, LEFT, REFUSED = "ok", "set-aside", "left", "refused"
+
+
+@dataclass
+class FileCheck:
+    path: str
+    verdict: str            # OK, SET_ASIDE (grown: tail moved aside), LEFT (shared append file), REFUSED
+    detail: str             # why, in a sentence ("" when ok)
+    size: int               # the size the snapshot expects
+    now: int | None = None  # the size on disk now
+    dev: int = 0
+    ino: int = 0
+    uid: int = 0
+    gid: int = 0
+    append_only: bool = False   # every fd of the job appended (CRIU checks no size for it)
+
+
+def check(snap, inherited=frozenset()) -> list[FileCheck]:
+    """What a restore of `snap` would do with each file the job had open, decided once for
+    `restore` (prepare) and `inspect` alike: nothing (ok), set the bytes written after the dump
+    aside (an output file that grew and no other live process uses), leave it (an appended file
+    another process uses too: the restored job appends after it), or refuse (naming the file,
+    and the process when another one uses it)."""
     skip = _remapped_ids(snap)
-    problems: list[str] = []
-    grown: list[tuple[str, int]] = []
-    files: dict[str, list] = {}          # path -> [size CRIU expects, written by any of its fds]
+    files: dict[str, list] = {}          # path -> [size CRIU expects, written by any of its fds, size checked by CRIU]
     for rf in reg_files(snap):
         if rf.size is None or rf.ext or rf.id in skip or not rf.name.startswith("/"):
             continue
         if rf.name.startswith(PSEUDO_FS):   # /proc/PID/... of the job itself: CRIU reopens them
             continue
-        f = files.setdefault(rf.name, [rf.size, False])
+        f = files.setdefault(rf.name, [rf.size, False, True])
         f[1] = f[1] or rf.writable
     meta = snap.manifest.get("meta") or {}
     same_host = meta.get("hostname") in (None, os.uname().nodename)
     appended: dict[str, dict] = {}
     for e in _append_files(snap):
         appended[e["path"]] = e
-        files.setdefault(e["path"], [e["size"], True])[1] = True
-    for name, (size, writable) in files.items():
-        if name in inherited:
+        files.setdefault(e["path"], [e["size"], True, False])[1] = True
+    out: list[FileCheck] = []
+    for name, (size, writable, sized) in files.items():
+        if name in inherited:        # a fork's own files, given to CRIU as open descriptors
             continue
         kind = "output file" if writable else "input file"
+        c = FileCheck(path=name, verdict=REFUSED, detail="", size=size)
+        out.append(c)
         try:
             st = os.stat(name)
         except FileNotFoundError:
-            problems.append(f"{kind} {name} is gone (the snapshot expects {size} bytes there)")
+            c.detail = f"{kind} {name} is gone (the snapshot expects {size} bytes there)"
             continue
         except OSError as e:
-            problems.append(f"{kind} {name} cannot be checked: {e.strerror}")
+            c.detail = f"{kind} {name} cannot be checked: {e.strerror}"
             continue
+        c.now, c.dev, c.ino, c.uid, c.gid = st.st_size, st.st_dev, st.st_ino, st.st_uid, st.st_gid
         if name in appended and not _same_file(st, appended[name], same_host):
-            problems.append(f"output file {name} was rotated or replaced since the snapshot (another file "
-                            "is at that path now); the snapshot does not hold its contents")
-            continue
-        if st.st_size == size:
-            continue
-        if writable and st.st_size > size:
-            grown.append((name, size))
+            c.detail = (f"output file {name} was rotated or replaced since the snapshot (another file "
+                        "is at that path now); the snapshot does not hold its contents")
+        elif st.st_size == size:
+            c.verdict = OK
+        elif writable and st.st_size > size:
+            c.verdict = SET_ASIDE
+            c.append_only = not sized
         elif writable:
-            problems.append(f"output file {name} shrank or was replaced since the snapshot "
-                            f"({st.st_size} bytes now, the snapshot expects {size}); the snapshot does "
-                            "not hold its contents")
+            c.detail = (f"output file {name} shrank or was replaced since the snapshot "
+                        f"({st.st_size} bytes now, the snapshot expects {size}); the snapshot does "
+                        "not hold its contents")
         else:
-            problems.append(f"input file {name} changed since the snapshot ({st.st_size} bytes now, "
-                            f"{size} then)")
+            c.detail = f"input file {name} changed since the snapshot ({st.st_size} bytes now, {size} then)"
+    grown = [c for c in out if c.verdict == SET_ASIDE]
+    used = fileusers.users({(c.dev, c.ino) for c in grown})
+    for c in grown:
+        users = used.get((c.dev, c.ino)) or []
+        if not users:
+            c.detail = (f"{c.path} grew by {c.now - c.size} bytes after the snapshot: restore sets them aside "
+                        f"in {c.path}.gpusnap-{snap.id}-after and cuts the file back to {c.size} bytes")
+        elif c.append_only:
+            c.verdict = LEFT
+            c.detail = (f"{c.path} grew after the snapshot and {users[0]} appends to it too: left as it is, "
+                        "the restored job appends after its lines")
+        else:
+            c.verdict = REFUSED
+            c.detail = (f"output file {c.path} grew after the snapshot and is {users[0].how} by {users[0]}, "
+                        "which is not part of the job being restored; cutting it back would cut that "
+                        "process's data")
+    return out
+
+
+def prepare(snap, inherited=frozenset()) -> FileFixes:
+    """Act on check(snap): refuse (FilesChanged, naming each file) or set aside what was written
+    to output files after the dump. Returns what was done (undo() puts it back).
+    `inherited`: paths CRIU gets as open descriptors (a fork's own files): left alone."""
+    checks = check(snap, inherited)
+    problems = [c.detail for c in checks if c.verdict == REFUSED]
     if problems:
+        busy = any(" by process " in p for p in problems)
         raise FilesChanged(
             "files the job had open changed since the snapshot: " + "; ".join(problems[:5])
             + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
-            hint="put the named files back as they were when the snapshot was taken (e.g. the rotated or "
-                 "older copy), then restore again; nothing was changed or restored")
-    fixes = FileFixes()
+            hint=("stop the named process first (or restore once it is done with the file), or " if busy else "")
+            + "put the named files back as they were when the snapshot was taken (e.g. the rotated or "
+              "older copy), then restore again; nothing was changed or restored")
+    fixes = FileFixes(left=[c.detail for c in checks if c.verdict == LEFT])
+    c = None
     try:
-        for path, size in grown:
-            fixes.moved.append(_move_tail(path, size, snap.id))
+        for c in checks:
+            if c.verdict == SET_ASIDE:
+                fixes.moved.append(_set_aside(c, snap.id))
     except OSError as e:
         fixes.undo()
-        raise FilesChanged(f"cannot set aside what was written to {path} after the snapshot: {e}",
-                           hint="free some space next to the file, or move its end away by hand") from None
+        raise FilesChanged(f"cannot set aside what was written to {c.path} after the snapshot: "
+                           f"{e.strerror or e}",
+                           hint="free some space next to the file, or move its end away by hand; "
+                                "nothing was changed or restored") from None
     return fixes

@@ -1,0 +1,189 @@
+"""Root restores a user's job whose log grew after the dump, while the user attacks: the log's
+directory and the log are the user's, and a racing attacker (user nobody) swaps every `LOG.gpusnap-*-after`
+it sees for a symbolic link to a root file. Whatever it swaps, the root file keeps its owner
+and its contents, and no byte of it reaches the user's log: on the normal path (the restore
+succeeds) and on the undo path (CRIU fails after the fix-up: the job's working directory was
+removed, so the moved bytes are put back). The fix-up runs as the file's owner, through
+descriptors (gpusnap/system/ownerfs.py). Real CRIU, a real job running as nobody, real races.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import kill_pids, require_nobody_can_run, run_gpusnap, run_json
+
+pytestmark = pytest.mark.criu
+
+ROUNDS = 6
+SECRET = b"root's own file, nobody may read or own it\n" * 64
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+JOB = r'''
+import os, sys, time
+out, steps = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(out, "pid"), "w") as p:
+    p.write(str(os.getpid()))
+for i in range(1, steps + 1):
+    print(f"step {i}/{steps}", flush=True)
+    time.sleep(0.03)
+'''
+
+# The attacker: every `...-after` file that appears in its directory is renamed away and a
+# link to the root file takes its name, as fast as it can.
+ATTACK = r'''
+import os, sys
+home, victim, counter = sys.argv[1], sys.argv[2], sys.argv[3]
+n = 0
+while True:
+    for name in os.listdir(home):
+        if "-after" not in name or name.endswith(".moved"):
+            continue
+        p = os.path.join(home, name)
+        try:
+            if os.path.islink(p):
+                continue
+            os.rename(p, p + ".moved")
+            os.symlink(victim, p)
+        except OSError:
+            continue
+        n += 1
+        with open(counter, "w") as f:
+            f.write(str(n))
+'''
+
+
+def _wait(pred, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.fixture
+def userdir():
+    """/tmp/X (root, 0755) holding `home` (nobody's: the job's cwd, script and log) and `victim`
+    (root's, 0600)."""
+    require_nobody_can_run()
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    top = Path(tempfile.mkdtemp(prefix="gpusnap-owner-", dir="/tmp"))
+    os.chmod(top, 0o755)
+    home = top / "home"
+    home.mkdir()
+    (home / "cwd").mkdir()
+    (home / "job.py").write_text(JOB)
+    for p in (home, home / "cwd", home / "job.py"):
+        os.chown(p, nobody.pw_uid, nobody.pw_gid)
+    victim = top / "victim"
+    victim.write_bytes(SECRET)
+    os.chmod(victim, 0o600)
+    yield home, victim
+    shutil.rmtree(top, ignore_errors=True)
+
+
+def _start_job(home: Path) -> subprocess.Popen:
+    """`python3 job.py > job.log` in the user's directory, onto the user's own log (an admin's
+    job for the user; root's CRIU here may lack CAP_SYS_RESOURCE to dump a job of another uid)."""
+    subprocess.run([*AS_NOBODY, "touch", str(home / "job.log")], check=True)
+    return subprocess.Popen(["sh", "-c", 'cd "$0/cwd" && exec /usr/bin/python3 -I "$0/job.py" "$0" 5000 '
+                             '> "$0/job.log" 2>&1', str(home)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _lines(home: Path) -> int:
+    try:
+        return len((home / "job.log").read_bytes().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def _snapshot_then_kill(home: Path, repo: Path) -> tuple[str, int]:
+    job = _start_job(home)
+    _wait(lambda: _lines(home) >= 5, "the job's first lines")
+    pid = int((home / "pid").read_text())
+    snap = run_json("dump", pid, "--repo", repo)["snapshot"]
+    n = _lines(home)
+    _wait(lambda: _lines(home) >= n + 5, "the job to log on after the dump")
+    os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    _wait(lambda: _gone(pid), "the killed job's PID to be free")
+    return snap, pid
+
+
+def _grow(home: Path) -> None:
+    with open(home / "job.log", "ab") as f:      # the crashed run's last words, again
+        f.write(b"written after the snapshot\n" * 20)
+
+
+def _attacker(home: Path, victim: Path) -> subprocess.Popen:
+    return subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-I", "-c", ATTACK, str(home), str(victim),
+                             str(home / "swaps")], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _victim_intact(victim: Path, home: Path) -> None:
+    assert SECRET[:40] not in (home / "job.log").read_bytes(), "the root file's contents reached the user's log"
+    st = os.stat(victim)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o600), "the root file was handed to the user"
+    assert victim.read_bytes() == SECRET
+
+
+def _stop(attacker: subprocess.Popen) -> None:
+    attacker.kill()
+    attacker.wait(timeout=30)
+
+
+def test_racing_attacker_gains_nothing_while_a_grown_log_is_set_aside(userdir, repo):
+    home, victim = userdir
+    snap, pid = _snapshot_then_kill(home, repo)
+    attacker = _attacker(home, victim)
+    try:
+        for _ in range(ROUNDS):
+            _grow(home)
+            r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+            try:
+                assert r.returncode == 0, r.stdout + r.stderr
+            finally:
+                kill_pids([pid])
+                _wait(lambda: _gone(pid), "the restored job's PID to be free")
+            _victim_intact(victim, home)
+        # the attacker did swap (the race was run); the set-aside files are the user's, never root's
+        assert int((home / "swaps").read_text()) >= ROUNDS
+        moved = sorted(home.glob("job.log.gpusnap-*-after*.moved"))
+        assert len(moved) >= ROUNDS and all(p.stat().st_uid == home.stat().st_uid for p in moved)
+    finally:
+        _stop(attacker)
+
+
+def test_racing_attacker_gains_nothing_when_a_failed_restore_puts_bytes_back(userdir, repo):
+    home, victim = userdir
+    snap, pid = _snapshot_then_kill(home, repo)
+    os.rmdir(home / "cwd")           # CRIU cannot restore the job's cwd: it fails after the fix-up
+    attacker = _attacker(home, victim)
+    try:
+        for _ in range(ROUNDS):
+            _grow(home)
+            r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+            assert r.returncode not in (0, 25), r.stdout + r.stderr   # CRIU's failure, after the fix-up
+            assert _gone(pid)
+            _victim_intact(victim, home)
+        assert int((home / "swaps").read_text()) >= ROUNDS
+    finally:
+        _stop(attacker)

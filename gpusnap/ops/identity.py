@@ -19,6 +19,7 @@ Every restore moves the name to the restored tree (written atomically, temp file
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, Interrupted, ProcessNotFound, RepositoryError
+from gpusnap.repo import fsutil
 from gpusnap.system import hostlock, proc
 
 RUN_FILES = ("stdout.log", "stderr.log", "exit")   # a `run` job's files, each held open by the job
@@ -88,7 +90,10 @@ def load(repo: Path, name: str) -> Job | None:
 def save(repo: Path, job: Job) -> None:
     """job.json, replaced atomically (a private temp file, then rename)."""
     d = jobs_dir(repo) / job.name
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:   # jobs/ and jobs/NAME private whatever the umask, never through a link (docs/faults.md)
+        os.close(fsutil.private_dirs(Path(repo), "jobs", job.name))
+    except RepositoryError as e:     # (an OSError to the callers: a record is best effort)
+        raise OSError(errno.EPERM, e.message) from None
     write_record(d / "job.json", json.dumps(asdict(job), indent=1) + "\n")
 
 
@@ -288,6 +293,7 @@ def claim(repo: Path, snap) -> Claim:
 
 def _new_fork_dir(repo: Path, name: str) -> tuple[str, Path]:
     base = jobs_dir(repo)
+    os.close(fsutil.private_dirs(Path(repo), "jobs"))     # no fork in a jobs/ others could write
     for k in range(1, 10000):
         suffix = f"-fork{k}"
         fork = name[:100 - len(suffix)] + suffix     # still a valid name (at most 100 characters)

@@ -24,6 +24,7 @@ from pathlib import Path
 from gpusnap.ops import identity
 from gpusnap.ops.identity import Job, jobs_dir  # noqa: F401 - callers use jobrun.Job, jobrun.jobs_dir
 from gpusnap.errors import UsageError
+from gpusnap.repo import fsutil
 
 
 # The namespace's init. Run with `python3 -I -S` so that it maps no gpusnap file: a snapshot
@@ -122,13 +123,17 @@ def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None =
 
     Repository.open(repo, create=True)  # the job directory lives in the repository it is dumped to
     d = jobs_dir(repo) / name
-    old = identity.load(repo, name)
-    if old and identity.alive(old):
-        raise UsageError(f"a job named {name!r} is already running (PID {old.pid})",
-                         hint="pick another --name, or stop that job first")
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    dfd = open_job_dir(repo, name)      # (checked before anything in it is read)
+    try:
+        old = identity.load(repo, name)
+        if old and identity.alive(old):
+            raise UsageError(f"a job named {name!r} is already running (PID {old.pid})",
+                             hint="pick another --name, or stop that job first")
+        files = [os.fdopen(fsutil.open_private_at(dfd, n, os.O_WRONLY | os.O_APPEND, d / n), "ab")
+                 for n in ("exit", "stdout.log", "stderr.log")]
+    finally:
+        os.close(dfd)
     cwd = cwd or os.getcwd()
-    files = [open(d / n, "ab") for n in ("exit", "stdout.log", "stderr.log")]
     ready_r, ready_w = os.pipe()
     fds = [str(ready_w)] + [str(f.fileno()) for f in files]
     try:
@@ -155,6 +160,13 @@ def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None =
               boot=identity.boot_id())
     identity.save(repo, job)
     return job
+
+
+def open_job_dir(repo: Path, name: str) -> int:
+    """The fd of REPO/jobs/NAME: both directories private (0700 whatever the umask), reached
+    from the repository's fd without following a link; an existing one that another user could
+    write or replace is refused as untrusted (it may hold planted links)."""
+    return fsutil.private_dirs(Path(repo), "jobs", name)
 
 
 def _wait_for_init(launcher: subprocess.Popen, ready: int) -> tuple[int, int]:

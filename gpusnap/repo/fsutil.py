@@ -183,3 +183,72 @@ def copy_into(src, dir_path, name: str) -> None:
                 os.write(fd, b)
     finally:
         os.close(fd)
+
+
+# -- files gpusnap makes for itself outside the store (REPO/jobs/, docs/faults.md): always
+# relative to a checked directory fd, never through a link, with explicit modes whatever the
+# umask (a umask 000 once made REPO/jobs 0777, where any user could plant links).
+
+def private_dir_at(parent_fd: int, name: str, shown) -> int:
+    """The fd of parent/name, a private (0700) directory: made so (mkdir, then fchmod: the
+    umask is not trusted) or, when it exists, checked like the repository's own directories
+    (a link, another owner, or group/other write is refused as untrusted). `shown`: its path,
+    for messages."""
+    made = True
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    except FileExistsError:
+        made = False
+    fd = open_dir(name, dir_fd=parent_fd)
+    try:
+        if made:
+            os.fchmod(fd, 0o700)
+        bad = untrusted_reason(os.fstat(fd), want_dir=True)
+        if bad:
+            raise untrusted(shown, bad)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def private_dirs(root: Path, *names: str) -> int:
+    """The fd of root/names[0]/names[1]/..., each a private directory (private_dir_at), reached
+    from root's fd (root itself never through a link at its last component)."""
+    fd = open_dir(root)
+    shown = Path(root)
+    try:
+        for n in names:
+            shown = shown / n
+            nfd = private_dir_at(fd, n, shown)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_private_at(dfd: int, name: str, flags: int, shown) -> int:
+    """parent/name opened with `flags` (for writing), created exclusively as 0600 when missing;
+    an existing one must be a private regular file of the caller or root with one link (never a
+    link, nor a hard link to some other file)."""
+    try:
+        fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        os.fchmod(fd, 0o600)
+        return fd
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise untrusted(shown, "is a symbolic link") from None
+        raise
+    st = os.fstat(fd)
+    bad = untrusted_reason(st, want_dir=False) or (f"has {st.st_nlink} hard links" if st.st_nlink != 1 else None)
+    if bad:
+        os.close(fd)
+        raise untrusted(shown, bad)
+    os.set_blocking(fd, True)
+    return fd

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from gpusnap.ops import jobrun
 from gpusnap.system import proc
-from gpusnap.errors import RepositoryLocked, UsageError
+from gpusnap.errors import RepositoryError, RepositoryLocked, UsageError
+from gpusnap.repo import fsutil
 
 PR_SET_CHILD_SUBREAPER = 36
 EVENTS = "slurm.jsonl"
@@ -86,11 +87,14 @@ class Supervisor:
         rec = {"time": round(time.time(), 3), "event": kind, "name": self.o.name,
                "slurm_job": self.slurm_job, "restart": self.restarts, **fields}
         try:
-            self.job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.job_dir / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            dfd = jobrun.open_job_dir(self.o.repo, self.o.name)     # private whatever the umask, no link
+            try:
+                fd = fsutil.open_private_at(dfd, EVENTS, os.O_WRONLY | os.O_APPEND, self.job_dir / EVENTS)
+            finally:
+                os.close(dfd)
             with os.fdopen(fd, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-        except OSError as e:
+        except (OSError, RepositoryError) as e:
             print(f"gpusnap slurm-run: cannot write {self.job_dir / EVENTS}: {e}", file=sys.stderr, flush=True)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
         print(f"[{stamp}] gpusnap slurm-run: {message}", file=sys.stderr, flush=True)

@@ -218,5 +218,34 @@ def describe(repository, snap) -> dict[str, Any]:
                 sockets.append({"pid": p["pid"], **fd})
     report["files"] = list(seen_files.values())
     report["sockets"] = sockets
-    report["files_changed"] = [f["path"] for f in report["files"] if f.get("now_status") in ("missing", "differs")]
+    _restore_verdict(snap, report)
     return report
+
+
+def _restore_verdict(snap, report: dict[str, Any]) -> None:
+    """What restore will do with each file: restore_files.check decides, for restore and here
+    alike. `file_checks`: every file it would set aside, leave or refuse, with the reason;
+    `files_changed`: the files that make the restore fail (refused, or gone: CRIU reopens
+    every file and directory by its path)."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops import restore_files
+
+    try:
+        checks = restore_files.check(snap)
+    except GpusnapError as e:       # a damaged files image: say so, restore will refuse it too
+        report["file_checks"] = []
+        report["files_changed"] = []
+        report["file_check_error"] = e.message
+        return
+    by_path = {c.path: c for c in checks}
+    for f in report["files"]:
+        c = by_path.get(f["path"])
+        if c is None or c.verdict == restore_files.OK:
+            continue
+        if c.verdict in (restore_files.SET_ASIDE, restore_files.LEFT):
+            f["now_status"] = "grew"
+        f["now_detail"] = c.detail
+    report["file_checks"] = [{"path": c.path, "verdict": c.verdict, "detail": c.detail, "size": c.size, "now": c.now}
+                             for c in checks if c.verdict != restore_files.OK]
+    report["files_changed"] = [c.path for c in checks if c.verdict == restore_files.REFUSED] + [
+        f["path"] for f in report["files"] if f["path"] not in by_path and f.get("now_status") == "missing"]

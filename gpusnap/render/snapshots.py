@@ -180,6 +180,15 @@ def inspect(report: dict[str, Any], o, images: bool = False) -> None:
     else:
         console.print("GPU: none recorded (a CPU-only job)")
     changed = report.get("files_changed") or []
+    checks = {c["path"]: c for c in report.get("file_checks") or []}
+    for c in checks.values():       # restore_files.check's verdicts: what restore then does
+        if c["verdict"] != "refused":
+            console.print(Text(f"restore: {c['detail']}", style="yellow"))
     if changed:
         console.print(Text(f"restore will fail until these files are as they were at the dump: "
                            f"{', '.join(changed)}", style="bold red"))
+        for p in changed:
+            if p in checks:
+                console.print(Text(f"  {checks[p]['detail']}", style="red"))
+    if report.get("file_check_error"):
+        console.print(Text(f"restore will refuse this snapshot: {report['file_check_error']}", style="bold red"))

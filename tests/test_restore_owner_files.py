@@ -13,6 +13,7 @@ import os
 import pwd
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -97,38 +98,38 @@ def userdir():
     shutil.rmtree(top, ignore_errors=True)
 
 
-def _start_job(home: Path) -> subprocess.Popen:
-    """`python3 job.py > job.log` in the user's directory, onto the user's own log (an admin's
-    job for the user; root's CRIU here may lack CAP_SYS_RESOURCE to dump a job of another uid)."""
-    subprocess.run([*AS_NOBODY, "touch", str(home / "job.log")], check=True)
-    return subprocess.Popen(["sh", "-c", 'cd "$0/cwd" && exec /usr/bin/python3 -I "$0/job.py" "$0" 5000 '
-                             '> "$0/job.log" 2>&1', str(home)],
+def _start_job(home: Path, log: Path) -> subprocess.Popen:
+    """`python3 job.py > LOG` in the user's directory, onto the user's own log (an admin's job for
+    the user; root's CRIU here may lack CAP_SYS_RESOURCE to dump a job of another uid)."""
+    subprocess.run([*AS_NOBODY, "touch", str(log)], check=True)
+    return subprocess.Popen(["sh", "-c", 'cd "$0/cwd" && exec /usr/bin/python3 -I "$0/job.py" "$0" 5000 > "$1" 2>&1',
+                             str(home), str(log)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
 
 
-def _lines(home: Path) -> int:
+def _lines(log: Path) -> int:
     try:
-        return len((home / "job.log").read_bytes().splitlines())
+        return len(log.read_bytes().splitlines())
     except FileNotFoundError:
         return 0
 
 
-def _snapshot_then_kill(home: Path, repo: Path) -> tuple[str, int]:
-    job = _start_job(home)
-    _wait(lambda: _lines(home) >= 5, "the job's first lines")
+def _snapshot_then_kill(home: Path, log: Path, repo: Path) -> tuple[str, int]:
+    job = _start_job(home, log)
+    _wait(lambda: _lines(log) >= 5, "the job's first lines")
     pid = int((home / "pid").read_text())
     snap = run_json("dump", pid, "--repo", repo)["snapshot"]
-    n = _lines(home)
-    _wait(lambda: _lines(home) >= n + 5, "the job to log on after the dump")
+    n = _lines(log)
+    _wait(lambda: _lines(log) >= n + 5, "the job to log on after the dump")
     os.kill(pid, signal.SIGKILL)
     job.wait(timeout=30)
     _wait(lambda: _gone(pid), "the killed job's PID to be free")
     return snap, pid
 
 
-def _grow(home: Path) -> None:
-    with open(home / "job.log", "ab") as f:      # the crashed run's last words, again
+def _grow(log: Path) -> None:
+    with open(log, "ab") as f:      # the crashed run's last words, again
         f.write(b"written after the snapshot\n" * 20)
 
 
@@ -138,11 +139,16 @@ def _attacker(home: Path, victim: Path) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def _victim_intact(victim: Path, home: Path) -> None:
-    assert SECRET[:40] not in (home / "job.log").read_bytes(), "the root file's contents reached the user's log"
+def _victim_intact(victim: Path, log: Path, mode: int = 0o600) -> None:
+    assert SECRET[:40] not in log.read_bytes(), "the root file's contents reached the user's log"
     st = os.stat(victim)
-    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o600), "the root file was handed to the user"
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, mode), "the root file was handed to the user"
     assert victim.read_bytes() == SECRET
+
+
+def _inspect(repo: Path, snap: str) -> tuple[list, dict]:
+    rep = run_json("inspect", snap, "--repo", repo)
+    return rep["files_changed"], {c["path"]: c for c in rep.get("file_checks", [])}
 
 
 def _stop(attacker: subprocess.Popen) -> None:
@@ -152,18 +158,21 @@ def _stop(attacker: subprocess.Popen) -> None:
 
 def test_racing_attacker_gains_nothing_while_a_grown_log_is_set_aside(userdir, repo):
     home, victim = userdir
-    snap, pid = _snapshot_then_kill(home, repo)
+    log = home / "job.log"
+    snap, pid = _snapshot_then_kill(home, log, repo)
+    changed, checks = _inspect(repo, snap)       # what inspect says, restore does
+    assert changed == [] and checks[str(log)]["verdict"] == "set-aside"
     attacker = _attacker(home, victim)
     try:
         for _ in range(ROUNDS):
-            _grow(home)
+            _grow(log)
             r = run_gpusnap("restore", snap, "--repo", repo, "--json")
             try:
                 assert r.returncode == 0, r.stdout + r.stderr
             finally:
                 kill_pids([pid])
                 _wait(lambda: _gone(pid), "the restored job's PID to be free")
-            _victim_intact(victim, home)
+            _victim_intact(victim, log)
         # the attacker did swap (the race was run); the set-aside files are the user's, never root's
         assert int((home / "swaps").read_text()) >= ROUNDS
         moved = sorted(home.glob("job.log.gpusnap-*-after*.moved"))
@@ -174,16 +183,42 @@ def test_racing_attacker_gains_nothing_while_a_grown_log_is_set_aside(userdir, r
 
 def test_racing_attacker_gains_nothing_when_a_failed_restore_puts_bytes_back(userdir, repo):
     home, victim = userdir
-    snap, pid = _snapshot_then_kill(home, repo)
+    log = home / "job.log"
+    snap, pid = _snapshot_then_kill(home, log, repo)
     os.rmdir(home / "cwd")           # CRIU cannot restore the job's cwd: it fails after the fix-up
+    changed, checks = _inspect(repo, snap)       # inspect: this restore fails (the cwd), the log is set aside
+    assert changed == [str(home / "cwd")] and checks[str(log)]["verdict"] == "set-aside"
     attacker = _attacker(home, victim)
     try:
         for _ in range(ROUNDS):
-            _grow(home)
+            _grow(log)
             r = run_gpusnap("restore", snap, "--repo", repo, "--json")
             assert r.returncode not in (0, 25), r.stdout + r.stderr   # CRIU's failure, after the fix-up
             assert _gone(pid)
-            _victim_intact(victim, home)
+            _victim_intact(victim, log)
         assert int((home / "swaps").read_text()) >= ROUNDS
     finally:
         _stop(attacker)
+
+
+def test_a_log_directory_swapped_for_a_link_to_a_root_directory_is_refused_untouched(userdir, repo):
+    home, victim = userdir
+    logs = home / "logs"
+    subprocess.run([*AS_NOBODY, "mkdir", str(logs)], check=True)
+    log = logs / "job.log"
+    snap, pid = _snapshot_then_kill(home, log, repo)
+    # a root directory holding a longer file of the same name and mode; the user points `logs` at it
+    rootdir = victim.parent / "rootdir"
+    rootdir.mkdir(mode=0o755)
+    (rootdir / "job.log").write_bytes(SECRET)
+    os.chmod(rootdir / "job.log", stat.S_IMODE(os.stat(log).st_mode))
+    subprocess.run([*AS_NOBODY, "sh", "-c", 'mv "$0" "$0.old" && ln -s "$1" "$0"', str(logs), str(rootdir)],
+                   check=True)
+    changed, checks = _inspect(repo, snap)
+    assert changed == [str(log)] and "symbolic link" in checks[str(log)]["detail"]
+    r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+    assert r.returncode == 25, r.stdout + r.stderr
+    assert str(log) in r.stdout and "symbolic link" in r.stdout
+    assert _gone(pid)
+    assert sorted(p.name for p in rootdir.iterdir()) == ["job.log"]
+    _victim_intact(rootdir / "job.log", logs.with_name("logs.old") / "job.log", stat.S_IMODE(os.stat(log).st_mode))

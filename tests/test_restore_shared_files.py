@@ -8,7 +8,8 @@ exactly what the restore then does (one function decides: restore_files.check).
   and the process, nothing changed; once that process is gone, inspect and restore agree that
   the grown tail is set aside, and the job finishes;
 - a `>` log that grew after the dump: inspect says it will be set aside (not that restore will
-  fail), and the restore succeeds.
+  fail), and the restore succeeds;
+- a log whose mode changed: both say the restore fails, naming it (exit 25, not CRIU's exit 8).
 Real CRIU, real processes.
 """
 
@@ -182,5 +183,23 @@ def test_inspect_of_a_grown_log_says_it_is_set_aside_and_the_restore_succeeds(tm
         r = run_gpusnap("restore", snap, "--repo", repo, "--json")
         assert r.returncode == 0, r.stdout + r.stderr
         kill_pids(json.loads(r.stdout)["pids"])
+    finally:
+        _stop(job)
+
+
+def test_a_file_whose_mode_changed_is_refused_by_inspect_and_restore_alike(tmp_path, repo):
+    log = tmp_path / "train.log"
+    job = _start(tmp_path / "a", "-", "A", 2000, 20, stdout=log)
+    try:
+        snap = _dump_then_kill(job, log, "A", repo)
+        os.chmod(log, 0o600)        # CRIU refuses a file whose mode changed
+        rep, checks, text = _inspect(repo, snap)
+        assert rep["files_changed"] == [str(log)] and "chmod it back" in checks[str(log)]["detail"]
+        assert "restore will fail until these files" in text
+        before = log.read_bytes()
+        r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+        assert r.returncode == 25, r.stdout + r.stderr
+        assert str(log) in json.loads(r.stdout)["message"] and "mode" in json.loads(r.stdout)["message"]
+        assert log.read_bytes() == before and not Path(f"/proc/{job.pid}").exists()
     finally:
         _stop(job)

@@ -247,5 +247,8 @@ def _restore_verdict(snap, report: dict[str, Any]) -> None:
         f["now_detail"] = c.detail
     report["file_checks"] = [{"path": c.path, "verdict": c.verdict, "detail": c.detail, "size": c.size, "now": c.now}
                              for c in checks if c.verdict != restore_files.OK]
-    report["files_changed"] = [c.path for c in checks if c.verdict == restore_files.REFUSED] + [
-        f["path"] for f in report["files"] if f["path"] not in by_path and f.get("now_status") == "missing"]
+    gone = [f["path"] for f in report["files"] if f["path"] not in by_path and f.get("now_status") == "missing"]
+    for p in report["processes"]:       # a working directory gone: CRIU cannot restore the process
+        if p.get("cwd") and p["cwd"] not in gone and not os.path.lexists(p["cwd"]):
+            gone.append(p["cwd"])
+    report["files_changed"] = [c.path for c in checks if c.verdict == restore_files.REFUSED] + gone

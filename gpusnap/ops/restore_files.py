@@ -31,6 +31,7 @@ read at the wire level (criu/pbwire.py) instead of through pycriu (whose import 
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 
 from gpusnap.criu import pbwire
@@ -56,6 +57,7 @@ class RegFile:
     name: str
     size: int | None
     ext: bool = False
+    mode: int | None = None     # st_mode at the dump: CRIU refuses a file whose mode differs
 
     @property
     def writable(self) -> bool:
@@ -68,7 +70,7 @@ def _reg(msg: bytes) -> RegFile:
         d[num] = v
     return RegFile(id=d.get(1, 0), flags=d.get(2, 0), pos=d.get(3, 0),
                    name=bytes(d.get(6, b"")).decode(errors="surrogateescape"),
-                   size=d.get(8), ext=bool(d.get(9, 0)))
+                   size=d.get(8), ext=bool(d.get(9, 0)), mode=d.get(10))
 
 
 def reg_files(snap) -> list[RegFile]:
@@ -240,7 +242,7 @@ class FileCheck:
     path: str
     verdict: str            # OK, SET_ASIDE (grown: tail moved aside), LEFT (shared append file), REFUSED
     detail: str             # why, in a sentence ("" when ok)
-    size: int               # the size the snapshot expects
+    size: int | None        # the size the snapshot expects (None: not recorded)
     now: int | None = None  # the size on disk now
     dev: int = 0
     ino: int = 0
@@ -256,44 +258,59 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
     another process uses too: the restored job appends after it), or refuse (naming the file,
     and the process when another one uses it)."""
     skip = _remapped_ids(snap)
-    files: dict[str, list] = {}          # path -> [size CRIU expects, written by any of its fds, size checked by CRIU]
+    files: dict[str, dict] = {}     # path -> size CRIU expects (None: none), written, size checked by CRIU, mode
     for rf in reg_files(snap):
-        if rf.size is None or rf.ext or rf.id in skip or not rf.name.startswith("/"):
+        if rf.ext or rf.id in skip or not rf.name.startswith("/"):
             continue
         if rf.name.startswith(PSEUDO_FS):   # /proc/PID/... of the job itself: CRIU reopens them
             continue
-        f = files.setdefault(rf.name, [rf.size, False, True])
-        f[1] = f[1] or rf.writable
+        if rf.mode is not None and not stat.S_ISREG(rf.mode):
+            continue                    # directories, devices: not files with contents (inspect shows a gone one)
+        f = files.setdefault(rf.name, {"size": None, "writable": False, "sized": False, "mode": rf.mode})
+        if rf.size is not None:
+            f["size"], f["sized"] = rf.size, True
+        f["writable"] = f["writable"] or rf.writable
     meta = snap.manifest.get("meta") or {}
     same_host = meta.get("hostname") in (None, os.uname().nodename)
     appended: dict[str, dict] = {}
     for e in _append_files(snap):
         appended[e["path"]] = e
-        files.setdefault(e["path"], [e["size"], True, False])[1] = True
+        f = files.setdefault(e["path"], {"size": None, "writable": True, "sized": False, "mode": None})
+        f["writable"] = True
+        if f["size"] is None:
+            f["size"] = e["size"]
     out: list[FileCheck] = []
-    for name, (size, writable, sized) in files.items():
+    for name, f in files.items():
         if name in inherited:        # a fork's own files, given to CRIU as open descriptors
             continue
+        size, writable, mode = f["size"], f["writable"], f["mode"]
         kind = "output file" if writable else "input file"
-        c = FileCheck(path=name, verdict=REFUSED, detail="", size=size)
+        c = FileCheck(path=name, verdict=REFUSED, detail="", size=size, append_only=not f["sized"])
         out.append(c)
         try:
             st = os.stat(name)
         except FileNotFoundError:
-            c.detail = f"{kind} {name} is gone (the snapshot expects {size} bytes there)"
+            c.detail = f"{kind} {name} is gone" + (f" (the snapshot expects {size} bytes there)" if size is not None else "")
             continue
         except OSError as e:
             c.detail = f"{kind} {name} cannot be checked: {e.strerror}"
             continue
         c.now, c.dev, c.ino, c.uid, c.gid = st.st_size, st.st_dev, st.st_ino, st.st_uid, st.st_gid
-        if name in appended and not _same_file(st, appended[name], same_host):
+        if os.path.realpath(name) != name:
+            # CRIU records resolved paths: a link there now was put in since (a directory swapped
+            # for a link to another user's): CRIU would reopen the file behind it for the job
+            c.detail = (f"{kind} {name} is reached through a symbolic link now ({os.path.realpath(name)}), "
+                        "not the file the job had open")
+        elif mode is not None and st.st_mode != mode:
+            c.detail = (f"{kind} {name} has mode {stat.filemode(st.st_mode)} now, {stat.filemode(mode)} at the "
+                        "dump (CRIU refuses a file whose mode changed: chmod it back)")
+        elif name in appended and not _same_file(st, appended[name], same_host):
             c.detail = (f"output file {name} was rotated or replaced since the snapshot (another file "
                         "is at that path now); the snapshot does not hold its contents")
-        elif st.st_size == size:
-            c.verdict = OK
+        elif size is None or st.st_size == size:
+            c.verdict = OK          # (size None: appended, with no size recorded: CRIU checks none)
         elif writable and st.st_size > size:
             c.verdict = SET_ASIDE
-            c.append_only = not sized
         elif writable:
             c.detail = (f"output file {name} shrank or was replaced since the snapshot "
                         f"({st.st_size} bytes now, the snapshot expects {size}); the snapshot does "

@@ -358,8 +358,9 @@ def prepare(snap, inherited=frozenset()) -> FileFixes:
                 fixes.moved.append(_set_aside(c, snap.id))
     except OSError as e:
         fixes.undo()
-        raise FilesChanged(f"cannot set aside what was written to {c.path} after the snapshot: "
-                           f"{e.strerror or e}",
-                           hint="free some space next to the file, or move its end away by hand; "
+        raise FilesChanged(f"cannot set aside what was written to {c.path} after the snapshot (as its "
+                           f"owner, uid {c.uid}): {e.strerror or e}",
+                           hint="gpusnap does this as the file's owner, next to the file: free some space there "
+                                "or let the owner write that directory, or move the file's end away by hand; "
                                 "nothing was changed or restored") from None
     return fixes

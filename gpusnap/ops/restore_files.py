@@ -145,6 +145,13 @@ class FileFixes:
         self.moved.clear()
 
 
+def _pwrite_all(fd: int, b: bytes, off: int) -> None:
+    view = memoryview(b)
+    while view:                      # (a short write, e.g. at a full disk, raises on the next call)
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
+
+
 def _move_tail(path: str, size: int, snap_id: str, ident: list[int]) -> list:
     """(runs as the file's owner) The bytes of `path` beyond `size` into a new file next to it,
     then `path` cut back to `size`. Returns [after name, bytes moved, after's dev, ino]."""
@@ -161,7 +168,7 @@ def _move_tail(path: str, size: int, snap_id: str, ident: list[int]) -> list:
                     pass
                 moved, off = 0, size
                 while b := os.pread(fd, COPY_CHUNK, off):   # to the end as it is now (a late writer's too)
-                    os.write(ofd, b)
+                    _pwrite_all(ofd, b, moved)
                     moved += len(b)
                     off += len(b)
                 os.fsync(ofd)
@@ -192,7 +199,7 @@ def _put_back(path: str, after: str, size: int, ident: list[int], after_ident: l
                     return False      # someone wrote meanwhile: keep both files as they are
                 off = size
                 while b := os.read(src, COPY_CHUNK):
-                    os.pwrite(dst, b, off)
+                    _pwrite_all(dst, b, off)
                     off += len(b)
                 os.fsync(dst)
             finally:
@@ -326,8 +333,8 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
                         f"in {c.path}.gpusnap-{snap.id}-after and cuts the file back to {c.size} bytes")
         elif c.append_only:
             c.verdict = LEFT
-            c.detail = (f"{c.path} grew after the snapshot and {users[0]} appends to it too: left as it is, "
-                        "the restored job appends after its lines")
+            c.detail = (f"{c.path} grew after the snapshot and {users[0]} has it {users[0].how} too: left as it "
+                        "is, the restored job appends after what is there")
         else:
             c.verdict = REFUSED
             c.detail = (f"output file {c.path} grew after the snapshot and is {users[0].how} by {users[0]}, "

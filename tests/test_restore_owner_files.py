@@ -1,10 +1,17 @@
-"""Root restores a user's job whose log grew after the dump, while the user attacks: the log's
-directory and the log are the user's, and a racing attacker (user nobody) swaps every `LOG.gpusnap-*-after`
-it sees for a symbolic link to a root file. Whatever it swaps, the root file keeps its owner
-and its contents, and no byte of it reaches the user's log: on the normal path (the restore
-succeeds) and on the undo path (CRIU fails after the fix-up: the job's working directory was
-removed, so the moved bytes are put back). The fix-up runs as the file's owner, through
-descriptors (gpusnap/system/ownerfs.py). Real CRIU, a real job running as nobody, real races.
+"""Root restores a user's job whose log grew after the dump, while the user attacks. The log and
+its directory are the user's; the attacker (user nobody) races gpusnap:
+
+- swapping every `LOG.gpusnap-*-after` it sees for a symbolic link to a root file, on the
+  normal path (the restore succeeds) and on the undo path (CRIU fails after the fix-up: the
+  job's working directory was removed, so the moved bytes are put back);
+- trading the log itself for a link to the root file, over and over (renameat2 exchange);
+- (not racing) swapping the log's directory for a link to a root directory.
+
+Whatever it does, the root file keeps its owner, mode and contents, and no byte of it reaches
+the user's log; inspect says beforehand what the restore does. The fix-up runs as the file's
+owner, through descriptors (gpusnap/system/ownerfs.py). Real CRIU, real processes, real races;
+the job runs as root onto the user's log (CRIU here may lack CAP_SYS_RESOURCE for a job of
+another uid).
 """
 
 from __future__ import annotations
@@ -60,6 +67,17 @@ while True:
         n += 1
         with open(counter, "w") as f:
             f.write(str(n))
+'''
+
+
+# The second attacker: the log itself and a link to the root file trade names (renameat2
+# RENAME_EXCHANGE, atomic) over and over, so that what gpusnap checks and what it then opens differ.
+TOGGLE = r'''
+import ctypes, os, sys
+log, alt = sys.argv[1].encode(), sys.argv[2].encode()
+libc = ctypes.CDLL(None, use_errno=True)
+while True:
+    libc.renameat2(-100, log, -100, alt, 2)
 '''
 
 
@@ -222,3 +240,44 @@ def test_a_log_directory_swapped_for_a_link_to_a_root_directory_is_refused_untou
     assert _gone(pid)
     assert sorted(p.name for p in rootdir.iterdir()) == ["job.log"]
     _victim_intact(rootdir / "job.log", logs.with_name("logs.old") / "job.log", stat.S_IMODE(os.stat(log).st_mode))
+
+
+def _pause(p: subprocess.Popen) -> None:
+    os.kill(p.pid, signal.SIGSTOP)
+    _wait(lambda: Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+          "the attacker to stop")
+
+
+def test_racing_attacker_trading_the_log_for_a_link_gains_nothing(userdir, repo):
+    home, victim = userdir
+    log = home / "job.log"
+    alt = home / "job.log.alt"
+    snap, pid = _snapshot_then_kill(home, log, repo)
+    subprocess.run([*AS_NOBODY, "ln", "-s", str(victim), str(alt)], check=True)
+    toggler = subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-I", "-c", TOGGLE, str(log), str(alt)],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    outcomes = []
+    try:
+        for _ in range(3 * ROUNDS):
+            _pause(toggler)          # the log back at its name, and grown, between rounds
+            if os.path.islink(log):
+                os.rename(log, home / "swap")
+                os.rename(alt, log)
+                os.rename(home / "swap", alt)
+            _victim_intact(victim, log)
+            _grow(log)
+            os.kill(toggler.pid, signal.SIGCONT)
+            r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+            outcomes.append(r.returncode)
+            kill_pids([pid])
+            _wait(lambda: _gone(pid), "the restored job's PID to be free")
+        _pause(toggler)
+        if os.path.islink(log):
+            log, alt = alt, log
+        _victim_intact(victim, log)
+        # every round ended in a restore, a refusal naming the file, or CRIU's refusal; never in harm
+        assert set(outcomes) <= {0, 8, 25}, outcomes
+    finally:
+        os.kill(toggler.pid, signal.SIGCONT)
+        _stop(toggler)

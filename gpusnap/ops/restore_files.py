@@ -258,6 +258,13 @@ class FileCheck:
     append_only: bool = False   # every fd of the job appended (CRIU checks no size for it)
 
 
+def _resolved(path: str) -> str | None:
+    try:
+        return os.path.realpath(path)
+    except OSError:         # a link swapped in and out while it was read (EINVAL from readlink)
+        return None
+
+
 def check(snap, inherited=frozenset()) -> list[FileCheck]:
     """What a restore of `snap` would do with each file the job had open, decided once for
     `restore` (prepare) and `inspect` alike: nothing (ok), set the bytes written after the dump
@@ -303,10 +310,11 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
             c.detail = f"{kind} {name} cannot be checked: {e.strerror}"
             continue
         c.now, c.dev, c.ino, c.uid, c.gid = st.st_size, st.st_dev, st.st_ino, st.st_uid, st.st_gid
-        if os.path.realpath(name) != name:
+        real = _resolved(name)
+        if real != name:
             # CRIU records resolved paths: a link there now was put in since (a directory swapped
             # for a link to another user's): CRIU would reopen the file behind it for the job
-            c.detail = (f"{kind} {name} is reached through a symbolic link now ({os.path.realpath(name)}), "
+            c.detail = (f"{kind} {name} is reached through a symbolic link now ({real or 'changing while checked'}), "
                         "not the file the job had open")
         elif mode is not None and st.st_mode != mode:
             c.detail = (f"{kind} {name} has mode {stat.filemode(st.st_mode)} now, {stat.filemode(mode)} at the "

@@ -370,7 +370,8 @@ def prepare(snap, inherited=frozenset()) -> FileFixes:
     try:
         for c in checks:
             if c.verdict == SET_ASIDE:
-                fixes.moved.append(_set_aside(c, snap.id))
+                with ownerfs.uninterrupted():       # a move done is a move recorded (for undo)
+                    fixes.moved.append(_set_aside(c, snap.id))
     except OSError as e:
         fixes.undo()
         raise FilesChanged(f"cannot set aside what was written to {c.path} after the snapshot (as its "
@@ -378,4 +379,7 @@ def prepare(snap, inherited=frozenset()) -> FileFixes:
                            hint="gpusnap does this as the file's owner, next to the file: free some space there "
                                 "or let the owner write that directory, or move the file's end away by hand; "
                                 "nothing was changed or restored") from None
+    except BaseException:            # an interrupt between two files: put back what was moved
+        fixes.undo()
+        raise
     return fixes

@@ -21,14 +21,17 @@ OSError in it is raised again in the caller.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import pwd
+import signal
 import stat
 from typing import Any, Callable
 
 NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+STOPS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT}
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -39,6 +42,17 @@ def _groups(uid: int, gid: int) -> list[int]:
         return [gid]            # a uid with no passwd entry: its own group only
 
 
+@contextlib.contextmanager
+def uninterrupted():
+    """INT, TERM, HUP and QUIT held back for the block (a change and its record in one piece);
+    one that came meanwhile is delivered at its end."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def as_owner(uid: int, gid: int, fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) with identity uid/gid (in a forked helper unless uid is root's). fn's result
     must be JSON data; an OSError it raises is raised here."""
@@ -46,8 +60,17 @@ def as_owner(uid: int, gid: int, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     groups = _groups(uid, gid)          # (NSS in the parent: the child does system calls only)
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                    # the helper
+    # the helper runs to its end (a few system calls): an interrupt is the caller's to handle,
+    # after it, never halfway through a move the helper could then not report
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        os.close(r)
+        os.close(w)
+        raise
+    if pid == 0:                                    # the helper (signals stay blocked)
         code = 0
         try:
             os.close(r)
@@ -63,6 +86,7 @@ def as_owner(uid: int, gid: int, fn: Callable[..., Any], *args: Any) -> Any:
         except BaseException:                       # noqa: BLE001 - a helper never returns into gpusnap
             code = 1
         os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
     os.close(w)
     chunks = []
     try:
@@ -70,7 +94,10 @@ def as_owner(uid: int, gid: int, fn: Callable[..., Any], *args: Any) -> Any:
             chunks.append(b)
     finally:
         os.close(r)
-        os.waitpid(pid, 0)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
     try:
         out = json.loads(b"".join(chunks))
     except ValueError:

@@ -333,6 +333,7 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
         else:
             c.detail = f"input file {name} changed since the snapshot ({st.st_size} bytes now, {size} then)"
     grown = [c for c in out if c.verdict == SET_ASIDE]
+    dumped = {p for p in meta.get("pids") or [] if type(p) is int}     # the job's PIDs at the dump
     used = fileusers.users({(c.dev, c.ino) for c in grown})
     for c in grown:
         users = used.get((c.dev, c.ino)) or []
@@ -345,9 +346,10 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
                         "is, the restored job appends after what is there")
         else:
             c.verdict = REFUSED
+            who = ("the snapshotted job itself, still running (restore it once it has stopped)"
+                   if users[0].pid in dumped else "which is not part of the job being restored")
             c.detail = (f"output file {c.path} grew after the snapshot and is {users[0].how} by {users[0]}, "
-                        "which is not part of the job being restored; cutting it back would cut that "
-                        "process's data")
+                        f"{who}; cutting it back would cut that process's data")
     return out
 
 

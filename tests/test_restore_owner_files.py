@@ -225,6 +225,13 @@ def test_racing_attacker_gains_nothing_when_a_failed_restore_puts_bytes_back(use
         assert _swaps(home) >= 1
     finally:
         _stop(attacker)
+    # with nobody racing, the undo puts every byte back, as the log's owner, and leaves no after-file
+    _grow(log)
+    before, afters = log.read_bytes(), set(home.glob("job.log.gpusnap-*"))
+    r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+    assert r.returncode not in (0, 25), r.stdout + r.stderr
+    assert log.read_bytes() == before and set(home.glob("job.log.gpusnap-*")) == afters
+    assert os.stat(log).st_uid == os.stat(home).st_uid
 
 
 def test_a_log_directory_swapped_for_a_link_to_a_root_directory_is_refused_untouched(userdir, repo):

@@ -263,24 +263,38 @@ def _pause(p: subprocess.Popen) -> None:
           "the attacker to stop")
 
 
-def test_racing_attacker_trading_the_log_for_a_link_gains_nothing(userdir, repo):
+@pytest.mark.parametrize("traded", ["file", "directory"])
+def test_racing_attacker_trading_the_log_for_a_link_gains_nothing(userdir, repo, traded):
+    """The log itself (or its directory) and a link to the root file (or a root directory
+    holding a file of the log's name and mode) trade names all through the restores."""
     home, victim = userdir
-    log = home / "job.log"
-    alt = home / "job.log.alt"
+    if traded == "file":
+        real, alt, name, mode = home / "job.log", home / "job.log.alt", "", 0o600
+    else:
+        subprocess.run([*AS_NOBODY, "mkdir", str(home / "logs")], check=True)
+        real, alt, name = home / "logs", home / "logs.alt", "job.log"
+    log = real / name if name else real
     snap, pid = _snapshot_then_kill(home, log, repo)
-    subprocess.run([*AS_NOBODY, "ln", "-s", str(victim), str(alt)], check=True)
-    toggler = subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-I", "-c", TOGGLE, str(log), str(alt)],
+    if traded == "directory":
+        mode = stat.S_IMODE(os.stat(log).st_mode)
+        rootdir = victim.parent / "rootdir"
+        rootdir.mkdir(mode=0o755)
+        victim = rootdir / name
+        victim.write_bytes(SECRET)
+        os.chmod(victim, mode)
+    subprocess.run([*AS_NOBODY, "ln", "-s", str(victim.parent if name else victim), str(alt)], check=True)
+    toggler = subprocess.Popen([*AS_NOBODY, "/usr/bin/python3", "-I", "-c", TOGGLE, str(real), str(alt)],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
     outcomes = []
     try:
         for _ in range(3 * ROUNDS):
             _pause(toggler)          # the log back at its name, and grown, between rounds
-            if os.path.islink(log):
-                os.rename(log, home / "swap")
-                os.rename(alt, log)
+            if os.path.islink(real):
+                os.rename(real, home / "swap")
+                os.rename(alt, real)
                 os.rename(home / "swap", alt)
-            _victim_intact(victim, log)
+            _victim_intact(victim, log, mode)
             _grow(log)
             os.kill(toggler.pid, signal.SIGCONT)
             r = run_gpusnap("restore", snap, "--repo", repo, "--json")
@@ -288,9 +302,9 @@ def test_racing_attacker_trading_the_log_for_a_link_gains_nothing(userdir, repo)
             kill_pids([pid])
             _wait(lambda: _gone(pid), "the restored job's PID to be free")
         _pause(toggler)
-        if os.path.islink(log):
-            log, alt = alt, log
-        _victim_intact(victim, log)
+        if os.path.islink(real):
+            log = alt / name if name else alt
+        _victim_intact(victim, log, mode)
         # every round ended in a restore, a refusal naming the file, or CRIU's refusal; never in harm
         assert set(outcomes) <= {0, 8, 25}, outcomes
     finally:

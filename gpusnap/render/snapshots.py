@@ -45,6 +45,16 @@ def restore(result, o, quiet: bool = False) -> None:
                     f"all in place after {result.seconds:.2f} s", markup=False)
     if result.tcp_closed and not quiet:
         o.err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
+    if result.terminal and not quiet:
+        o.err.print(result.terminal["line"], markup=False)
+
+
+def restore_ended(result, status: int | None, o, quiet: bool = False) -> None:
+    """After a restore that gave the job this terminal: the job has ended."""
+    if not quiet:
+        how = f"exit status {status}" if status is not None and status >= 0 else (
+            f"signal {-status}" if status is not None else "status unknown")
+        o.err.print(f"gpusnap: the restored job (PID {result.pid}) ended ({how})", markup=False)
 
 
 def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:

@@ -219,4 +219,18 @@ def describe(repository, snap) -> dict[str, Any]:
     report["files"] = list(seen_files.values())
     report["sockets"] = sockets
     report["files_changed"] = [f["path"] for f in report["files"] if f.get("now_status") in ("missing", "differs")]
+    report["terminal"] = _terminal(snap)
     return report
+
+
+def _terminal(snap) -> dict[str, str] | None:
+    """What a restore will do with the job's terminal (the rule restore applies), or None."""
+    from gpusnap.errors import CorruptSnapshot
+    from gpusnap.ops.restore import terminals
+    from gpusnap.system import terminal
+
+    try:
+        held = terminals(snap)
+    except CorruptSnapshot:
+        return None
+    return terminal.outlook(held, terminal.next_session(snap.name)) or None

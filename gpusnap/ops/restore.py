@@ -198,7 +198,8 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
         from gpusnap.system import terminal
 
         if restore_terminal.choose(terms, terminal_want) == "tmux":
-            return restore_terminal.in_tmux(snap, repository.path, gpu_map=gpu_map, via=via, tcp_close=tcp_close)
+            return restore_terminal.in_tmux(snap, repository.path, gpu_map=gpu_map, via=via, tcp_close=tcp_close,
+                                           t0=t0)
         import signal
 
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # the job gets the foreground; we still print

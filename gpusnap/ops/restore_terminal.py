@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, UsageError
@@ -72,7 +73,7 @@ def become_subreaper() -> None:
 
 # --- the restore inside a new tmux session -------------------------------------------------
 
-def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close) -> "object":
+def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
     """Run this restore in a new detached tmux session named after the snapshot; returns its
     RestoreResult (with `terminal` naming the session) or raises its error."""
     from gpusnap.ops.restore import RestoreResult
@@ -102,6 +103,7 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close) -> "object":
         raise _error(report["error"])
     result = RestoreResult(**report["result"])
     result.terminal = describe("tmux", session=session)
+    result.seconds = round(time.monotonic() - t0, 3)     # with the session's start
     if caught:
         result.notes.append("a signal to stop came while the restore ran in its tmux session; it had been "
                             "handed over and finished, and the job runs")
@@ -202,21 +204,34 @@ def main(argv: list[str]) -> int:
 # --- waiting while the job has the terminal ------------------------------------------------
 
 def stay(pid: int, fd: int = 0) -> int | None:
-    """Wait while the restored job runs in the foreground of our terminal, as a shell waits
-    for its foreground job: when the job stops (Ctrl-Z) take the terminal back and stop too, so
-    the shell sees it; when continued (`fg`) give the terminal back to the job and continue
-    it (`bg`: continue it only). The job's exit status, or None when it was not our child."""
+    """Wait while the restored job runs in our terminal, as a shell waits for its foreground
+    job: when the job stops (Ctrl-Z) take the terminal back and stop too, so the shell sees it;
+    when continued (`fg`) give the terminal back to the job and continue it (`bg`: continue it
+    only). A job that leads its own session (a pane's or screen window's command) cannot have
+    our terminal's foreground: the keys' signals (Ctrl-C, Ctrl-\\, Ctrl-Z) reach us and are
+    passed on to it. The job's exit status, or None when it was not our child."""
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # terminal calls from the background allowed
     mine = os.getpgrp()
     try:
         job_group = os.tcgetpgrp(fd)
     except OSError:
         job_group = mine
-    if job_group == mine:
+    holds = job_group != mine                        # the job has the foreground
+    if not holds:
         try:
             job_group = os.getpgid(pid)
         except OSError:
             job_group = None
+
+        def pass_on(signum, frame):
+            if job_group is not None:
+                try:
+                    os.killpg(job_group, signum)
+                except OSError:
+                    pass
+
+        for s in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP):
+            signal.signal(s, pass_on)
     status = None
     while True:
         try:
@@ -227,10 +242,10 @@ def stay(pid: int, fd: int = 0) -> int | None:
         if got != pid:
             continue                  # an orphan of the job, adopted and now reaped
         if os.WIFSTOPPED(st):
-            _take_terminal(fd, mine)
+            _give_terminal(fd, mine)
             os.kill(os.getpid(), signal.SIGSTOP)
             if job_group is not None:
-                if _foreground(fd, mine):
+                if holds and _foreground(fd, mine):
                     _give_terminal(fd, job_group)
                 try:
                     os.killpg(job_group, signal.SIGCONT)
@@ -239,7 +254,7 @@ def stay(pid: int, fd: int = 0) -> int | None:
             continue
         status = os.waitstatus_to_exitcode(st)
         break
-    _take_terminal(fd, mine)
+    _give_terminal(fd, mine)
     return status
 
 
@@ -248,10 +263,6 @@ def _foreground(fd: int, group: int) -> bool:
         return os.tcgetpgrp(fd) == group
     except OSError:
         return False
-
-
-def _take_terminal(fd: int, group: int) -> None:
-    _give_terminal(fd, group)
 
 
 def _give_terminal(fd: int, group: int) -> None:

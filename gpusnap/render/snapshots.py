@@ -189,6 +189,11 @@ def inspect(report: dict[str, Any], o, images: bool = False) -> None:
         recorded_gpus(report["gpu"], console)
     else:
         console.print("GPU: none recorded (a CPU-only job)")
+    term = report.get("terminal")
+    if term:       # what a restore will do with the job's terminal (system/terminal.outlook)
+        console.print(f"terminal: {term['had']}", markup=False)
+        console.print(f"  {term['terminal']}", markup=False)
+        console.print(f"  {term['no_terminal']}", markup=False)
     changed = report.get("files_changed") or []
     if changed:
         console.print(Text(f"restore will fail until these files are as they were at the dump: "

@@ -84,6 +84,28 @@ def session_base(name: str | None) -> str:
     return SESSION_PREFIX + (re.sub(r"[^A-Za-z0-9_-]", "-", name or "") or "job")
 
 
+def session_free(name: str) -> bool:
+    """No tmux session of exactly this name on gpusnap's tmux server (or no tmux at all)."""
+    import subprocess
+
+    tm = tmux()
+    if tm is None:
+        return True
+    env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+    try:
+        p = subprocess.run([tm, "has-session", "-t", f"={name}"], stdin=subprocess.DEVNULL,
+                           capture_output=True, env=env, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return p.returncode != 0
+
+
+def next_session(name: str | None) -> str:
+    """The session a restore would take now: gpusnap-NAME, or -2, -3, ... when taken."""
+    base = session_base(name)
+    return next((n for n in (base, *(f"{base}-{k}" for k in range(2, 100))) if session_free(n)), base)
+
+
 INSTALL_TMUX = "install tmux (`apt install tmux`) so that gpusnap can give it one"
 
 
@@ -100,7 +122,7 @@ def outlook(terminals: list[str], session: str | None = None) -> dict[str, str]:
                if tmux() else
                f"from no terminal (cron, a script, --json) restore refuses it (exit 2, the job stays as it is): "
                f"no tmux here to give it a terminal; {INSTALL_TMUX}")
-    return {"had": had,
+    return {"had": had, "session": s if tmux() else None,
             "terminal": f"restored from a terminal it gets that terminal (in place of {had}) and runs in its "
                         "foreground; `gpusnap restore` waits until it ends, as the shell would (Ctrl-C goes to "
                         "the job, Ctrl-Z stops both)",

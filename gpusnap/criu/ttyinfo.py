@@ -16,7 +16,8 @@ from gpusnap.criu import pbwire
 IMAGE = "tty-info.img"
 # images/tty.proto TtyType, and the fields of tty_info_entry read here
 PTY, VT, SERIAL = 1, 3, 6
-F_TYPE, F_RDEV, F_PTY = 2, 8, 12
+F_TYPE, F_PGRP, F_RDEV, F_PTY = 2, 7, 8, 12
+PSTREE_PGID = 3                     # images/pstree.proto pstree_entry.pgid
 PTMX = (5, 2)                       # /dev/ptmx: a pty's master
 PTS_MAJORS = range(136, 144)        # UNIX98_PTY_SLAVE_MAJOR .. +7
 
@@ -42,3 +43,15 @@ def handed_over(snap) -> list[str]:
         elif kind in (VT, SERIAL):
             others.append(f"/dev/tty (device {major}:{minor})")
     return [name for i, name in sorted(slaves.items()) if i not in masters] + others
+
+
+def job_had_foreground(snap) -> bool:
+    """Whether a process group of the job was its terminal's foreground at the dump. If not
+    (a shell's `&` job), the terminal's modes CRIU recorded were the shell's (readline's raw
+    mode), not the job's."""
+    groups = {dict(pbwire.fields(m)).get(PSTREE_PGID) for m in pbwire.entries(b"".join(snap.read_image("pstree.img")))}
+    for msg in pbwire.entries(b"".join(snap.read_image(IMAGE))) if snap.has_image(IMAGE) else []:
+        f = dict(pbwire.fields(msg))
+        if f.get(F_TYPE) == PTY and os.major(int(f.get(F_RDEV, 0))) in PTS_MAJORS and f.get(F_PGRP) in groups:
+            return True
+    return False

@@ -205,9 +205,11 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # the job gets the foreground; we still print
         restore_terminal.become_subreaper()
         tty, tty_name = 0, terminal.here()
+        modes = restore_terminal.modes(tty, snap)
     with repository.readers_lock():
         result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty)
     if tty is not None:
+        restore_terminal.put_back(tty, modes)
         result.terminal = restore_terminal.describe("here", tty=tty_name)
     return result
 

@@ -71,6 +71,36 @@ def become_subreaper() -> None:
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
+def modes(fd: int, snap) -> tuple:
+    """What of our terminal's state to put back after CRIU (which sets the recorded one on
+    it): its size always (the size that counts is this terminal's), and its modes when the
+    job was not in the foreground of its terminal at the dump (then the recorded modes were
+    the shell's raw readline ones, and typed lines would never reach the job)."""
+    import termios
+
+    from gpusnap.criu import ttyinfo
+
+    try:
+        size = termios.tcgetwinsize(fd)
+        attrs = None if ttyinfo.job_had_foreground(snap) else termios.tcgetattr(fd)
+    except (termios.error, OSError, ValueError):
+        return None, None
+    return size, attrs
+
+
+def put_back(fd: int, saved: tuple) -> None:
+    import termios
+
+    size, attrs = saved
+    try:
+        if size is not None:
+            termios.tcsetwinsize(fd, size)
+        if attrs is not None:
+            termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    except (termios.error, OSError):
+        pass
+
+
 # --- the restore inside a new tmux session -------------------------------------------------
 
 def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":

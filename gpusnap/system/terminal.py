@@ -62,8 +62,8 @@ def here(fd: int = 0) -> str | None:
 
 
 def tmux() -> str | None:
-    return shutil.which("tmux") or next((p for p in ("/usr/bin/tmux", "/usr/local/bin/tmux")
-                                         if os.access(p, os.X_OK)), None)
+    """tmux on PATH (cron's PATH has /usr/bin, where Debian puts it)."""
+    return shutil.which("tmux")
 
 
 def tmux_socket() -> str:

@@ -44,7 +44,8 @@ class Tmux:
              "env PS1='$ ' bash --norc --noprofile")
 
     def type(self, target: str, text: str) -> None:
-        self("send-keys", "-t", target, "-l", text)
+        if text:
+            self("send-keys", "-t", target, "-l", text)
         self("send-keys", "-t", target, "Enter")
 
     def screen(self, target: str) -> str:
@@ -81,7 +82,7 @@ def tmux(tmp_path):
 
 def reference(tmp_path: Path, line: str) -> str:
     out = tmp_path / "reference"
-    subprocess.run([PY, str(JOB), str(out), str(TICKS), "0"], input=line + "\n", text=True, check=True,
+    subprocess.run([PY, str(JOB), str(out), str(TICKS), "0"], input=line + "\n\n", text=True, check=True,
                    capture_output=True, timeout=300)
     return out.read_text()
 
@@ -116,6 +117,23 @@ def dump_and_kill(pid: int, repo: Path, name: str, tmux_env: dict) -> tuple[dict
     return finding, dumped, inspected
 
 
+def answered(pane: Tmux, target: str, line: str, out: Path, tmp_path: Path) -> None:
+    """Type `line` at the job's prompt; its answer shows in the pane, its result is exactly the
+    uninterrupted run's; then Enter ends it."""
+    pane.wait_for(target, r"say something: ")
+    pane.type(target, line)
+    pane.wait_for(target, rf"you said '{re.escape(line)}'\npress Enter to end: ")
+    assert out.read_text() == reference(tmp_path, line)
+    pane.type(target, "")
+
+
+def session_ends(pane: Tmux, session: str) -> None:
+    deadline = time.monotonic() + 30
+    while pane.alive(session):
+        assert time.monotonic() < deadline, f"tmux session {session} outlived the job"
+        time.sleep(0.1)
+
+
 def last_tick(text: str) -> int:
     return max(int(t) for t in re.findall(r"^tick (\d+)$", text, re.M))
 
@@ -148,22 +166,12 @@ def test_pane_job_restored_from_a_script_gets_a_tmux_session(tmp_path, repo, tmu
     try:
         assert theirs.alive("gpusnap-train")
         theirs.wait_for("gpusnap-train", rf"tick {TICKS - 1}\n")
-        shown = theirs.screen("gpusnap-train")
-        assert last_tick(shown) > at_dump + 1                             # its output goes on there
+        shown = {int(t) for t in re.findall(r"^tick (\d+)$", theirs.screen("gpusnap-train"), re.M)}
+        assert set(range(at_dump + 1, TICKS)) <= shown                    # its output goes on there
         assert os.readlink(f"/proc/{pid}/fd/0") == theirs("display", "-p", "-t", "gpusnap-train",
                                                             "#{pane_tty}").stdout.strip()
-        theirs.wait_for("gpusnap-train", r"say something: ")
-        theirs.type("gpusnap-train", "hello from tmux")
-        theirs.wait_for("gpusnap-train", r"you said 'hello from tmux'")
-        deadline = time.monotonic() + 60
-        while not out.exists():
-            assert time.monotonic() < deadline, "no result"
-            time.sleep(0.05)
-        assert out.read_text() == reference(tmp_path, "hello from tmux")
-        deadline = time.monotonic() + 30
-        while theirs.alive("gpusnap-train"):                               # "the session ends with the job"
-            assert time.monotonic() < deadline, "the session outlived the job"
-            time.sleep(0.1)
+        answered(theirs, "gpusnap-train", "hello from tmux", out, tmp_path)
+        session_ends(theirs, "gpusnap-train")                             # "the session ends with the job"
     finally:
         kill_pids([pid])
 
@@ -192,10 +200,8 @@ def test_pane_job_restored_from_another_pane_gets_that_pane(tmp_path, repo, tmux
         st = Path(f"/proc/{pid}/stat").read_text()
         pgrp, tpgid = (int(x) for x in st[st.rindex(")") + 2:].split()[2:6:3])
         assert tpgid == pgrp                                              # it has the pane's foreground
-        own.wait_for("other", r"say something: ")
-        own.type("other", "typed in the other pane")
+        answered(own, "other", "typed in the other pane", out, tmp_path)
         own.wait_for("other", r"gpusnap: the restored job \(PID \d+\) ended \(exit status 0\)\nrestore-exit=0")
-        assert out.read_text() == reference(tmp_path, "typed in the other pane")
     finally:
         kill_pids([pid])
 
@@ -214,14 +220,8 @@ def test_background_job_of_a_pane_shell_restored_with_json(tmp_path, repo, tmux)
     try:
         assert r["pid"] == pid
         assert r["terminal"]["mode"] == "tmux" and r["terminal"]["session"] == inspected["session"] == "gpusnap-bg"
-        theirs.wait_for("gpusnap-bg", r"say something: ")
-        theirs.type("gpusnap-bg", "bg")
-        theirs.wait_for("gpusnap-bg", r"you said 'bg'")
-        deadline = time.monotonic() + 60
-        while not out.exists():
-            assert time.monotonic() < deadline, "no result"
-            time.sleep(0.05)
-        assert out.read_text() == reference(tmp_path, "bg")
+        answered(theirs, "gpusnap-bg", "bg", out, tmp_path)
+        session_ends(theirs, "gpusnap-bg")
     finally:
         kill_pids([pid])
 
@@ -251,14 +251,8 @@ def test_screen_job_restored_from_a_script(tmp_path, repo, tmux):
                            capture_output=True, text=True, timeout=300, env={**os.environ, **env})
         assert p.returncode == 0, p.stderr
         assert "attach -t gpusnap-win-2 " in p.stderr
-        theirs.wait_for("gpusnap-win-2", r"say something: ")
-        theirs.type("gpusnap-win-2", "from screen")
-        theirs.wait_for("gpusnap-win-2", r"you said 'from screen'")
-        deadline = time.monotonic() + 60
-        while not out.exists():
-            assert time.monotonic() < deadline, "no result"
-            time.sleep(0.05)
-        assert out.read_text() == reference(tmp_path, "from screen")
+        answered(theirs, "gpusnap-win-2", "from screen", out, tmp_path)
+        session_ends(theirs, "gpusnap-win-2")
     finally:
         kill_pids([pid])
         subprocess.run(["screen", "-S", sock, "-X", "quit"], capture_output=True, timeout=30)

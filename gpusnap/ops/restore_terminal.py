@@ -27,7 +27,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, UsageError
@@ -107,7 +109,6 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
     """Run this restore in a new detached tmux session named after the snapshot; returns its
     RestoreResult (with `terminal` naming the session) or raises its error."""
     from gpusnap.ops.restore import RestoreResult
-    from gpusnap.ops.restore_paths import _signals_deferred
 
     work = Path(tempfile.mkdtemp(prefix="gpusnap-tty-"))       # private (0700)
     try:
@@ -118,8 +119,10 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
             json.dump(req, f)
         session, pane = _new_session(terminal.session_base(snap.name), work)
         caught: list[int] = []
-        # the restore runs in the pane whatever happens to us: a signal must not hide its outcome
-        with _signals_deferred(caught):
+        # A signal to stop is passed on to the restore in the pane, as an interrupt, and its
+        # outcome (interrupted, or done: the job runs) is what we report: never an interrupt
+        # code here with a job running there.
+        with _signals_passed_on(pane, caught):
             report = _wait_report(work, pane)
     finally:
         import shutil
@@ -135,9 +138,32 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
     result.terminal = describe("tmux", session=session)
     result.seconds = round(time.monotonic() - t0, 3)     # with the session's start
     if caught:
-        result.notes.append("a signal to stop came while the restore ran in its tmux session; it had been "
-                            "handed over and finished, and the job runs")
+        result.notes.append("a signal to stop came while the restore ran in its tmux session; it was passed "
+                            "on, the restore had already gone too far to stop, and the job runs")
     return result
+
+
+@contextmanager
+def _signals_passed_on(pane: int, caught: list):
+    """SIGINT, SIGTERM and SIGHUP to us: noted, and an interrupt (SIGINT) to the pane's restore."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def pass_on(signum, frame):
+        caught.append(signum)
+        try:
+            os.kill(pane, signal.SIGINT)
+        except OSError:
+            pass
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, pass_on) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _new_session(base: str, work: Path) -> tuple[str, int]:
@@ -221,9 +247,27 @@ def main(argv: list[str]) -> int:
                "log_path": getattr(e, "log_path", None), "last_lines": getattr(e, "last_lines", None)}
         _report(work, {"error": err})
         return e.exit_code
+    except KeyboardInterrupt:       # the caller passed on a signal to stop
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from gpusnap.system import proc
+
+        # CRIU may have finished: the job, adopted by us (a subreaper), then runs here
+        running = [p for p in proc.children(os.getpid()) if proc.exists(p)]
+        if not running:
+            _report(work, {"error": {"class": "Interrupted", "message": "restore interrupted before the job "
+                                     "ran; nothing runs", "hint": "restore again"}})
+            return 130
+        _report(work, {"error": {"class": "Interrupted", "message": f"restore interrupted after CRIU had "
+                                 f"restored the job: it runs as PID {running[0]}, in its tmux session",
+                                 "hint": "do not restore it again while it runs"}})
+        stay(running[0])
+        return 130
     except BaseException as e:  # noqa: BLE001 - whatever it was, the caller must hear of it
         _report(work, {"error": {"class": "GpusnapError", "message": f"restore failed in its tmux pane: {e!r}"}})
         return 1
+    # from here the job runs: a late interrupt from the caller must not end us (the job's
+    # session leader: the job would get a SIGHUP)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _report(work, {"result": result.to_dict()})
     print(f"gpusnap: restored {result.snapshot} as PID {result.pid}; this pane is its terminal and "
           "closes when the job ends", flush=True)

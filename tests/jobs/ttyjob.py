@@ -1,6 +1,6 @@
 """A job for a terminal: prints `tick N` at each step of a hash chain kept in its memory, then
 asks `say something:` on its terminal, answers `you said '...'`, and writes the chain's digest
-and the line to OUT (atomically). Run uninterrupted, the same arguments and line give the same
+and the line to OUT (atomically); then waits for one more line and ends. Run uninterrupted, the same arguments and line give the same
 OUT: a restored copy that lost or repeated anything does not."""
 
 import hashlib
@@ -25,6 +25,7 @@ def main() -> None:
     with open(out + ".tmp", "w") as f:
         f.write(f"{h.hexdigest()} {line}\n")
     os.rename(out + ".tmp", out)
+    input("press Enter to end: ")           # so that its answer can be read on the terminal
 
 
 if __name__ == "__main__":

@@ -272,6 +272,8 @@ def test_no_terminal_and_no_tmux_is_refused_untouched(tmp_path, repo, tmux):
     _f, _d, _i = dump_and_kill(pid, repo, "nt", env)
     inspected = run_json("inspect", "nt", "--repo", repo, env=no_tmux)["terminal"]
     assert "restore refuses it (exit 2" in inspected["no_terminal"] and inspected["session"] is None
+    tmux_check = next(c for c in run_json("doctor", env=no_tmux)["checks"] if c["name"] == "tmux")
+    assert "the restore is refused (exit 2)" in tmux_check["detail"]
     p = run_gpusnap("restore", "nt", "--repo", repo, env=no_tmux, stdin=subprocess.DEVNULL)
     assert p.returncode == 2, p.stderr
     assert "apt install tmux" in p.stderr

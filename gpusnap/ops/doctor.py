@@ -391,6 +391,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     if pid is not None:
         _check_pid(r, int(pid), probe)
     _check_schedules(r)
+    _check_tmux(r)
     if repo is not None:
         _check_repository_fs(r, repo)
     return r
@@ -408,3 +409,17 @@ def _check_schedules(r: DoctorReport) -> None:
     from gpusnap.ops import schedule
 
     schedule.doctor_checks(r.add)
+
+
+def _check_tmux(r: DoctorReport) -> None:
+    """A job that had a terminal, restored from no terminal (cron, a script), needs tmux."""
+    from gpusnap.system import terminal
+
+    tm = terminal.tmux()
+    if tm:
+        r.add("tmux", "ok", f"{tm}: a job that had a terminal, restored from no terminal (cron, a script, "
+                            "--json), gets a new tmux session gpusnap-NAME")
+    else:
+        r.add("tmux", "info", "no tmux: a job that had a terminal (a tmux/screen pane, ssh, a shell's `&` job) "
+                              "restores only from a terminal; from cron or a script the restore is refused (exit 2)",
+              terminal.INSTALL_TMUX)

@@ -74,9 +74,11 @@ def tmux_socket() -> str:
 
 
 def attach_command(session: str) -> str:
+    """How to reach the session: root's tmux server, so `sudo` first when gpusnap runs under it."""
     sock = tmux_socket()
     default = os.path.join("/tmp", f"tmux-{os.geteuid()}", "default")
-    return f"tmux attach -t {session}" if sock == default else f"tmux -S {sock} attach -t {session}"
+    sudo = "sudo " if os.geteuid() == 0 and os.environ.get("SUDO_USER") else ""
+    return f"{sudo}tmux attach -t {session}" if sock == default else f"{sudo}tmux -S {sock} attach -t {session}"
 
 
 def session_base(name: str | None) -> str:

@@ -41,7 +41,8 @@ class RestoreResult:
     pids: list[int]
     # wall seconds: preflight (snapshot checks, PIDs, GPUs, files), materialize (image files
     # written, --via files only), criu (CRIU restoring; with --via stream while the images
-    # stream out of the repository)
+    # stream out of the repository), tmux (a restore into a new tmux session: starting it and
+    # gpusnap in its pane)
     phases: dict[str, float] = field(default_factory=dict)
     via: str = "stream"             # how CRIU got the images: stream, files (plain -D), or lazy
     images: str | None = None       # where image files were written: tmpfs or disk

@@ -136,7 +136,9 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
         raise _error(report["error"])
     result = RestoreResult(**report["result"])
     result.terminal = describe("tmux", session=session)
-    result.seconds = round(time.monotonic() - t0, 3)     # with the session's start
+    total = round(time.monotonic() - t0, 3)              # with the session's start
+    result.phases["tmux"] = round(max(0.0, total - result.seconds), 3)
+    result.seconds = total
     if caught:
         result.notes.append("a signal to stop came while the restore ran in its tmux session; it was passed "
                             "on, the restore had already gone too far to stop, and the job runs")

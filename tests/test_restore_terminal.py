@@ -278,3 +278,41 @@ def test_no_terminal_and_no_tmux_is_refused_untouched(tmp_path, repo, tmux):
     assert p.returncode == 2, p.stderr
     assert "apt install tmux" in p.stderr
     assert not Path(f"/proc/{pid}").exists()
+
+
+def test_slurm_run_after_a_requeue_restores_a_terminal_job_into_tmux(tmp_path, repo, tmux):
+    """slurm-run after a requeue restores from no terminal: a snapshot of a job that had one
+    comes back in a tmux session, and the `resumed` event says how to reach it."""
+    import json
+
+    own, theirs, env = tmux
+    out = tmp_path / "out"
+    own.shell("orig")
+    own.type("orig", f"{PY} {JOB} {out} {TICKS} {TICK_MS}")
+    own.wait_for("orig", r"tick 20\b")
+    pid = job_pid(out)
+    _f, _d, inspected = dump_and_kill(pid, repo, "sj", env)
+    sup = subprocess.Popen([*GPUSNAP, "slurm-run", "--name", "sj", "--repo", str(repo), "--", "false"], cwd=ROOT,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **env, "SLURM_RESTART_COUNT": "1"})
+    events = repo / "jobs" / "sj" / "slurm.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            got = [json.loads(ln) for ln in events.read_text().splitlines()] if events.exists() else []
+            resumed = [e for e in got if e["event"] == "resumed"]
+            if resumed:
+                break
+            assert time.monotonic() < deadline and sup.poll() is None, got
+            time.sleep(0.1)
+        term = resumed[0]["terminal"]
+        assert resumed[0]["pid"] == pid and term["mode"] == "tmux" and term["session"] == inspected["session"]
+        answered(theirs, "gpusnap-sj", "after the requeue", out, tmp_path)
+        session_ends(theirs, "gpusnap-sj")
+        sup.wait(timeout=60)
+        assert f"the job's terminal: {term['attach']}" in sup.stderr.read()
+    finally:
+        kill_pids([pid])
+        if sup.poll() is None:
+            sup.kill()
+            sup.wait()

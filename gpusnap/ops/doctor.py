@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from gpusnap.criu import runner
 from gpusnap.errors import GpuUnsupportedProcess
-from gpusnap.system import paths, preflight
+from gpusnap.system import paths, preflight, terminal
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 from gpusnap.render import human_bytes
@@ -391,7 +391,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     if pid is not None:
         _check_pid(r, int(pid), probe)
     _check_schedules(r)
-    _check_tmux(r)
+    r.add("tmux", *terminal.doctor_check())
     if repo is not None:
         _check_repository_fs(r, repo)
     return r
@@ -409,17 +409,3 @@ def _check_schedules(r: DoctorReport) -> None:
     from gpusnap.ops import schedule
 
     schedule.doctor_checks(r.add)
-
-
-def _check_tmux(r: DoctorReport) -> None:
-    """A job that had a terminal, restored from no terminal (cron, a script), needs tmux."""
-    from gpusnap.system import terminal
-
-    tm = terminal.tmux()
-    if tm:
-        r.add("tmux", "ok", f"{tm}: a job that had a terminal, restored from no terminal (cron, a script, "
-                            "--json), gets a new tmux session gpusnap-NAME")
-    else:
-        r.add("tmux", "info", "no tmux: a job that had a terminal (a tmux/screen pane, ssh, a shell's `&` job) "
-                              "restores only from a terminal; from cron or a script the restore is refused (exit 2)",
-              terminal.INSTALL_TMUX)

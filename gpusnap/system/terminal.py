@@ -129,3 +129,13 @@ def outlook(terminals: list[str], session: str | None = None) -> dict[str, str]:
                         "foreground; `gpusnap restore` waits until it ends, as the shell would (Ctrl-C goes to "
                         "the job, Ctrl-Z stops both)",
             "no_terminal": no_term}
+
+
+def doctor_check() -> tuple[str, str, str | None]:
+    """doctor's line on tmux: (status, detail, fix)."""
+    tm = tmux()
+    if tm:
+        return ("ok", f"{tm}: a job that had a terminal, restored from no terminal (cron, a script, --json), "
+                      "gets a new tmux session gpusnap-NAME", None)
+    return ("info", "no tmux: a job that had a terminal (a tmux/screen pane, ssh, a shell's `&` job) restores "
+                    "only from a terminal; from cron or a script the restore is refused (exit 2)", INSTALL_TMUX)

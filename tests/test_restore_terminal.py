@@ -316,3 +316,24 @@ def test_slurm_run_after_a_requeue_restores_a_terminal_job_into_tmux(tmp_path, r
         if sup.poll() is None:
             sup.kill()
             sup.wait()
+
+
+def test_a_restore_refused_in_its_tmux_session_is_reported_and_leaves_no_session(tmp_path, repo, tmux):
+    """The restore inside the tmux session fails (the original still holds its PIDs): the
+    caller exits with that failure's code and message, and no session is left behind."""
+    own, theirs, env = tmux
+    out = tmp_path / "out"
+    own.shell("orig")
+    own.type("orig", f"{PY} {JOB} {out} {TICKS} {TICK_MS}")
+    own.wait_for("orig", r"tick 5\b")
+    pid = job_pid(out)
+    try:
+        run_json("dump", pid, "--repo", repo, "--name", "busy", env=env)
+        p = run_gpusnap("restore", "busy", "--repo", repo, "--json", env=env, stdin=subprocess.DEVNULL)
+        assert p.returncode == 7, p.stdout + p.stderr
+        assert '"error": "PIDs in use"' in p.stdout and str(pid) in p.stdout
+        assert theirs("ls", check=False).returncode != 0          # no session (no server) left
+        before = last_tick(own.screen("orig"))
+        own.wait_for("orig", rf"tick {before + 2}\b")                # the original runs on
+    finally:
+        kill_pids([pid])

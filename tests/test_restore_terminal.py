@@ -329,6 +329,7 @@ def test_a_restore_refused_in_its_tmux_session_is_reported_and_leaves_no_session
     pid = job_pid(out)
     try:
         run_json("dump", pid, "--repo", repo, "--name", "busy", env=env)
+        assert run_json("inspect", "busy", "--repo", repo, env=env)["terminal"]["session"] == "gpusnap-busy"
         p = run_gpusnap("restore", "busy", "--repo", repo, "--json", env=env, stdin=subprocess.DEVNULL)
         assert p.returncode == 7, p.stdout + p.stderr
         assert '"error": "PIDs in use"' in p.stdout and str(pid) in p.stdout

@@ -133,6 +133,8 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
                            hint=f"`{terminal.attach_command(session)}` if it is still there; `gpusnap ps` shows "
                                 "whether the job runs")
     if "error" in report:
+        if "runs as PID" not in str(report["error"].get("message")):
+            _close_session(session, pane)      # nothing runs there: leave no session behind
         raise _error(report["error"])
     result = RestoreResult(**report["result"])
     result.terminal = describe("tmux", session=session)
@@ -187,6 +189,21 @@ def _new_session(base: str, work: Path) -> tuple[str, int]:
                              f"{(p.stderr or p.stdout).strip()[-300:]}; nothing was touched",
                              hint="check `tmux new-session -d` works here, or restore from a terminal")
     raise UsageError(f"tmux sessions {base} to {base}-99 all exist", hint="close some (`tmux ls`)")
+
+
+def _close_session(session: str, pane: int) -> None:
+    """The pane's restore has ended: its session goes (tmux notices the pane's end a moment later)."""
+    try:
+        pidfd = os.pidfd_open(pane)
+        try:
+            select.select([pidfd], [], [], 10)
+        finally:
+            os.close(pidfd)
+    except OSError:
+        pass
+    env = {k: v for k, v in os.environ.items() if k != "TMUX"}
+    subprocess.run([terminal.tmux(), "kill-session", "-t", f"={session}"], stdin=subprocess.DEVNULL,
+                   capture_output=True, env=env, timeout=30)
 
 
 def _wait_report(work: Path, pane: int) -> dict | None:

@@ -117,14 +117,17 @@ def dump_and_kill(pid: int, repo: Path, name: str, tmux_env: dict) -> tuple[dict
     return finding, dumped, inspected
 
 
-def answered(pane: Tmux, target: str, line: str, out: Path, tmp_path: Path) -> None:
+def answered(pane: Tmux, target: str, line: str, out: Path, tmp_path: Path, end: str = "Enter") -> None:
     """Type `line` at the job's prompt; its answer shows in the pane, its result is exactly the
-    uninterrupted run's; then Enter ends it."""
+    uninterrupted run's; then Enter (or Ctrl-C, `end="C-c"`) ends it."""
     pane.wait_for(target, r"say something: ")
     pane.type(target, line)
     pane.wait_for(target, rf"you said '{re.escape(line)}'\npress Enter to end: ")
     assert out.read_text() == reference(tmp_path, line)
-    pane.type(target, "")
+    if end == "Enter":
+        pane.type(target, "")
+    else:
+        pane("send-keys", "-t", target, end)
 
 
 def session_ends(pane: Tmux, session: str) -> None:
@@ -132,6 +135,11 @@ def session_ends(pane: Tmux, session: str) -> None:
     while pane.alive(session):
         assert time.monotonic() < deadline, f"tmux session {session} outlived the job"
         time.sleep(0.1)
+
+
+def _state(pid: int) -> str:
+    st = Path(f"/proc/{pid}/stat").read_text()
+    return st[st.rindex(")") + 2]
 
 
 def last_tick(text: str) -> int:
@@ -200,8 +208,21 @@ def test_pane_job_restored_from_another_pane_gets_that_pane(tmp_path, repo, tmux
         st = Path(f"/proc/{pid}/stat").read_text()
         pgrp, tpgid = (int(x) for x in st[st.rindex(")") + 2:].split()[2:6:3])
         assert tpgid == pgrp                                              # it has the pane's foreground
-        answered(own, "other", "typed in the other pane", out, tmp_path)
-        own.wait_for("other", r"gpusnap: the restored job \(PID \d+\) ended \(exit status 0\)\nrestore-exit=0")
+        own.wait_for("other", r"say something: ")
+        own("send-keys", "-t", "other", "C-z")                            # "Ctrl-Z stops both"
+        own.wait_for("other", r"Stopped.*gpusnap restore train.*\nrestore-exit=148")
+        assert _state(pid) == "T"
+        own.type("other", "fg")                                           # ... and `fg` resumes both
+        own.wait_for("other", r"\$ fg\n.*gpusnap restore train")
+        deadline = time.monotonic() + 30
+        while _state(pid) == "T":
+            assert time.monotonic() < deadline, "fg did not continue the job"
+            time.sleep(0.05)
+        own.type("other", "typed in the other pane")
+        own.wait_for("other", r"you said 'typed in the other pane'\npress Enter to end: ")
+        assert out.read_text() == reference(tmp_path, "typed in the other pane")
+        own.type("other", "")
+        own.wait_for("other", r"gpusnap: the restored job \(PID \d+\) ended \(exit status 0\)\n\$ ")
     finally:
         kill_pids([pid])
 
@@ -220,8 +241,9 @@ def test_background_job_of_a_pane_shell_restored_with_json(tmp_path, repo, tmux)
     try:
         assert r["pid"] == pid
         assert r["terminal"]["mode"] == "tmux" and r["terminal"]["session"] == inspected["session"] == "gpusnap-bg"
-        answered(theirs, "gpusnap-bg", "bg", out, tmp_path)
+        answered(theirs, "gpusnap-bg", "bg", out, tmp_path, end="C-c")    # Ctrl-C reaches the job
         session_ends(theirs, "gpusnap-bg")
+        assert not Path(f"/proc/{pid}").exists()                          # the job ended (reaped)
     finally:
         kill_pids([pid])
 
@@ -251,8 +273,9 @@ def test_screen_job_restored_from_a_script(tmp_path, repo, tmux):
                            capture_output=True, text=True, timeout=300, env={**os.environ, **env})
         assert p.returncode == 0, p.stderr
         assert "attach -t gpusnap-win-2 " in p.stderr
-        answered(theirs, "gpusnap-win-2", "from screen", out, tmp_path)
+        answered(theirs, "gpusnap-win-2", "from screen", out, tmp_path, end="C-c")   # passed on to it
         session_ends(theirs, "gpusnap-win-2")
+        assert not Path(f"/proc/{pid}").exists()                          # the job ended (reaped)
     finally:
         kill_pids([pid])
         subprocess.run(["screen", "-S", sock, "-X", "quit"], capture_output=True, timeout=30)

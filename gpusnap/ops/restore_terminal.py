@@ -336,7 +336,7 @@ def stay(pid: int, fd: int = 0) -> int | None:
             continue                  # an orphan of the job, adopted and now reaped
         if os.WIFSTOPPED(st):
             _give_terminal(fd, mine)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            _stop_self()
             if job_group is not None:
                 if holds and _foreground(fd, mine):
                     _give_terminal(fd, job_group)
@@ -349,6 +349,15 @@ def stay(pid: int, fd: int = 0) -> int | None:
         break
     _give_terminal(fd, mine)
     return status
+
+
+def _stop_self() -> None:
+    """Stop as a Ctrl-Z'd program does (SIGTSTP, default action: the shell says Stopped)."""
+    old = signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+    try:
+        os.kill(os.getpid(), signal.SIGTSTP)
+    finally:
+        signal.signal(signal.SIGTSTP, old)
 
 
 def _foreground(fd: int, group: int) -> bool:

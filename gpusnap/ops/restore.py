@@ -207,6 +207,8 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
         restore_terminal.become_subreaper()
         tty, tty_name = 0, terminal.here()
         modes = restore_terminal.modes(tty, snap)
+        if progress:
+            progress(0, 0, "handover")      # no progress bar on the terminal the job will write to
     with repository.readers_lock():
         result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty)
     if tty is not None:

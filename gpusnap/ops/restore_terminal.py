@@ -112,7 +112,7 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
 
     work = Path(tempfile.mkdtemp(prefix="gpusnap-tty-"))       # private (0700)
     try:
-        req = {"ref": str(snap.path), "repo": str(repo_path), "gpu_map": gpu_map, "via": via,
+        req = {"ref": os.path.abspath(snap.path), "repo": os.path.abspath(repo_path), "gpu_map": gpu_map, "via": via,
                "tcp_close": tcp_close, "env": dict(os.environ)}
         fd = os.open(work / "request.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:

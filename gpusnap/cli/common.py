@@ -89,6 +89,9 @@ def progress(label: str, enabled: bool):
     shown = [None]
 
     def update(done: int, total: int, phase: str | None = None) -> None:
+        if phase == "handover":    # a restored job is about to get this terminal: the bar goes
+            bar.stop()
+            return
         if phase != shown[0]:      # dump: "frozen" (staging), then "storing" (the job runs again)
             shown[0] = phase
             desc = {"frozen": f"{label}: job frozen, staging",

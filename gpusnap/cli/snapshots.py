@@ -87,6 +87,10 @@ def restore(
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
+    A job that had a terminal (a tmux or screen pane, ssh, a shell's `&` job) gets this
+    terminal when run from one (restore then waits until the job ends), else a new tmux
+    session gpusnap-NAME (`tmux attach -t gpusnap-NAME`).
+
     Every page is checked against its checksum; a damaged snapshot is refused before the
     job runs.
     """
@@ -95,8 +99,12 @@ def restore(
 
     result = with_progress("restoring", not (json_ or quiet),
                            lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
-                                                   via=via, **kw))
+                                                   via=via, terminal_want="new" if json_ else "auto", **kw))
     OUTPUT.emit(result, lambda: show.restore(result, OUTPUT, quiet=quiet))
+    if (result.terminal or {}).get("mode") == "here":   # the job runs in our terminal: wait, as a shell would
+        from gpusnap.ops import restore_terminal
+
+        show.restore_ended(result, restore_terminal.stay(result.pid), OUTPUT, quiet=quiet)
 
 
 def export_cmd(

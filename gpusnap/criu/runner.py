@@ -119,7 +119,9 @@ def explain(lines: list[str]) -> str | None:
                              "user; run the job as root or give root that capability (see `gpusnap doctor`)"),
         ("TCP connection", "the job has established TCP connections; CRIU cannot keep them across a restore"),
         ("external socket", "the job talks over a unix socket to a process outside its tree"),
-        ("tty", "the job uses a terminal; gpusnap passes --shell-job, restore it from a terminal too"),
+        ("tty", "the job had a terminal CRIU could not hand over: gpusnap gives it the terminal `gpusnap "
+                "restore` runs in, or from no terminal a new tmux session; `gpusnap inspect` says which, and "
+                "`gpusnap doctor` whether tmux is there"),
         ("File exists", "a PID of the snapshot is taken: is the original job still running?"),
         ("has bad size", "a file the job had open changed size since the dump"),
         ("No such file or directory", "a file the job had open is gone since the dump"),

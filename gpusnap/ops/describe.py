@@ -219,6 +219,7 @@ def describe(repository, snap) -> dict[str, Any]:
     report["files"] = list(seen_files.values())
     report["sockets"] = sockets
     _restore_verdict(snap, report)
+    report["terminal"] = _terminal(snap)
     return report
 
 
@@ -252,3 +253,16 @@ def _restore_verdict(snap, report: dict[str, Any]) -> None:
         if p.get("cwd") and p["cwd"] not in gone and not os.path.lexists(p["cwd"]):
             gone.append(p["cwd"])
     report["files_changed"] = [c.path for c in checks if c.verdict == restore_files.REFUSED] + gone
+
+
+def _terminal(snap) -> dict[str, str] | None:
+    """What a restore will do with the job's terminal (the rule restore applies), or None."""
+    from gpusnap.errors import CorruptSnapshot
+    from gpusnap.ops.restore import terminals
+    from gpusnap.system import terminal
+
+    try:
+        held = terminals(snap)
+    except CorruptSnapshot:
+        return None
+    return terminal.outlook(held, terminal.next_session(snap.name)) or None

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from gpusnap.criu import runner
 from gpusnap.errors import GpuUnsupportedProcess
-from gpusnap.system import paths, preflight
+from gpusnap.system import paths, preflight, terminal
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
 from gpusnap.render import human_bytes
@@ -391,6 +391,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     if pid is not None:
         _check_pid(r, int(pid), probe)
     _check_schedules(r)
+    r.add("tmux", *terminal.doctor_check())
     if repo is not None:
         _check_repository_fs(r, repo)
     return r

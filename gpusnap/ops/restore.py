@@ -41,7 +41,8 @@ class RestoreResult:
     pids: list[int]
     # wall seconds: preflight (snapshot checks, PIDs, GPUs, files), materialize (image files
     # written, --via files only), criu (CRIU restoring; with --via stream while the images
-    # stream out of the repository)
+    # stream out of the repository), tmux (a restore into a new tmux session: starting it and
+    # gpusnap in its pane)
     phases: dict[str, float] = field(default_factory=dict)
     via: str = "stream"             # how CRIU got the images: stream, files (plain -D), or lazy
     images: str | None = None       # where image files were written: tmpfs or disk
@@ -57,6 +58,9 @@ class RestoreResult:
     job: str | None = None
     fork_of: str | None = None
     job_dir: str | None = None      # a `run` job's: where its stdout.log and stderr.log are
+    # the job had a terminal: which one it got (ops/restore_terminal.py: mode here or tmux,
+    # the tty or the tmux session and its attach command, the line restore prints)
+    terminal: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,18 +183,53 @@ def _check_hugepages(hugetlb: int) -> None:
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
             progress: Callable[..., None] | None = None, via: str = "auto",
-            tcp_close: bool = False) -> RestoreResult:
+            tcp_close: bool = False, terminal_want: str = "auto") -> RestoreResult:
+    """terminal_want, for a job that had a terminal (ops/restore_terminal.py): auto (ours when
+    we have one, else a new tmux session), new (always tmux: --json, programs), here."""
     t0 = time.monotonic()
     if via not in VIAS:
         raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
     runner.require_privileges("restore")
     info = runner.criu_info()
     repository, snap = locate.open_snapshot(ref, repo)
+    tty = tty_name = None
+    terms = terminals(snap)
+    if terms:
+        from gpusnap.ops import restore_terminal
+        from gpusnap.system import terminal
+
+        if restore_terminal.choose(terms, terminal_want) == "tmux":
+            return restore_terminal.in_tmux(snap, repository.path, gpu_map=gpu_map, via=via, tcp_close=tcp_close,
+                                           t0=t0)
+        import signal
+
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # the job gets the foreground; we still print
+        restore_terminal.become_subreaper()
+        tty, tty_name = 0, terminal.here()
+        modes = restore_terminal.modes(tty, snap)
+        if progress:
+            progress(0, 0, "handover")      # no progress bar on the terminal the job will write to
     with repository.readers_lock():
-        return _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close)
+        result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty)
+    if tty is not None:
+        restore_terminal.put_back(tty, modes)
+        result.terminal = restore_terminal.describe("here", tty=tty_name)
+    return result
 
 
-def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False) -> RestoreResult:
+def terminals(snap) -> list[str]:
+    """The terminals of the job that CRIU will hand over on restore (criu/ttyinfo.py)."""
+    from gpusnap.criu import ttyinfo
+
+    if "--shell-job" not in (snap.manifest.get("meta", {}).get("restore_flags") or []):
+        return []
+    try:
+        return ttyinfo.handed_over(snap)
+    except ValueError as e:
+        raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable terminal image: {e}") from None
+
+
+def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False, tty=None) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
@@ -204,10 +243,10 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
     # but its copies still share its files.
     key = f"restore-{snap.id}" if own_pidns else f"restore-pid-{pids[0]}"
     with hostlock.held(key, (lambda: progress(0, 0, "waiting")) if progress else None):
-        return _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close)
+        return _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close, tty)
 
 
-def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close):
+def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close, tty=None):
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
@@ -237,10 +276,11 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     try:
         if mode == "lazy":
             pid, where, running, lazy = restore_paths.via_lazy(repository, snap, info, env, flags, progress, phases, check, sp,
-                                                  t0)
+                                                  t0, tty=tty)
         elif mode == "stream":
             try:
-                pid = restore_paths.via_stream(repository, snap, info, env, flags, progress, phases, check, sp)
+                pid = restore_paths.via_stream(repository, snap, info, env, flags, progress, phases, check, sp,
+                                               tty=tty)
             except CriuFailed as e:
                 # A hugetlb mapping made after the dump's preflight looked: the stream cannot
                 # carry it, image files can (restore_needs.py).
@@ -249,9 +289,11 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
                 mode = "files"
                 if not own_pidns:
                     _check_pids_free(pids)
-                pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp)
+                pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp,
+                                                     tty=tty)
         else:
-            pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp)
+            pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp,
+                                                 tty=tty)
     except BaseException as e:
         fixes.undo()
         claim.abandon(e)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -80,21 +81,32 @@ def check_gpu_restore(workdir: Path, snap, root: int | None, pids: list[int], lo
 
 
 def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,
-                  total: int, pids: list[int] | None, lazy=None) -> int | None:
+                  total: int, pids: list[int] | None, lazy=None, tty: int | None = None) -> int | None:
     """Run `criu restore` on an images directory (with a serve streamer when `server`; with
     --lazy-pages, served by the criu/lazypages.py daemon `lazy`, when given); the restored
-    root PID, or CriuFailed / the streamer's error."""
+    root PID, or CriuFailed / the streamer's error. `tty`: our controlling terminal's fd, to
+    be the job's terminal (ops/restore_terminal.py)."""
     log = workdir / "criu.log"
     pidfile = workdir / "restored.pid"
     stream = ["--stream"] if server is not None else []
     env = {**env, **_gpu_report_env(workdir)}   # the CUDA plugin's report, read below
     if lazy is not None:
         stream = ["--lazy-pages"]
-    criu = subprocess.Popen(
-        [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
-         "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-        start_new_session=True, pass_fds=inherited_fds(flags))
+    # Its own session, so a Ctrl-C meant for gpusnap never reaches it; with a terminal to give
+    # the job, our session (CRIU hands the job its stdin and that terminal's foreground) but a
+    # process group of its own, with SIGTTOU ignored (inherited through exec) so that it may
+    # set the terminal from the background.
+    where = {"start_new_session": True} if tty is None else {"process_group": 0}
+    old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN) if tty is not None else None
+    try:
+        criu = subprocess.Popen(
+            [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
+             "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
+            stdin=subprocess.DEVNULL if tty is None else tty, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, env=env, pass_fds=inherited_fds(flags), **where)
+    finally:
+        if old_ttou is not None:
+            signal.signal(signal.SIGTTOU, old_ttou)
     if lazy is not None:
         lazy.criu_started(criu.pid)
     if server is not None:
@@ -161,7 +173,7 @@ def restore_threads(stream: bool) -> int:
     return max(1, min(8, cores - 1 if stream else cores))
 
 
-def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -> int | None:
+def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp, tty=None) -> int | None:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     workdir = _workdir(repository.path)
 
@@ -180,7 +192,8 @@ def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -
     server = ServeServer(workdir, source).start()
     t = time.monotonic()
     try:
-        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids)
+        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids,
+                             tty=tty)
         if progress:
             progress(total, total)
     finally:
@@ -190,7 +203,7 @@ def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp) -
     return pid
 
 
-def via_files(repository, snap, info, env, flags, progress, phases, pids, sp) -> tuple[int | None, str]:
+def via_files(repository, snap, info, env, flags, progress, phases, pids, sp, tty=None) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     from gpusnap.criu import materialize
 
@@ -202,7 +215,7 @@ def via_files(repository, snap, info, env, flags, progress, phases, pids, sp) ->
         t = time.monotonic()
         workdir = _workdir(repository.path)
         try:
-            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids)
+            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids, tty=tty)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         phases["criu"] = round(time.monotonic() - t, 3)
@@ -211,7 +224,7 @@ def via_files(repository, snap, info, env, flags, progress, phases, pids, sp) ->
     return pid, plan.where
 
 
-def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0) -> tuple:
+def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0, tty=None) -> tuple:
     """Image files without the lazy pages, `criu restore --lazy-pages` on them, and the lazy
     pages filled in by criu/lazypages.py while the job already runs. Returns (root PID, where
     the files were, seconds until the tree ran, what the fill saw); returns once every page
@@ -236,7 +249,7 @@ def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0)
                 daemon.start()
                 t = time.monotonic()
                 pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total,
-                                    pids, lazy=daemon)
+                                    pids, lazy=daemon, tty=tty)
                 phases["criu"] = round(time.monotonic() - t, 3)
                 running = round(time.monotonic() - t0, 3)
                 t = time.monotonic()

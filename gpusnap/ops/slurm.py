@@ -176,10 +176,15 @@ class Supervisor:
             self.segment_start = time.monotonic()
             secs = time.monotonic() - t0
             age = time.time() - created
+            # a snapshot of a job that had a terminal restores (from here, no terminal) into a
+            # new tmux session (ops/restore_terminal.py): the event says how to reach it
+            term = r.get("terminal") if isinstance(r.get("terminal"), dict) else None
             self.event("resumed", f"resumed {self.o.name} from snapshot {path} (taken {age:.0f} s ago; "
-                                  f"{self.runtime_base:.0f} s of work saved) in {secs:.1f} s, PID {self.pid}",
+                                  f"{self.runtime_base:.0f} s of work saved) in {secs:.1f} s, PID {self.pid}"
+                                  + (f"; {term.get('line')}" if term else ""),
                        snapshot=path, pid=self.pid, restore_seconds=round(secs, 3),
-                       work_saved_s=round(self.runtime_base, 1), snapshot_age_s=round(age, 1))
+                       work_saved_s=round(self.runtime_base, 1), snapshot_age_s=round(age, 1),
+                       terminal=term)
             self.comment(f"gpusnap: resumed from {Path(path).name} (restart {self.restarts}, "
                          f"{self.runtime_base:.0f} s of work saved)")
             return True

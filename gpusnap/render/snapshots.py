@@ -45,6 +45,16 @@ def restore(result, o, quiet: bool = False) -> None:
                     f"all in place after {result.seconds:.2f} s", markup=False)
     if result.tcp_closed and not quiet:
         o.err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
+    if result.terminal and not quiet:
+        o.err.print(result.terminal["line"], markup=False)
+
+
+def restore_ended(result, status: int | None, o, quiet: bool = False) -> None:
+    """After a restore that gave the job this terminal: the job has ended."""
+    if not quiet:
+        how = f"exit status {status}" if status is not None and status >= 0 else (
+            f"signal {-status}" if status is not None else "status unknown")
+        o.err.print(f"gpusnap: the restored job (PID {result.pid}) ended ({how})", markup=False)
 
 
 def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
@@ -179,6 +189,11 @@ def inspect(report: dict[str, Any], o, images: bool = False) -> None:
         recorded_gpus(report["gpu"], console)
     else:
         console.print("GPU: none recorded (a CPU-only job)")
+    term = report.get("terminal")
+    if term:       # what a restore will do with the job's terminal (system/terminal.outlook)
+        console.print(f"terminal: {term['had']}", markup=False)
+        console.print(f"  {term['terminal']}", markup=False)
+        console.print(f"  {term['no_terminal']}", markup=False)
     changed = report.get("files_changed") or []
     checks = {c["path"]: c for c in report.get("file_checks") or []}
     for c in checks.values():       # restore_files.check's verdicts: what restore then does

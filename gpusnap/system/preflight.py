@@ -10,7 +10,6 @@ shows every finding. Both read the same Plan, so doctor never says "ready" where
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
@@ -235,18 +234,23 @@ def _check_uids(plan: Plan, pids: list[int]) -> None:
 
 
 def _check_terminal(plan: Plan, pids: list[int]) -> None:
-    if not proc.needs_shell_job(pids):
+    from gpusnap.system import terminal
+
+    held = terminal.held(pids)
+    if not proc.needs_shell_job(pids) and not held:
         return
     plan.option("--shell-job")
     tty = [p for p in pids if (s := proc.read_stat(p)) and s.tty_nr != 0]
-    tty_fds = sorted({t for p in pids for t in proc.fd_targets(p).values()
-                      if t.startswith("/dev/pts/") or re.match(r"/dev/tty\w*$", t)})
-    if tty or tty_fds:
-        plan.add("terminal", "info", "has a controlling terminal"
-                 + (f" ({', '.join(tty_fds[:4])} open)" if tty_fds else "")
-                 + ": gpusnap dumps it with --shell-job; on restore it gets the terminal of `gpusnap restore`",
-                 "to detach it from terminals, start jobs with `gpusnap run` (or setsid/nohup with stdio "
+    if held:
+        said = terminal.outlook(held)
+        plan.add("terminal", "info", f"has a terminal whose other end is outside the job ({said['had']}): "
+                 f"gpusnap dumps it with --shell-job; {said['terminal']}; {said['no_terminal']}",
+                 "to run it without a terminal, start jobs with `gpusnap run` (or setsid/nohup with stdio "
                  "redirected to files)")
+    elif tty:
+        plan.add("terminal", "info", "has a controlling terminal but no terminal open: gpusnap dumps it with "
+                 "--shell-job, and it restores without one, from a terminal or not",
+                 "`gpusnap run -- CMD` starts jobs in a session of their own")
     else:
         plan.add("shell job", "info", "its session or process group leader is outside the tree (started "
                  "from a shell): gpusnap dumps it with --shell-job",

@@ -48,6 +48,70 @@ def parse_manifest(data: bytes) -> tuple[dict, str]:
     return m, h[:16]
 
 
+def _is_num(v) -> bool:
+    return type(v) in (int, float) and v >= 0
+
+
+def _is_real(v) -> bool:
+    return type(v) in (int, float)
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and all(_is_int(x) for x in v)
+
+
+def _gpu_ok(g) -> bool:
+    """meta.gpu as gpu.procs.describe_recorded reads it (two shapes: see there)."""
+    if not isinstance(g, dict):
+        return False
+    drv, gpus, procs = g.get("driver"), g.get("gpus"), g.get("processes")
+    if drv is not None and not (isinstance(drv, dict) and
+                                (drv.get("gpus") is None or isinstance(drv["gpus"], list) and
+                                 all(isinstance(x, dict) for x in drv["gpus"]))):
+        return False
+    if gpus is not None and not (isinstance(gpus, list) and all(isinstance(x, dict) for x in gpus)):
+        return False
+    if isinstance(procs, dict):
+        return all(isinstance(k, str) and k.isdigit() and len(k) < 12 and (v is None or isinstance(v, list))
+                   for k, v in procs.items())
+    return procs is None or isinstance(procs, list) and all(
+        isinstance(p, dict) and (p.get("gpus") is None or isinstance(p["gpus"], list)) for p in procs)
+
+
+# The type of every meta key a reader uses (ops/describe, ops/restore*, render, exchange):
+# a key may be absent or null, never of another type (a crafted manifest must not turn
+# `inspect` or `restore` into a traceback). Other keys are free.
+META_TYPES = {
+    "pid": _is_int, "pids": _int_list, "tids": _int_list, "cuda_pids": _int_list,
+    "cmdline": lambda v: isinstance(v, str), "hostname": lambda v: isinstance(v, str),
+    "kernel": lambda v: isinstance(v, str), "criu_version": lambda v: isinstance(v, str),
+    "compress": lambda v: isinstance(v, str),
+    "restore_flags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "leave_running": lambda v: type(v) is bool, "own_pid_namespace": lambda v: type(v) is bool,
+    "hugetlb_bytes": _is_int, "dump_seconds": _is_real, "frozen_seconds": _is_real,
+    "tcp": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    "file_locks": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    "append_files": lambda v: isinstance(v, list),
+    "gpu": _gpu_ok,
+    "imported_from": lambda v: isinstance(v, dict) and isinstance(v.get("id"), str),
+}
+# numbers the readers format (stats of the manifest and of each pages image)
+STATS_KEYS = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw", "bytes_raw",
+              "bytes_stored")
+IMAGE_STATS_KEYS = ("pages", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw")
+
+
+def _check_meta_stats(m: dict) -> None:
+    for k, ok in META_TYPES.items():
+        v = m["meta"].get(k)
+        if v is not None and not ok(v):
+            raise FormatError(f"manifest meta.{k} malformed")
+    for k in STATS_KEYS:
+        v = m["stats"].get(k)
+        if v is not None and not _is_num(v):
+            raise FormatError(f"manifest stats.{k} malformed")
+
+
 def check_manifest(m) -> None:
     if not isinstance(m, dict):
         raise FormatError("manifest is not an object")
@@ -65,6 +129,7 @@ def check_manifest(m) -> None:
         raise FormatError("manifest stats malformed")
     if not isinstance(m.get("repo_id"), str):
         raise FormatError("manifest repo_id malformed")
+    _check_meta_stats(m)
     imgs = m.get("images")
     if not isinstance(imgs, list):
         raise FormatError("manifest images malformed")
@@ -81,6 +146,9 @@ def check_manifest(m) -> None:
             raise FormatError(f"image {name}: size malformed")
         if not isinstance(im.get("digest"), str) or not HEX64.match(im["digest"]):
             raise FormatError(f"image {name}: digest malformed")
+        for k in IMAGE_STATS_KEYS:
+            if im.get(k) is not None and not _is_int(im[k]):
+                raise FormatError(f"image {name}: {k} malformed")
         t = im.get("type")
         if t == "pages":
             pl = im.get("pagelist")

@@ -182,7 +182,7 @@ def export_snapshot(snap, output: str) -> dict:
 # snapshot can reach, so a few bytes cannot ask for terabytes of work.
 IMPORT_MANIFEST_MAX = 16 << 20    # bytes of the manifest record (a 1,000-process job: ~6 MiB)
 IMPORT_META_MAX = 4 << 20         # bytes of its meta as JSON (its longest item, the command line: <= ~2 MiB)
-IMPORT_IMAGES_MAX = 1 << 17       # images of one snapshot (CRIU writes ~15 per process)
+IMPORT_IMAGES_MAX = 1 << 16       # images of one snapshot (CRIU writes ~7-15 per process)
 SNAPSHOT_BYTES_MAX = 64 << 40     # sum of the images' sizes: more than RAM + swap of any one machine
 PAGELIST_IN_MEMORY = 1 << 20      # a longer page list waits in an anonymous file in REPO/tmp
 

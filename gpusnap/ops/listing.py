@@ -21,6 +21,7 @@ def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
     A path that does not exist is an empty listing; a file, or a directory that is no
     repository, is an error (Repository.open says which)."""
     rows: list[dict[str, Any]] = []
+    damaged: list[dict[str, str]] = []
     totals: dict[str, Any] = dict(EMPTY_TOTALS)
     if os.path.lexists(root):
         from gpusnap.repo.maint import usage
@@ -33,7 +34,17 @@ def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
             if name is None or row.get("name") == name:
                 rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
         rows.sort(key=lambda r: (r.get("created", 0), r["dir"]))
-    return {"repository": str(root), "snapshots": rows, "totals": totals, "jobs": jobs(root, name)}
+        if _entries(root) != len(by_dir):   # some entry is no readable snapshot: say which, and why
+            damaged = [{"path": str(p), "reason": why} for p, why in sorted(repository.broken_snapshots().items())]
+    return {"repository": str(root), "snapshots": rows, "totals": totals, "jobs": jobs(root, name), "damaged": damaged}
+
+
+def _entries(root: Path) -> int:
+    try:
+        with os.scandir(root / "snapshots") as it:
+            return sum(1 for e in it if not e.name.startswith("."))
+    except FileNotFoundError:
+        return 0
 
 
 def jobs(root: Path, name: str | None = None) -> list[dict[str, Any]]:

@@ -74,6 +74,8 @@ def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
                           human_bytes(r.get("bytes_unique", 0)), human_bytes(r.get("bytes_shared", 0)))
         o.out.print(table)
     job_list(listing.get("jobs") or [], o)
+    for d in listing.get("damaged", []):     # not listed above: each says why (gpusnap verify tells more)
+        o.err.print(f"damaged: {d['reason']}", markup=False)
     if totals["snapshots"]:
         ratio = f" ({totals['ratio']:.1%} of what CRIU produced)" if totals.get("ratio") else ""
         o.err.print(f"{totals['snapshots']} snapshot(s) of {totals['names']} name(s): "

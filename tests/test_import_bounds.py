@@ -247,3 +247,26 @@ def test_full_disk_during_an_import_is_the_disk_full_error(tmp_path):
         assert os.listdir(mnt / "repo" / "tmp") == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_at_a_zero_image_is_the_disk_full_error(tmp_path):
+    """A repository on a file system with no block left: the import of a zero image (whose
+    page list is the only thing to write) fails with the disk-full error, not a traceback."""
+    f = tmp_path / "zeros.gsx"
+    f.write_bytes(zero_pages_export(1 << 20))
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        Repository.open(mnt / "repo", create=True)
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        with pytest.raises(OSError):
+            while True:
+                os.write(fd, b"\1" * 4096)
+        os.close(fd)
+        proc = run_gpusnap("import", f, "--repo", mnt / "repo")
+        assert proc.returncode == NoSpace.exit_code, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert _snapshots(mnt / "repo") == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -4,7 +4,8 @@ import io
 import json
 
 import blake3
-from hypothesis import given, settings, strategies as st
+import pytest
+from hypothesis import assume, given, settings, strategies as st
 
 from gpusnap.repo import format as F
 from gpusnap.repo.codec import decompress, compress
@@ -67,10 +68,10 @@ def test_valid_samples_parse():
 @FUZZ
 @given(mutations(_valid_index()))
 def test_fuzz_index(data):
-    try:
+    """An index file is checksummed: every change is refused."""
+    assume(data != _valid_index())
+    with pytest.raises(FormatError):
         F.parse_index(data)
-    except FormatError:
-        pass
 
 
 @FUZZ
@@ -111,10 +112,24 @@ def test_fuzz_blob_header(data):
 @FUZZ
 @given(mutations(_valid_manifest()))
 def test_fuzz_manifest(data):
-    try:
+    """A manifest is checksummed: every change is refused."""
+    assume(data != _valid_manifest())
+    with pytest.raises(FormatError):
         F.parse_manifest(data)
-    except FormatError:
-        pass
+
+
+@FUZZ
+@given(st.data())
+def test_fuzz_manifest_digits(d):
+    """A digit changed to another digit keeps the JSON valid and well formed: the checksum
+    alone refuses it."""
+    valid = _valid_manifest()
+    body = valid[:-F.MANIFEST_TRAILER_LEN]
+    at = d.draw(st.sampled_from([i for i, c in enumerate(body) if chr(c).isdigit()]))
+    digit = d.draw(st.sampled_from([c for c in b"0123456789" if c != body[at]]))
+    changed = body[:at] + bytes([digit]) + body[at + 1:]
+    with pytest.raises(FormatError, match="checksum"):
+        F.parse_manifest(changed + valid[-F.MANIFEST_TRAILER_LEN:])
 
 
 @FUZZ

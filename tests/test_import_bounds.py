@@ -86,6 +86,17 @@ def test_a_64_mib_manifest_is_refused_within_a_small_memory_bound(tmp_path):
     assert _snapshots(tmp_path / "b") == []
 
 
+def test_a_manifest_over_its_limit_is_refused_before_it_is_read(tmp_path):
+    """Over 16 MiB with a small meta and fewer images than their limit (long names)."""
+    ims = [{"name": f"{i:06d}" + "x" * 240, "type": "blob", "size": 0, "digest": blake3.blake3(b"").hexdigest(),
+            "blobs": []} for i in range(60000)]
+    f = tmp_path / "long.gsx"
+    f.write_bytes(craft(manifest_body(ims)))
+    assert f.stat().st_size > X.IMPORT_MANIFEST_MAX
+    proc = run_gpusnap("import", f, "--repo", tmp_path / "b")
+    assert proc.returncode == BadExportFile.exit_code and "where the manifest belongs" in proc.stderr, proc.stderr
+
+
 def test_a_meta_over_its_limit_is_refused(tmp_path):
     f = tmp_path / "meta.gsx"
     f.write_bytes(craft(manifest_body([], meta={"pad": "x" * (X.IMPORT_META_MAX + 1)})))

@@ -196,15 +196,16 @@ def _pagelist_max(size: int) -> int:
 
 
 class _In:
-    """Reads the stream strictly in order, hashing every byte before the end record, never
-    more than `limit` bytes (set from the manifest: what its images can carry), copying
-    what it reads to `spool` when one is set (a pipe: the commit reads it again)."""
+    """Reads the stream strictly in order, hashing every byte before the end record and
+    copying it to `spool` when one is set (a pipe: the commit reads it again). It reads only
+    what the manifest's images need (each data record carries at least one byte of image
+    in at most 13 bytes of file), then the end record and one byte more: a stream that does
+    not end is cut off there."""
 
     def __init__(self, f):
         self.f = f
         self.h = blake3.blake3()
         self.n = 0
-        self.limit = HEADER.size + RECORD.size + IMPORT_MANIFEST_MAX
         self.spool = None
 
     def exact(self, n: int, what: str) -> bytes:
@@ -215,9 +216,6 @@ class _In:
 
     def chunks(self, n: int, what: str):
         """The next n bytes, in pieces of at most 1 MiB (hashed, counted, spooled)."""
-        if self.n + n > self.limit:
-            raise _bad(f"{what} goes past what the manifest's images can carry ({self.limit} bytes): "
-                       "the stream is cut off here")
         left = n
         while left:
             b = self.f.read(min(left, 1 << 20))
@@ -365,7 +363,7 @@ def _feed_blob(sink, im: dict, data: _Data) -> None:
 
 def _read_head(src: _In) -> tuple[dict, str, bytes]:
     """Header and manifest -> (manifest, source snapshot id, manifest bytes), every declared
-    size held to the limits above; sets the stream's byte limit from them."""
+    size held to the limits above."""
     import json
 
     from gpusnap.repo.format import FormatError, parse_manifest
@@ -396,16 +394,9 @@ def _read_head(src: _In) -> tuple[dict, str, bytes]:
     if total > SNAPSHOT_BYTES_MAX:
         raise _bad(f"the manifest declares {total} bytes of images (a snapshot holds at most "
                    f"{SNAPSHOT_BYTES_MAX >> 40} TiB)")
-    # the most bytes the images can take in the file: each data record carries >= 1 byte of
-    # image in <= 1 + 12 bytes of file; page lists as long as the manifest says
-    limit = src.n + RECORD.size + 32
     for im in m["images"]:
-        if im["type"] == "pages":
-            if im["pagelist_size"] > _pagelist_max(im["size"]):
-                raise _bad(f"the page list of {im['name']} is longer than an image of its size can have")
-            limit += RECORD.size + im["pagelist_size"]
-        limit += (RECORD.size + 1) * im["size"]
-    src.limit = limit
+        if im["type"] == "pages" and im["pagelist_size"] > _pagelist_max(im["size"]):
+            raise _bad(f"the page list of {im['name']} is longer than an image of its size can have")
     return m, src_id, mbytes
 
 

@@ -22,6 +22,7 @@ from export_helpers import (craft, export_bytes, import_bounded, manifest_body, 
                             zero_pages_export)
 from gpusnap.errors import BadExportFile, CorruptSnapshot, NoSpace, RepositoryLocked
 from gpusnap.ops import exchange as X
+from gpusnap.ops import import_stream as S
 from gpusnap.repo import Repository
 from gpusnap.repo import format as F
 from repo_helpers import PAGE, dump, read_all
@@ -92,21 +93,21 @@ def test_a_manifest_over_its_limit_is_refused_before_it_is_read(tmp_path):
             "blobs": []} for i in range(60000)]
     f = tmp_path / "long.gsx"
     f.write_bytes(craft(manifest_body(ims)))
-    assert f.stat().st_size > X.IMPORT_MANIFEST_MAX
+    assert f.stat().st_size > S.IMPORT_MANIFEST_MAX
     proc = run_gpusnap("import", f, "--repo", tmp_path / "b")
     assert proc.returncode == BadExportFile.exit_code and "where the manifest belongs" in proc.stderr, proc.stderr
 
 
 def test_a_meta_over_its_limit_is_refused(tmp_path):
     f = tmp_path / "meta.gsx"
-    f.write_bytes(craft(manifest_body([], meta={"pad": "x" * (X.IMPORT_META_MAX + 1)})))
+    f.write_bytes(craft(manifest_body([], meta={"pad": "x" * (S.IMPORT_META_MAX + 1)})))
     proc = run_gpusnap("import", f, "--repo", tmp_path / "b")
     assert proc.returncode == BadExportFile.exit_code and "meta is larger" in proc.stderr, proc.stderr
 
 
 def test_too_many_images_are_refused(tmp_path):
     ims = [{"name": f"e{i}", "type": "blob", "size": 0, "digest": blake3.blake3(b"").hexdigest(), "blobs": []}
-           for i in range(X.IMPORT_IMAGES_MAX + 1)]
+           for i in range(S.IMPORT_IMAGES_MAX + 1)]
     f = tmp_path / "imgs.gsx"
     f.write_bytes(craft(manifest_body(ims)))
     proc = run_gpusnap("import", f, "--repo", tmp_path / "b")

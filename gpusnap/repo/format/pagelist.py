@@ -5,8 +5,13 @@ from __future__ import annotations
 from gpusnap.repo.format.common import (BLOB_ID_LEN, PAGE_ID_LEN, PAGE_SIZE, PL_PAGES, PL_RECORD, PL_TAIL, PL_ZERO, FormatError)
 
 
+PL_COUNT_MAX = (1 << 32) - 1    # what a record's u32 count holds
+
+
 def encode_pl_zero(count: int) -> bytes:
-    return PL_RECORD.pack(PL_ZERO, count)
+    """A zero run: one record, or more where count passes a record's u32 (16 TiB)."""
+    full, rest = divmod(count, PL_COUNT_MAX)
+    return PL_RECORD.pack(PL_ZERO, PL_COUNT_MAX) * full + (PL_RECORD.pack(PL_ZERO, rest) if rest else b"")
 
 
 def encode_pl_pages(ids: list[bytes]) -> bytes:

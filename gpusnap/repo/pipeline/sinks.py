@@ -15,14 +15,13 @@ import blake3
 from gpusnap.errors import NoSpace, RepositoryError
 from gpusnap.repo import encoder, native
 from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
-                                 PL_ZERO, encode_pl_tail)
+                                 encode_pl_tail, encode_pl_zero)
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
 from gpusnap.repo.pipeline import pagetable, segments
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
 DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
-RUN_MAX = (1 << 32) - 1    # pages one page list record can count (its u32)
 # Compressor threads per pages image (up to 4): each batch is compressed in one native call
 # without the GIL (repo/encoder.py). From 4 cores on, the ingest overlaps CRIU's stream
 # (ops/dump.py), so one core is left to CRIU and the page scan; on 2-3 cores it starts only
@@ -49,12 +48,6 @@ class Counters:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-def _zero_records(n: int) -> bytes:
-    """Page list records for n zero pages: one, or more where n passes a record's u32 count."""
-    full, rest = divmod(n, RUN_MAX)
-    return PL_RECORD.pack(PL_ZERO, RUN_MAX) * full + (PL_RECORD.pack(PL_ZERO, rest) if rest else b"")
-
-
 class ImageSink:
     """Base: one per CRIU image, written by one thread."""
 
@@ -67,13 +60,18 @@ class ImageSink:
         self.closed = False
         self.failed = False
 
-    def write(self, data, hold=None) -> None:
+    def write(self, data, hold=None, zero_pages: int = 0) -> None:
         """Store data (the image's next bytes). hold: a staging.Hold when data is a view of a
-        staging slot that may be pointed into beyond this call (PagesSink), else None."""
+        staging slot that may be pointed into beyond this call (PagesSink), else None.
+        zero_pages (PagesSink, data empty): the next n pages are zero, said without their
+        bytes (an import's zero run): O(1) whatever n."""
         if self.closed:
             raise RepositoryError(f"write to closed image {self.filename}")
         try:
-            self._write(data, hold)
+            if zero_pages:
+                self._zero_pages(zero_pages)
+            else:
+                self._write(data, hold)
         except OSError as e:
             self.failed = True
             if e.errno == 28:
@@ -83,26 +81,6 @@ class ImageSink:
         except BaseException:
             self.failed = True
             raise
-
-    def zero_pages(self, n: int) -> None:
-        """The image's next n pages are zero, said without their bytes (an import's zero
-        run): O(1) whatever n, so a run declared in a few bytes costs a few bytes' work."""
-        if self.closed:
-            raise RepositoryError(f"write to closed image {self.filename}")
-        try:
-            self._zero_pages(n)
-        except OSError as e:
-            self.failed = True
-            if e.errno == 28:
-                raise NoSpace(f"repository {self.w.repo.path} is full while storing {self.filename}",
-                              "free space or prune old snapshots (gpusnap prune --keep-last N)") from e
-            raise RepositoryError(f"storing {self.filename} failed: {e}") from e
-        except BaseException:
-            self.failed = True
-            raise
-
-    def _zero_pages(self, n: int) -> None:
-        raise RepositoryError(f"{self.filename} is not a pages image")
 
     def close(self) -> None:
         if self.closed:
@@ -200,9 +178,9 @@ class PagesSink(ImageSink):
 
     def _zero_pages(self, n: int) -> None:
         buf = self.buf
-        if buf:     # pages written before come first (whole pages: a tail is always last)
-            if len(buf) % PAGE_SIZE:
-                raise RepositoryError(f"zero pages after a partial page in {self.filename}")
+        if len(buf) % PAGE_SIZE:       # a partial page is the image's tail: nothing follows it
+            raise RepositoryError(f"zero pages after a partial page in {self.filename}")
+        if buf:                         # the whole pages written before come first
             self.buf = bytearray()
             self._process(buf, len(buf))
         self.size += n * PAGE_SIZE
@@ -241,7 +219,7 @@ class PagesSink(ImageSink):
             if j < 0:
                 j = npages
             if zero:
-                out.append(_zero_records(zero))
+                out.append(encode_pl_zero(zero))
                 zero = 0
             out.append(pack(PL_PAGES, j - pos))
             out.append(ids[pos * ID_LEN:j * ID_LEN])
@@ -413,7 +391,7 @@ class PagesSink(ImageSink):
         if self._err is not None:
             raise self._err
         if self.zero_pending:
-            self._pl_write(_zero_records(self.zero_pending))
+            self._pl_write(encode_pl_zero(self.zero_pending))
             self.zero_pending = 0
         if buf:
             # A trailing partial page (CRIU never writes one, but no byte is lost if it does).

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, Interrupted, NoSpace
-from gpusnap.system import proc
+from gpusnap.system import tmpdirs
+from gpusnap.system.access import read_only_reason
 
-PREFIX = "gpusnap-images-"
+PREFIX = tmpdirs.IMAGES
 SHM = Path("/dev/shm")
 TMPFS_MAGIC = 0x01021994
 PAGE = 4096
@@ -43,6 +44,7 @@ class Plan:
     where: str          # "tmpfs" or "disk"
     parent: Path
     need_bytes: int     # non-zero bytes to write (holes are free)
+    note: str | None = None     # a line to show: why not where it would go otherwise
 
 
 def mem_available() -> int | None:
@@ -92,9 +94,14 @@ def plan(snap, repo_path: Path) -> Plan:
     need = snapshot_bytes(snap)
     disk = Plan("disk", Path(repo_path) / "tmp", need)
     force = os.environ.get("GPUSNAP_RESTORE_IMAGES", "auto")
+    shm_ok = SHM.is_dir() and os.access(SHM, os.W_OK) and _is_tmpfs(SHM)
+    if read_only_reason(repo_path):
+        # a read-only repository (a backup copy, a read-only mount): its tmp/ takes nothing
+        where = SHM if shm_ok else Path(tempfile.gettempdir())
+        return Plan("tmpfs" if shm_ok else "disk", where, need,
+                    note=f"gpusnap: repository {repo_path} is read-only: image files go to {where} instead")
     if force == "disk":
         return disk
-    shm_ok = SHM.is_dir() and os.access(SHM, os.W_OK) and _is_tmpfs(SHM)
     if force == "tmpfs" and shm_ok:
         return Plan("tmpfs", SHM, need)
     try:
@@ -108,7 +115,7 @@ def plan(snap, repo_path: Path) -> Plan:
 
 def remove_stale(parent: Path) -> None:
     """Remove image directories left by gpusnap processes that no longer exist (SIGKILL)."""
-    proc.remove_dirs_of_dead(parent, PREFIX)
+    tmpdirs.remove_dead(parent, PREFIX)
 
 
 def remove_leftovers(repo_path: Path) -> None:
@@ -132,10 +139,14 @@ def images_dir(snap, repo_path: Path):
     """A private directory holding the snapshot's image files; removed on every exit path
     (SIGTERM and SIGHUP included; after a SIGKILL, by the next run). Yields (dir, Plan)."""
     p = plan(snap, repo_path)
+    if p.note:
+        import logging
+
+        logging.getLogger("gpusnap").warning(p.note)
     if p.where == "disk":
         p.parent.mkdir(mode=0o700, exist_ok=True)
     remove_leftovers(repo_path)
-    d = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=p.parent))   # 0700, exclusive
+    d = tmpdirs.make(PREFIX, p.parent)   # 0700, exclusive, named after this process
     old = {}
     if threading.current_thread() is threading.main_thread():
         old = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}

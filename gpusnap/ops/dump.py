@@ -17,12 +17,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap.system import appendfiles, hostlock, preflight, proc
+from gpusnap.system import appendfiles, hostlock, preflight, proc, tmpdirs
 from gpusnap.ops import dump_session as session, identity, restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
@@ -256,7 +255,8 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> Dum
     try:
         with repo.writer_lock():
             writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
-            workdir = Path(tempfile.mkdtemp(prefix="gpusnap-dump-"))
+            tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
+            workdir = tmpdirs.make(tmpdirs.DUMP)
             log = workdir / "criu.log"
             server: CaptureServer | None = None
             gate: PostDumpGate | None = None

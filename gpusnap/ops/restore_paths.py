@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +22,8 @@ from gpusnap.criu import runner
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.errors import CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
 from gpusnap.repo import materialize as repo_materialize
-from gpusnap.system import paths, proc
+from gpusnap.system import paths, proc, tmpdirs
+from gpusnap.system.access import read_only_reason
 
 
 # what CRIU's log says when it could not have a PID (criu/cr-restore.c)
@@ -135,7 +135,9 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
                          last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:
         server.finish(timeout=30)
-    kept = runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+    # a read-only repository keeps no log of a restore that worked (a copy in $TMPDIR would stay)
+    kept = None if read_only_reason(repository.path) else \
+        runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
     try:
         pid = int(pidfile.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -149,18 +151,14 @@ def inherited_fds(flags: list[str]) -> list[int]:
     return [int(f.split("]")[0][3:]) for i, f in enumerate(flags) if i and flags[i - 1] == "--inherit-fd"]
 
 
-WORK_PREFIX = "gpusnap-restore-"
+WORK_PREFIX = tmpdirs.RESTORE
 
 
 def _workdir(repo_path) -> Path:
     """A private directory for CRIU's side of one restore (its pidfile, sockets). What a
-    SIGKILLed gpusnap left (these, and image files) is removed first."""
-    from gpusnap.criu import materialize
-
-    tmp = Path(tempfile.gettempdir())
-    proc.remove_dirs_of_dead(tmp, WORK_PREFIX)
-    materialize.remove_leftovers(repo_path)
-    return Path(tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-", dir=tmp))
+    SIGKILLed gpusnap left (these, image files, dumps' work directories) is removed first."""
+    tmpdirs.sweep(repo_path)
+    return tmpdirs.make(WORK_PREFIX)
 
 
 def restore_threads(stream: bool) -> int:

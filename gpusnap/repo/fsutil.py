@@ -138,14 +138,16 @@ def open_nofollow(name, flags: int, dir_fd: int | None = None, mode: int = 0o600
         raise
 
 
-def open_lock_file(dir_path, name: str) -> int:
+def open_lock_file(dir_path, name: str, create: bool = True) -> int:
     """Open (creating) a lock file in `dir_path` without following a symlink anywhere in
     the last two components, and refuse anything but a private regular file with one link
-    (a hard link to another file would be truncated by the lock's owner otherwise)."""
+    (a hard link to another file would be truncated by the lock's owner otherwise).
+    create=False: open an existing one read-only (flock needs no more; a read-only repository)."""
     import stat as _stat
     dfd = open_dir(dir_path)
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        flags = (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise untrusted(f"{dir_path}/{name}", "is a symbolic link") from None

@@ -13,15 +13,16 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from gpusnap.errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
-from gpusnap.repo import fsutil, recovery
+from gpusnap.repo import fsutil, lockwait, recovery
 from gpusnap.repo.codec import codec_id
 from gpusnap.repo.format import SNAPSHOT_NAME, FormatError, make_config, encode_config, parse_config
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.snapshot import Snapshot
 from gpusnap.repo.trust import QUARANTINE, SUBDIRS, check_above, check_tree, quarantine_file, untrusted
+from gpusnap.system.access import read_only_error, read_only_reason
 
 if TYPE_CHECKING:  # the dump side is imported where a snapshot is written (restore never loads it)
     from gpusnap.repo.pipeline.writer import SnapshotWriter
@@ -41,6 +42,10 @@ class Repository:
         self._index_checked = False
         self._index_mutex = threading.Lock()
         self.recovery: list[str] = []     # what open-time recovery did (recover())
+        # how long a writer waits for a lock another gpusnap holds (repo/lockwait.py; the
+        # commands set it with wait_for_locks(), the library alone fails at once)
+        self.lock_wait = 0.0
+        self.notice: Callable[[str], None] = recovery.warn   # "waiting for …", "read-only …"
 
     # -- open / create -------------------------------------------------------------------
     @classmethod
@@ -118,21 +123,19 @@ class Repository:
         with self._lock_mutex:
             if self._lock_depth == 0:
                 fd = self._lock_file("writer")
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,
+                                      lambda: self.notice(f"gpusnap: waiting for {self._holder(fd)} "
+                                                          f"to release repository {self.path} "
+                                                          f"(up to {self.lock_wait:g} s)")):
                     try:
-                        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                        holder = self._holder(fd)
                     finally:
                         os.close(fd)
-                    info = {}
-                    with contextlib.suppress(ValueError):
-                        info = json.loads(holder)
-                    pid = info.get("pid", "?") if isinstance(info, dict) else "?"
+                    waited = f" (waited {self.lock_wait:g} s)" if self.lock_wait > 0 else ""
                     raise RepositoryLocked(
-                        f"repository {self.path} is locked by pid {pid}"
-                        + (f" on {info.get('host')} ({info.get('what')}, since {info.get('since')})" if isinstance(info, dict) and info else ""),
-                        "wait for that gpusnap to finish; a lock held by a dead process is released automatically")
+                        f"repository {self.path} is locked by {holder}{waited}",
+                        "wait for that gpusnap to finish, or give it longer (--lock-wait SECONDS, "
+                        "$GPUSNAP_LOCK_WAIT); a lock held by a dead process is released automatically")
                 # who holds it is information only: a full disk must not stop the writer
                 # (a prune is what frees space)
                 with contextlib.suppress(OSError):
@@ -158,17 +161,45 @@ class Repository:
                         os.ftruncate(fd, 0)
                     os.close(fd)     # closing the only fd releases the flock
 
+    def wait_for_locks(self, seconds: float, notice: Callable[[str], None] | None = None) -> "Repository":
+        """Make this repository's writers wait up to `seconds` for a lock another gpusnap
+        holds (lockwait.seconds() gives a command's), telling `notice` (a line) before."""
+        self.lock_wait = seconds
+        if notice is not None:
+            self.notice = notice
+        return self
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        """Who holds the writer lock, as its holder wrote it (information only)."""
+        info = {}
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads(os.pread(fd, 4096, 0).decode(errors="replace").strip())
+        if not isinstance(info, dict) or not info:
+            return "pid ?"
+        return (f"pid {info.get('pid', '?')} on {info.get('host')} ({info.get('what')}, "
+                f"since {info.get('since')})")
+
     @contextlib.contextmanager
     def readers_lock(self, exclusive: bool = False):
         """Restores read shared (they wait for a prune to finish); prune takes it exclusive
-        and refuses while a restore is reading, so it never deletes data under a reader.
-        Dumps only add data and do not take it."""
-        fd = self._lock_file("readers")
+        and waits (lock_wait) for a restore or verify to finish, then refuses, so it never
+        deletes data under a reader. Dumps only add data and do not take it. On a repository
+        this process cannot write (a read-only mount, a backup copy) a reader takes the
+        existing lock file read-only (flock needs no write access; a bind mount shares the
+        lock with its writable view), or no lock where there is none, and says so."""
+        if exclusive:
+            fd = self._lock_file("readers")
+        else:
+            fd = self._reader_fd()
+            if fd is None:
+                yield self
+                return
         try:
             if exclusive:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
+                if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,
+                                      lambda: self.notice(f"gpusnap: waiting for a restore or verify reading "
+                                                          f"repository {self.path} to finish (up to {self.lock_wait:g} s)")):
                     raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
                                            "prune again when it has finished") from None
             else:
@@ -177,11 +208,33 @@ class Repository:
         finally:
             os.close(fd)
 
+    def _reader_fd(self) -> int | None:
+        """The readers lock file for a shared lock; on a repository this process cannot
+        change, the existing file opened read-only, or None (no lock file: no lock)."""
+        try:
+            return self._lock_file("readers")
+        except RepositoryError:
+            why = read_only_reason(self.path)
+            if why is None:
+                raise
+        try:
+            fd = fsutil.open_lock_file(self.path / "locks", "readers", create=False)
+            self.notice(f"gpusnap: repository {self.path} is read-only ({why}): reading it, "
+                        "holding its readers lock through a read-only descriptor")
+            return fd
+        except (FileNotFoundError, PermissionError):
+            self.notice(f"gpusnap: repository {self.path} is read-only ({why}): reading it without a lock "
+                        "(it has no lock file)")
+            return None
+
     def _lock_file(self, name: str) -> int:
-        """locks/<name>, never through a symlink or hard link (the writer lock is truncated)."""
+        """locks/<name>, never through a symlink or hard link (the writer lock is truncated).
+        A repository on a read-only filesystem is one RepositoryError (exit 14)."""
         try:
             return fsutil.open_lock_file(self.path / "locks", name)
         except OSError as e:
+            if e.errno == errno.EROFS or (e.errno in (errno.EACCES, errno.EPERM) and read_only_reason(self.path)):
+                raise read_only_error(self.path, read_only_reason(self.path) or e.strerror) from None
             if e.errno in (errno.EACCES, errno.EPERM):
                 raise RepositoryError(f"cannot lock repository {self.path}: {e.strerror}",
                                       "run gpusnap as root (sudo) or as the repository's owner") from None
@@ -342,3 +395,4 @@ class Repository:
         os.rename(snap.path, tomb)
         fsutil.fsync_dir(sd)
         shutil.rmtree(tomb)
+

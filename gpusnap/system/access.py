@@ -8,7 +8,7 @@ import os
 import pwd
 from pathlib import Path
 
-from gpusnap.errors import AccessDenied
+from gpusnap.errors import AccessDenied, RepositoryError
 
 
 def _user(uid: int) -> str:
@@ -74,6 +74,8 @@ def check_repo(root: Path, write: bool = False) -> bool:
     except (FileNotFoundError, NotADirectoryError):
         return False
     mode = os.R_OK | os.X_OK | (os.W_OK if write else 0)
+    if write and read_only_fs(root):
+        raise read_only_error(root, "read-only filesystem")
     if not os.access(root, mode) or not os.access(root / "config", os.R_OK):
         raise _denied(root, what, st.st_uid)
     if write:
@@ -117,3 +119,33 @@ def check_snapshot_ref(ref: str, repo_root: Path) -> None:
             pass
         return
     check_repo(repo_root)
+
+
+def read_only_fs(path) -> bool:
+    """Whether `path` is on a filesystem mounted read-only (a read-only bind mount included)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def read_only_reason(path) -> str | None:
+    """Why this process cannot change the repository at `path` although it can read it: a
+    read-only filesystem, or no write permission on it (a copy it may only read); None if it can."""
+    import stat as stat_
+    if read_only_fs(path):
+        return "read-only filesystem"
+    try:
+        locks = os.path.join(path, "locks")
+        if stat_.S_ISDIR(os.lstat(locks).st_mode) and not os.access(locks, os.W_OK | os.X_OK):
+            return "no write permission on its locks/ directory"
+    except OSError:
+        return None
+    return None
+
+
+def read_only_error(path, why: str) -> RepositoryError:
+    """The one error of a command that would change a repository it can only read."""
+    return RepositoryError(f"repository {path} is read-only ({why}): it cannot be changed",
+                           "ls, inspect, verify, export and restore work on it; dump, import, prune, forget "
+                           "and repair need a writable repository (copy it, or remount it read-write)")

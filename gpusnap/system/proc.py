@@ -220,19 +220,3 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
             return left
         time.sleep(0.1)
 
-
-def remove_dirs_of_dead(parent: Path, prefix: str) -> None:
-    """Remove `parent/<prefix><pid>-*` directories whose gpusnap process no longer exists: what
-    a SIGKILLed run could not clean up itself (the next run does)."""
-    import shutil
-
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for n in names:
-        if not n.startswith(prefix):
-            continue
-        head = n[len(prefix):].split("-", 1)[0]
-        if head.isdigit() and int(head) != os.getpid() and not exists(int(head)):
-            shutil.rmtree(parent / n, ignore_errors=True)

@@ -41,6 +41,9 @@ RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", sho
                        help="Repository directory (default /var/lib/gpusnap).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.",
                        callback=_json_mode, is_eager=True)
+LockWaitOpt = typer.Option(None, "--lock-wait", metavar="SECONDS", min=0.0,
+                          help="Wait up to SECONDS for another gpusnap writing to the repository, then exit 10 "
+                               "(default: $GPUSNAP_LOCK_WAIT, else 600; 0: fail at once).")
 KeepLastHelp = ("Keep the newest N snapshots of each name (only of --name NAME when given); "
                 "0 deletes them all and needs --name and --all.")
 
@@ -59,6 +62,15 @@ def open_repo(repo: Optional[Path], write: bool = False):
     from gpusnap.repo.repository import Repository
 
     return Repository.open(repo_root(repo, write=write))
+
+
+def open_writer_repo(repo: Optional[Path], lock_wait: Optional[float], dry_run: bool = False):
+    """open_repo() for a command that changes the repository: it waits for the locks another
+    gpusnap holds (--lock-wait, repo/lockwait.py)."""
+    from gpusnap.repo import lockwait
+
+    wait = lockwait.seconds(lock_wait)
+    return open_repo(repo, write=not dry_run).wait_for_locks(wait)
 
 
 def open_snapshot(ref: str, repo: Optional[Path]):
@@ -98,6 +110,8 @@ def progress(label: str, enabled: bool):
                     "storing": f"{label}: job running, storing",
                     "filling": f"{label}: job running, filling its memory",
                     "waiting": f"{label}: waiting for another gpusnap on this job"}.get(phase or "", label)
+            if phase and phase.startswith("waiting for "):      # the repository's locks
+                desc = f"{label}: {phase}"
             bar.update(task, description=desc, completed=0)
         bar.update(task, completed=done, total=max(total, done) or None)
 

@@ -12,7 +12,8 @@ from typing import Optional
 
 import typer
 
-from gpusnap.cli.common import JsonOpt, KeepLastHelp, RepoOpt, open_repo, open_snapshot, repo_root
+from gpusnap.cli.common import (JsonOpt, KeepLastHelp, LockWaitOpt, RepoOpt, open_snapshot,
+                                open_writer_repo, repo_root)
 from gpusnap.errors import UsageError
 from gpusnap.render.output import OUTPUT
 
@@ -86,6 +87,7 @@ def prune(
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
 ) -> None:
     """Free the stored data no snapshot needs; with --keep-last, first delete old snapshots.
 
@@ -101,7 +103,7 @@ def prune(
     if all_ and keep_last is None:
         keep_last = 0
         forget_mod.check_retention(keep_last, name, all_, "prune")
-    result = prune_mod.run(open_repo(repo, write=not dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
+    result = prune_mod.run(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
     OUTPUT.emit(result, lambda: show.prune(result, OUTPUT))
 
 
@@ -115,6 +117,7 @@ def forget(
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
 ) -> None:
     """Drop snapshots: the named ones, or all but the newest N of each name.
 
@@ -124,7 +127,7 @@ def forget(
     from gpusnap.ops import forget as forget_mod
     from gpusnap.render import maint as show
 
-    repository = open_repo(repo, write=not dry_run)
+    repository = open_writer_repo(repo, lock_wait, dry_run)
     result = forget_mod.forget(repository, list(snapshots or []), name=name, keep_last=keep_last, all_=all_,
                                dry_run=dry_run, prune=prune_)
     OUTPUT.emit(result, lambda: show.forget(result, OUTPUT))

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from gpusnap.cli.common import JsonOpt, RepoOpt, repo_path, open_snapshot, resolve_pid, with_progress
+from gpusnap.cli.common import JsonOpt, LockWaitOpt, RepoOpt, repo_path, open_snapshot, resolve_pid, with_progress
 from gpusnap.errors import UsageError
 from gpusnap.render.output import OUTPUT
 
@@ -41,6 +41,7 @@ def dump(
         None, "--staging-budget", metavar="SIZE",
         help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
              "file in the repository. Default: a quarter of the available memory, at most 2G."),
+    lock_wait: Optional[float] = LockWaitOpt,
 ) -> None:
     """Snapshot a running process tree. The job keeps running unless --exit.
 
@@ -63,7 +64,7 @@ def dump(
             raise UsageError(f"--staging-budget: {e}") from None
     req = DumpRequest(pid=target, repo=repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
-                      keep_last=keep_last, staging_budget=budget)
+                      keep_last=keep_last, staging_budget=budget, lock_wait=lock_wait)
     result = with_progress(f"dumping {target}", not (json_ or quiet), lambda **kw: do_dump(req, **kw))
     OUTPUT.emit(result, lambda: show.dump(result, OUTPUT, quiet=quiet), failure=retention_error(result))
 
@@ -128,13 +129,14 @@ def import_cmd(
     file: str = typer.Argument(..., metavar="FILE|-", help="An export file ('-': stdin)."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
 ) -> None:
     """Add an exported snapshot to this repository (deduplicated). Checks every checksum
     first: a damaged or truncated file is refused and nothing of it is kept."""
     from gpusnap.ops import exchange
     from gpusnap.render import snapshots as show
 
-    result = exchange.import_file(file, repo_path(repo))
+    result = exchange.import_file(file, repo_path(repo), lock_wait=lock_wait)
     OUTPUT.emit(result, lambda: show.imported(result, OUTPUT))
 
 

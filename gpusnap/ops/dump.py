@@ -49,6 +49,7 @@ class DumpRequest:
     tcp_established: bool = False
     keep_last: int | None = None  # retention for this name, applied right after the commit
     staging_budget: int | None = None  # bytes of memory staging may use (None: staging.default_budget())
+    lock_wait: float | None = None  # seconds to wait for the repository's locks (None: repo/lockwait.py's default)
 
 
 @dataclass
@@ -157,18 +158,20 @@ def _on_term(signum, frame):  # noqa: ARG001
 def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResult:
     """Snapshot the process tree rooted at req.pid into the repository at req.repo."""
     t0 = time.monotonic()
+    from gpusnap.repo import lockwait
+
     validate.check_compress(req.compress)
     if req.name:
         validate.check_name(req.name)
+    wait = lockwait.seconds(req.lock_wait)
     budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
     # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
     # the staging takes it over, and whatever path this dump ends on, it is freed here
-    arena = _early_arena(req.pid, budget)
+    arena = _ArenaSlot(req.pid, budget)
     try:
-        return _dump(req, progress, t0, budget, arena)
+        return _dump(req, progress, t0, budget, arena, wait)
     finally:
-        if arena is not None:
-            arena.close()
+        arena.release(final=True)
 
 
 def _early_arena(pid: int, budget: int):
@@ -180,22 +183,65 @@ def _early_arena(pid: int, budget: int):
     return staging_mod.Arena.sized(budget, proc.anon_bytes(proc.tree(pid)) + (16 << 20))
 
 
-def _dump(req: DumpRequest, progress, t0: float, budget: int, arena) -> DumpResult:
+class _ArenaSlot:
+    """The early arena, given back while this dump waits for another gpusnap (the job's
+    host lock, the repository's writer lock: up to minutes) and made again once it may go on."""
+
+    def __init__(self, pid: int, budget: int):
+        self.pid, self.budget = pid, budget
+        self.arena = _early_arena(pid, budget)
+        self.released = False
+        self.in_use = False     # the staging has it (from then on only the end frees it)
+
+    def take(self):
+        self.in_use = True
+        return self.arena
+
+    def release(self, final: bool = False) -> None:
+        if self.arena is not None and (final or not self.in_use):
+            self.arena.close()
+            self.arena = None
+            self.released = True
+
+    def again(self) -> None:
+        if self.released and self.arena is None:
+            self.arena = _early_arena(self.pid, self.budget)
+            self.released = False
+
+
+def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: _ArenaSlot, wait: float) -> DumpResult:
     """One dump of a job at a time on this machine (another gpusnap may be dumping it into
     another repository): wait for it, then look at the job afresh. Without the privileges or
     a valid PID (the preflight says so, in its words) there is nothing to lock."""
     if req.pid <= 0 or preflight.privileges().status == "fail":
-        return _dump_held(req, progress, t0, budget, arena)
+        return _dump_held(req, progress, t0, budget, arena, wait)
 
     def waiting() -> None:
+        arena.release()
         if progress is not None:
             progress(0, 0, "waiting")
 
     with hostlock.held(f"dump-pid-{req.pid}", waiting):
-        return _dump_held(req, progress, t0, budget, arena)
+        arena.again()
+        return _dump_held(req, progress, t0, budget, arena, wait)
 
 
-def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> DumpResult:
+def _waiting_notice(progress, arena: _ArenaSlot):
+    """What a dump says (and does) when it must wait for the repository: the line on the
+    progress bar, else on stderr; its staging memory given back meanwhile."""
+    def notice(text: str) -> None:
+        if text.startswith("waiting"):
+            arena.release()
+        if progress is not None:
+            progress(0, 0, text)
+        else:
+            from gpusnap.repo.recovery import warn
+
+            warn("gpusnap: %s", text)
+    return notice
+
+
+def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: _ArenaSlot, wait: float) -> DumpResult:
     from gpusnap.repo.repository import Repository
 
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
@@ -211,7 +257,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> Dum
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
 
-    repo = Repository.open(req.repo, create=True)
+    repo = Repository.open(req.repo, create=True).wait_for_locks(wait, _waiting_notice(progress, arena))
     restore_flags = list(plan.restore_flags)
     meta = {
         "pid": req.pid,
@@ -254,6 +300,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> Dum
     old_handlers: dict = {}
     try:
         with repo.writer_lock():
+            arena.again()       # given back while this dump waited for the lock
             writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
             tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
             workdir = tmpdirs.make(tmpdirs.DUMP)
@@ -276,7 +323,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena) -> Dum
                 phase("preflight")
                 spill_dir = repo.path / "tmp"
                 staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
-                staging = staging_mod.Staging(spill_dir, budget, arena=arena)
+                staging = staging_mod.Staging(spill_dir, budget, arena=arena.take())
                 if overlap:
                     staging.go.set()
                 server = CaptureServer(workdir, writer.image_sink, staging=staging).start()

@@ -30,6 +30,10 @@ if TYPE_CHECKING:  # the dump side is imported where a snapshot is written (rest
 __all__ = ["QUARANTINE", "Repository", "Snapshot", "quarantine_file"]
 
 
+def _notice(text: str) -> None:
+    recovery.warn("gpusnap: %s", text)
+
+
 class Repository:
     def __init__(self, path: Path, config: dict):
         self.path = path
@@ -45,7 +49,7 @@ class Repository:
         # how long a writer waits for a lock another gpusnap holds (repo/lockwait.py; the
         # commands set it with wait_for_locks(), the library alone fails at once)
         self.lock_wait = 0.0
-        self.notice: Callable[[str], None] = recovery.warn   # "waiting for …", "read-only …"
+        self.notice: Callable[[str], None] = _notice   # "waiting for …", "read-only …": one line each
 
     # -- open / create -------------------------------------------------------------------
     @classmethod
@@ -124,7 +128,7 @@ class Repository:
             if self._lock_depth == 0:
                 fd = self._lock_file("writer")
                 if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,
-                                      lambda: self.notice(f"gpusnap: waiting for {self._holder(fd)} "
+                                      lambda: self.notice(f"waiting for {self._holder(fd)} "
                                                           f"to release repository {self.path} "
                                                           f"(up to {self.lock_wait:g} s)")):
                     try:
@@ -198,7 +202,7 @@ class Repository:
         try:
             if exclusive:
                 if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,
-                                      lambda: self.notice(f"gpusnap: waiting for a restore or verify reading "
+                                      lambda: self.notice(f"waiting for a restore or verify reading "
                                                           f"repository {self.path} to finish (up to {self.lock_wait:g} s)")):
                     raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
                                            "prune again when it has finished") from None
@@ -219,11 +223,11 @@ class Repository:
                 raise
         try:
             fd = fsutil.open_lock_file(self.path / "locks", "readers", create=False)
-            self.notice(f"gpusnap: repository {self.path} is read-only ({why}): reading it, "
+            self.notice(f"repository {self.path} is read-only ({why}): reading it, "
                         "holding its readers lock through a read-only descriptor")
             return fd
         except (FileNotFoundError, PermissionError):
-            self.notice(f"gpusnap: repository {self.path} is read-only ({why}): reading it without a lock "
+            self.notice(f"repository {self.path} is read-only ({why}): reading it without a lock "
                         "(it has no lock file)")
             return None
 

@@ -44,18 +44,69 @@ def _lock_dir() -> str:
 @contextlib.contextmanager
 def held(name: str, waiting: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold the machine-wide lock `name` (letters, digits, '-', '.'), waiting while another
-    process holds it (`waiting` is called once before such a wait)."""
+    process holds it (`waiting` is called once before such a wait). The lock file is removed
+    on release, so /run/gpusnap holds only the locks in use: it is unlinked while still
+    locked, and a taker whose flock lands on a file that was meanwhile unlinked (or replaced)
+    lets go and opens the path again, so that no two processes ever hold the lock on two
+    different files."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,100}", name):
         raise ValueError(f"bad lock name {name!r}")
-    fd = os.open(os.path.join(_lock_dir(), name + ".lock"),
-                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
+    d = _lock_dir()
+    path = os.path.join(d, name + ".lock")
+    told = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting is not None:
-                waiting()
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting is not None and not told:
+                    told = True
+                    waiting()
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if _is_linked(fd, path):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)          # its holder removed it after we opened it: take the new one
+    try:
         yield
     finally:
-        os.close(fd)      # the only fd: closing it releases the lock
+        with contextlib.suppress(OSError):
+            os.unlink(path)   # still ours: we hold the lock on the file this path names
+        os.close(fd)          # the only fd: closing it releases the lock
+    _sweep_free(d)
+
+
+def _is_linked(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open on `fd`."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _sweep_free(d: str) -> None:
+    """Remove lock files nobody holds (left by a gpusnap killed between its unlink and its
+    exit, or by one from before lock files were removed), the same safe way."""
+    try:
+        names = [n for n in os.listdir(d) if n.endswith(".lock")]
+    except OSError:
+        return
+    for n in names:
+        path = os.path.join(d, n)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _is_linked(fd, path) and stat.S_ISREG(os.fstat(fd).st_mode):
+                os.unlink(path)
+        except OSError:
+            pass              # held: in use
+        finally:
+            os.close(fd)

@@ -75,6 +75,10 @@ def run(repo, keep_last: int | None = None, name: str | None = None, dry_run: bo
     """`gpusnap prune`: under the locks, delete all but the `keep_last` newest snapshots per
     name (or of `name`; none without keep_last), then free what no snapshot needs."""
     with locked(repo, dry_run):
+        if not dry_run:     # what SIGKILLed dumps and restores left outside the repository
+            from gpusnap.system import tmpdirs
+
+            tmpdirs.sweep(repo.path)
         remove: list[str] = []
         if keep_last is not None:
             snaps = repo.snapshots()

@@ -122,8 +122,8 @@ def test_change_commands(world, tmp_path):
     check(RepositoryError.exit_code, "forget", "x", "--repo", world["notrepo"])
     repo = Repository.open(r)
     with repo.writer_lock():
-        check(RepositoryLocked.exit_code, "prune", "--repo", r)
-        check(RepositoryLocked.exit_code, "forget", "other", "--repo", r)
+        check(RepositoryLocked.exit_code, "prune", "--repo", r, env={"GPUSNAP_LOCK_WAIT": "0"})
+        check(RepositoryLocked.exit_code, "forget", "other", "--repo", r, "--lock-wait", "0")
     assert check(0, "prune", "--dry-run", "--repo", r)["dry_run"] is True
     assert len(check(0, "forget", "other", "--repo", r)["snapshots_forgotten"]) == 1
     assert check(0, "prune", "--repo", r)["bytes_freed"] > 0

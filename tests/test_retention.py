@@ -31,12 +31,12 @@ def test_failed_retention_exits_21_and_says_the_snapshot_is_committed(sample_job
     fd = os.open(repo / "locks" / "readers", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_SH)
     try:
-        p = _dump(job, repo, "r", "--keep-last", "1", "--quiet")
+        p = _dump(job, repo, "r", "--keep-last", "1", "--quiet", "--lock-wait", "0")   # (no wait: fails now)
         assert p.returncode == 21, (p.returncode, p.stderr)
         path = p.stdout.strip()
         assert path.startswith(str(repo / "snapshots")) and os.path.isdir(path)
         assert "is committed" in p.stderr and "retention failed" in p.stderr
-        j = _dump(job, repo, "r", "--keep-last", "1", "--json")
+        j = _dump(job, repo, "r", "--keep-last", "1", "--json", "--lock-wait", "0")
         assert j.returncode == 21
         obj = json.loads(j.stdout)            # exactly one JSON object
         assert obj["exit_code"] == 21 and obj["prune_error"] and os.path.isdir(obj["snapshot"])
@@ -137,10 +137,10 @@ def test_retention_prune_and_forget_refuse_a_reader_the_same_way(sample_job, rep
     fd = os.open(repo / "locks" / "readers", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_SH)
     try:
-        d = _dump(job, repo, "r", "--keep-last", "1", "--json")
+        d = _dump(job, repo, "r", "--keep-last", "1", "--json", "--lock-wait", "0")
         assert d.returncode == 21, d.stderr
         dumped = json.loads(d.stdout)
-        refusals = [run_gpusnap(*cmd, "--repo", repo, "--json")
+        refusals = [run_gpusnap(*cmd, "--repo", repo, "--json", "--lock-wait", "0")
                     for cmd in (("prune", "--keep-last", "1", "--name", "r"),
                                 ("forget", "--keep-last", "1", "--name", "r", "--prune"))]
         for p in refusals:

@@ -167,49 +167,14 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
     budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
     # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
     # the staging takes it over, and whatever path this dump ends on, it is freed here
-    arena = _ArenaSlot(req.pid, budget)
+    arena = session.EarlyArena(req.pid, budget)
     try:
         return _dump(req, progress, t0, budget, arena, wait)
     finally:
         arena.release(final=True)
 
 
-def _early_arena(pid: int, budget: int):
-    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams) and
-    16 MiB for the rest, its faulting-in started; None where the preflight will refuse anyway
-    (not root, no process) or not one slot fits the budget (everything then spills)."""
-    if os.geteuid() != 0 or not proc.exists(pid):
-        return None
-    return staging_mod.Arena.sized(budget, proc.anon_bytes(proc.tree(pid)) + (16 << 20))
-
-
-class _ArenaSlot:
-    """The early arena, given back while this dump waits for another gpusnap (the job's
-    host lock, the repository's writer lock: up to minutes) and made again once it may go on."""
-
-    def __init__(self, pid: int, budget: int):
-        self.pid, self.budget = pid, budget
-        self.arena = _early_arena(pid, budget)
-        self.released = False
-        self.in_use = False     # the staging has it (from then on only the end frees it)
-
-    def take(self):
-        self.in_use = True
-        return self.arena
-
-    def release(self, final: bool = False) -> None:
-        if self.arena is not None and (final or not self.in_use):
-            self.arena.close()
-            self.arena = None
-            self.released = True
-
-    def again(self) -> None:
-        if self.released and self.arena is None:
-            self.arena = _early_arena(self.pid, self.budget)
-            self.released = False
-
-
-def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: _ArenaSlot, wait: float) -> DumpResult:
+def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
     """One dump of a job at a time on this machine (another gpusnap may be dumping it into
     another repository): wait for it, then look at the job afresh. Without the privileges or
     a valid PID (the preflight says so, in its words) there is nothing to lock."""
@@ -226,22 +191,7 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: _ArenaSlot,
         return _dump_held(req, progress, t0, budget, arena, wait)
 
 
-def _waiting_notice(progress, arena: _ArenaSlot):
-    """What a dump says (and does) when it must wait for the repository: the line on the
-    progress bar, else on stderr; its staging memory given back meanwhile."""
-    def notice(text: str) -> None:
-        if text.startswith("waiting"):
-            arena.release()
-        if progress is not None:
-            progress(0, 0, text)
-        else:
-            from gpusnap.repo.recovery import warn
-
-            warn("gpusnap: %s", text)
-    return notice
-
-
-def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: _ArenaSlot, wait: float) -> DumpResult:
+def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
     from gpusnap.repo.repository import Repository
 
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
@@ -257,7 +207,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: _Arena
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
 
-    repo = Repository.open(req.repo, create=True).wait_for_locks(wait, _waiting_notice(progress, arena))
+    repo = Repository.open(req.repo, create=True).wait_for_locks(wait, session.waiting_notice(progress, arena))
     restore_flags = list(plan.restore_flags)
     meta = {
         "pid": req.pid,

@@ -1,7 +1,8 @@
 """The pieces of one CRIU dump session that gpusnap/ops/dump.py puts in order: CRIU's command
 line and environment, CRIU's own figures (the frozen time in its stats-dump), the CUDA plugin's
 report, the most useful error of a failed run, handing the job back (resume, kill, GPU
-processes settled), the storing phase's progress, and the test hold points.
+processes settled), the storing phase's progress, the early staging arena (given back while
+the dump waits for another gpusnap), and the test hold points.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Callable
 
 from gpusnap.criu import runner
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
-from gpusnap.system import paths
+from gpusnap.repo.pipeline import staging as staging_mod
+from gpusnap.system import paths, proc
 
 if TYPE_CHECKING:
     from gpusnap.criu.streamer import CaptureServer
@@ -240,3 +242,53 @@ def finish_with_progress(server: CaptureServer, progress: Progress) -> None:
     progress(server.bytes, server.bytes, "storing")
     if err:
         raise err[0]
+
+
+def early_arena(pid: int, budget: int):
+    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams) and
+    16 MiB for the rest, its faulting-in started; None where the preflight will refuse anyway
+    (not root, no process) or not one slot fits the budget (everything then spills)."""
+    if os.geteuid() != 0 or not proc.exists(pid):
+        return None
+    return staging_mod.Arena.sized(budget, proc.anon_bytes(proc.tree(pid)) + (16 << 20))
+
+
+class EarlyArena:
+    """The early arena, given back while this dump waits for another gpusnap (the job's
+    host lock, the repository's writer lock: up to minutes) and made again once it may go on."""
+
+    def __init__(self, pid: int, budget: int):
+        self.pid, self.budget = pid, budget
+        self.arena = early_arena(pid, budget)
+        self.released = False
+        self.in_use = False     # the staging has it (from then on only the end frees it)
+
+    def take(self):
+        self.in_use = True
+        return self.arena
+
+    def release(self, final: bool = False) -> None:
+        if self.arena is not None and (final or not self.in_use):
+            self.arena.close()
+            self.arena = None
+            self.released = True
+
+    def again(self) -> None:
+        if self.released and self.arena is None:
+            self.arena = early_arena(self.pid, self.budget)
+            self.released = False
+
+
+def waiting_notice(progress, arena: EarlyArena):
+    """What a dump says (and does) when it must wait for the repository: the line on the
+    progress bar, else on stderr; its staging memory given back meanwhile."""
+    def notice(text: str) -> None:
+        if text.startswith("waiting"):
+            arena.release()
+        if progress is not None:
+            progress(0, 0, text)
+        else:
+            from gpusnap.repo.recovery import warn
+
+            warn("gpusnap: %s", text)
+    return notice

@@ -1,0 +1,162 @@
+"""Nothing is left that nothing cleans (issue 31 item 5): a SIGKILLed dump's work directory
+(CRIU's log) carries the dead gpusnap's PID and start time and the next dump or prune removes
+it, while a live gpusnap's stays; lock files under /run/gpusnap (here $GPUSNAP_LOCK_DIR) are
+removed when free, and two processes never hold one lock on two files; an import interrupted
+by SIGTERM, SIGINT or SIGHUP removes what it had written and says so."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import GPUSNAP, ROOT, run_gpusnap, run_json
+from gpusnap.errors import Interrupted
+from gpusnap.system import proc
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout          # (a safety net, not a measure)
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _dump_dirs(pid: int) -> list[Path]:
+    tmp = Path(tempfile.gettempdir())
+    return [p for p in tmp.iterdir() if p.name.startswith(f"gpusnap-dump-{pid}-")]
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("then", ["dump", "prune"])
+def test_a_sigkilled_dumps_directory_is_swept_by_the_next_run(sample_job, repo, tmp_path, then):
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
+    job.wait_steps(3)
+    hold = tmp_path / "held.json"
+    d = subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--name", "k"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "GPUSNAP_TEST_HOLD": f"after-gate:{hold}"})
+    _wait(hold.exists, 120, "the dump never reached its hold point")
+    d.kill()
+    d.wait()
+    left = _dump_dirs(d.pid)
+    assert len(left) == 1 and (left[0] / "criu.log").stat().st_size > 0, left
+    assert left[0].name.split("-")[3].isdigit()       # its start time: the PID alone could be reused
+    s = job.steps_done()
+    job.wait_steps(s + 2)                             # the job runs on
+    args = ("dump", job.pid, "--name", "k") if then == "dump" else ("prune",)
+    assert run_gpusnap(*args, "--repo", repo).returncode == 0
+    assert _dump_dirs(d.pid) == []
+
+
+def test_only_the_directories_of_gone_gpusnaps_are_swept(tmp_path):
+    from gpusnap.system import tmpdirs
+
+    me = proc.read_stat(os.getpid())
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    live = parent / f"{tmpdirs.DUMP}{os.getpid()}-{me.starttime}-abc"        # this process
+    reused = parent / f"{tmpdirs.DUMP}1-{proc.read_stat(1).starttime + 1}-abc"  # PID 1, another start
+    dead = parent / f"{tmpdirs.DUMP}999999999-5-abc"                          # no such PID
+    old_live = parent / f"{tmpdirs.DUMP}1-abc"                                # an older name: PID 1 lives
+    link = parent / f"{tmpdirs.DUMP}999999998-5-abc"                          # a planted link: never followed
+    other = parent / "something-else"
+    for p in (live, reused, dead, old_live, other):
+        p.mkdir()
+        (p / "criu.log").write_text("x")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("precious")
+    link.symlink_to(victim)
+    removed = tmpdirs.remove_dead(parent, tmpdirs.DUMP)
+    assert sorted(removed) == sorted([str(reused), str(dead)])
+    assert live.exists() and old_live.exists() and other.exists() and link.is_symlink()
+    assert (victim / "keep").read_text() == "precious"
+
+
+HOSTLOCK = """
+import sys
+from gpusnap.system import hostlock
+with hostlock.held(sys.argv[1], lambda: print("waiting", flush=True)):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_host_lock_files_are_removed_when_free_and_never_split(tmp_path):
+    d = tmp_path / "locks"
+    env = {**os.environ, "GPUSNAP_LOCK_DIR": str(d)}
+    start = lambda: subprocess.Popen([sys.executable, "-c", HOSTLOCK, "dump-pid-1"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    a = start()
+    assert a.stdout.readline().strip() == "held"
+    b = start()
+    assert b.stdout.readline().strip() == "waiting"
+    a.stdin.close()                                # A lets go, and removes the file
+    assert a.wait(timeout=60) == 0
+    assert b.stdout.readline().strip() == "held"
+    c = start()                                    # B holds it on the file the path names now
+    assert c.stdout.readline().strip() == "waiting"
+    b.stdin.close()
+    assert b.wait(timeout=60) == 0
+    assert c.stdout.readline().strip() == "held"
+    c.stdin.close()
+    assert c.wait(timeout=60) == 0
+    assert os.listdir(d) == []
+    (d / "restore-pid-7.lock").write_text("")     # left by a gpusnap before this one: free
+    a = start()
+    assert a.stdout.readline().strip() == "held"
+    a.stdin.close()
+    assert a.wait(timeout=60) == 0
+    assert os.listdir(d) == []
+
+
+@pytest.mark.criu
+def test_the_lock_files_stay_bounded_after_many_dumps(repo, tmp_path):
+    d = tmp_path / "locks"
+    sleepers = [subprocess.Popen(["setsid", "sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL) for _ in range(6)]
+    try:
+        for p in sleepers:
+            _wait(lambda: proc.read_stat(p.pid) is not None and proc.read_stat(p.pid).comm == "sleep", 30,
+                  "sleep never started")
+            r = run_gpusnap("dump", p.pid, "--repo", repo, "--name", "s", env={"GPUSNAP_LOCK_DIR": str(d)})
+            assert r.returncode == 0, r.stderr
+    finally:
+        for p in sleepers:
+            p.kill()
+            p.wait()
+    assert len(run_json("ls", "--repo", repo)["snapshots"]) == len(sleepers)
+    assert os.listdir(d) == []
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_an_interrupted_import_cleans_up_and_says_so(sample_job, repo, tmp_path, sig):
+    job = sample_job(steps=5000, mb=32, threads=1, step_ms=20)
+    job.wait_steps(3)
+    src = tmp_path / "src"
+    run_json("dump", job.pid, "--repo", src, "--name", "big")
+    export = tmp_path / "x.gsx"
+    run_json("export", "big", "-o", export, "--repo", src)
+    data = export.read_bytes()
+    imp = subprocess.Popen([*GPUSNAP, "import", "-", "--repo", str(repo)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    imp.stdin.write(data[: len(data) * 3 // 4])     # most of it; the rest never comes
+    imp.stdin.flush()
+    _wait(lambda: repo.joinpath("snapshots").is_dir()
+          and any(n.startswith(".tmp-") for n in os.listdir(repo / "snapshots")), 120,
+          "the import never began to write")
+    imp.send_signal(sig)
+    out, err = imp.communicate(timeout=120)
+    assert imp.returncode == Interrupted.exit_code, (imp.returncode, err)
+    assert b"import interrupted" in err and b"removed" in err and b"Traceback" not in err, err
+    assert [n for n in os.listdir(repo / "snapshots")] == []
+    assert [n for n in os.listdir(repo / "tmp")] == []
+    assert run_json("ls", "--repo", repo)["snapshots"] == []

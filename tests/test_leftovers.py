@@ -150,9 +150,9 @@ def test_an_interrupted_import_cleans_up_and_says_so(sample_job, repo, tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     imp.stdin.write(data[: len(data) * 3 // 4])     # most of it; the rest never comes
     imp.stdin.flush()
-    _wait(lambda: repo.joinpath("snapshots").is_dir()
-          and any(n.startswith(".tmp-") for n in os.listdir(repo / "snapshots")), 120,
-          "the import never began to write")
+    _wait(lambda: repo.joinpath("tmp").is_dir() and any(n.startswith(".tmp-") for n in os.listdir(repo / "snapshots"))
+          and any(n.startswith("pack-") for n in os.listdir(repo / "tmp")), 120,
+          "the import never began to write (its snapshot and pack temporary files)")
     imp.send_signal(sig)
     out, err = imp.communicate(timeout=120)
     assert imp.returncode == Interrupted.exit_code, (imp.returncode, err)

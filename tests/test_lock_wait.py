@@ -189,3 +189,33 @@ def test_two_dumps_started_together_both_commit_every_round(sample_job, repo):
     assert left == sorted(os.path.basename(t) for t in taken[-4:])
     assert all(j.alive() for j in jobs)
     assert run_gpusnap("verify", "--repo", repo).returncode == 0
+
+
+CREATE = """
+import sys
+from gpusnap.repo import Repository
+print("ready", flush=True)
+sys.stdin.readline()
+print(Repository.open(sys.argv[1], create=True).config["id"], flush=True)
+"""
+
+
+def test_gpusnaps_creating_one_repository_at_once_all_succeed(tmp_path):
+    """Two schedules' first run in the same minute: both create the repository. The second
+    used to find it half made ("exists, is not empty", exit 14); now they take turns."""
+    for k in range(8):
+        path = tmp_path / f"r{k}"
+        ps = [subprocess.Popen([sys.executable, "-c", CREATE, str(path)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+              for _ in range(3)]
+        for p in ps:
+            assert p.stdout.readline().strip() == "ready"
+        for p in ps:                   # go, all at once
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        ids = set()
+        for p in ps:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            ids.add(out.strip())
+        assert ids == {Repository.open(path).config["id"]}

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
-from gpusnap.errors import RepositoryError
+from conftest import ROOT, kill_pids, run_gpusnap, run_json
+from gpusnap.errors import RepositoryError, RepositoryLocked
 
 pytestmark = pytest.mark.criu
 
@@ -104,3 +105,40 @@ def test_writing_commands_exit_14_with_one_message(sample_job, repo, ro_mount, t
     s = job.steps_done()
     job.wait_steps(s + 2)                   # the job runs on
     assert len(run_json("ls", "--repo", repo)["snapshots"]) == 1
+
+
+RESTORE_READING = """
+import sys
+from gpusnap.repo import Repository
+r = Repository.open(sys.argv[1])
+with r.readers_lock():
+    print("reading", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_reader_of_the_read_only_view_keeps_a_prune_of_the_writable_one_out(tmp_path, ro_mount):
+    """The read-only bind mount shares the readers lock file (one inode) with the writable
+    view: a reader there holds it (read-only), and a prune through the writable path waits
+    for it, then refuses (exit 10) rather than delete data under it."""
+    from gpusnap.repo import Repository
+    from repo_helpers import PAGE, dump
+
+    repo = Repository.open(tmp_path / "repo", create=True)
+    for k in range(2):
+        dump(repo, {"pages-1.img": bytes([k + 1]) * PAGE * 4})
+    with repo.readers_lock():
+        pass                                              # its lock file exists from now on
+    ro = ro_mount(repo.path)
+    r = subprocess.Popen([sys.executable, "-c", RESTORE_READING, str(ro)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert r.stdout.readline().strip() == "reading", r.stderr.read()
+        p = run_gpusnap("prune", "--keep-last", "1", "--repo", repo.path, "--lock-wait", "0.3")
+        assert p.returncode == RepositoryLocked.exit_code and "a restore is reading" in p.stderr, p.stderr
+        assert len(Repository.open(repo.path).snapshots()) == 2
+    finally:
+        r.stdin.close()
+        r.wait(timeout=60)
+    assert "read-only" in r.stderr.read()
+    assert run_json("prune", "--keep-last", "1", "--repo", repo.path)["snapshots_deleted"]

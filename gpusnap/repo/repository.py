@@ -58,7 +58,8 @@ class Repository:
         try:
             check_above(path)
             if create:
-                cls._create(path)
+                with _creating(path):
+                    cls._create(path)
             check_tree(path)
             fd = fsutil.open_nofollow(path / "config", os.O_RDONLY)
             try:
@@ -400,3 +401,19 @@ class Repository:
         fsutil.fsync_dir(sd)
         shutil.rmtree(tomb)
 
+
+@contextlib.contextmanager
+def _creating(path: Path):
+    """Two gpusnaps creating one repository at once (two schedules' first run in the same
+    minute) take turns, so the second finds it made rather than half-made (exit 14): a
+    machine-wide lock named after the path (in /run/gpusnap, which only root can write: a
+    lock on a directory any user may open could be held by that user forever)."""
+    if os.path.lexists(path / "config"):
+        yield
+        return
+    import hashlib
+
+    from gpusnap.system import hostlock
+
+    with hostlock.held("create-repo-" + hashlib.sha256(os.fsencode(path)).hexdigest()[:32]):
+        yield

@@ -3,13 +3,13 @@ _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify --help --version -h" ;;
         "doctor") echo "--help --json --repo -h" ;;
-        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
+        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
-        "forget") echo "--all --dry-run --help --json --keep-last --name --prune --repo -h -n" ;;
-        "import") echo "--help --json --repo -h" ;;
+        "forget") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune --repo -h -n" ;;
+        "import") echo "--help --json --lock-wait --repo -h" ;;
         "inspect") echo "--help --images --json --repo -h" ;;
         "ls") echo "--help --json --name --repo -h" ;;
-        "prune") echo "--all --dry-run --help --json --keep-last --name --repo -h -n" ;;
+        "prune") echo "--all --dry-run --help --json --keep-last --lock-wait --name --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "repair") echo "--dry-run --help --json --read-data --repo -h -n" ;;
         "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
@@ -29,6 +29,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "dump|--compress") echo codec ;;
         "dump|--gpu-lock-timeout") echo text ;;
         "dump|--keep-last") echo text ;;
+        "dump|--lock-wait") echo text ;;
         "dump|--match") echo text ;;
         "dump|--name") echo text ;;
         "dump|--pidfile") echo file ;;
@@ -39,13 +40,16 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "export|--repo") echo dir ;;
         "export|-o") echo file ;;
         "forget|--keep-last") echo text ;;
+        "forget|--lock-wait") echo text ;;
         "forget|--name") echo text ;;
         "forget|--repo") echo dir ;;
+        "import|--lock-wait") echo text ;;
         "import|--repo") echo dir ;;
         "inspect|--repo") echo dir ;;
         "ls|--name") echo text ;;
         "ls|--repo") echo dir ;;
         "prune|--keep-last") echo text ;;
+        "prune|--lock-wait") echo text ;;
         "prune|--name") echo text ;;
         "prune|--repo") echo dir ;;
         "repair|--repo") echo dir ;;

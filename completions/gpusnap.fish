@@ -55,6 +55,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l match -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l pidfile -r -F
@@ -77,6 +78,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l prune
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
@@ -85,6 +87,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -F
@@ -104,6 +107,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_sub
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l name -x
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -s h

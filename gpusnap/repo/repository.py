@@ -206,7 +206,8 @@ class Repository:
                                       lambda: self.notice(f"waiting for a restore or verify reading "
                                                           f"repository {self.path} to finish (up to {self.lock_wait:g} s)")):
                     raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
-                                           "prune again when it has finished") from None
+                                           "prune again when it has finished, or give it longer "
+                                           "(--lock-wait SECONDS, $GPUSNAP_LOCK_WAIT)")
             else:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             yield self

@@ -42,8 +42,9 @@ def locked(repo, dry_run: bool = False):
     the writer lock (one writer; re-entrant, so a dump holding it for its commit goes on;
     a dry run skips the open-time recovery, which could change the repository), then the
     readers lock: exclusive when something may be deleted (a restore or verify reading
-    makes it refuse at once with RepositoryLocked, never wait), shared for a dry run (it
-    waits for a running prune, and never blocks a restore)."""
+    makes it wait up to repo.lock_wait, repo/lockwait.py, then refuse with RepositoryLocked;
+    the library alone waits 0 s), shared for a dry run (it waits for a running prune, and
+    never blocks a restore)."""
     with repo.writer_lock(recover=not dry_run), repo.readers_lock(exclusive=not dry_run):
         yield repo
 

@@ -191,24 +191,14 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: session.Ear
         return _dump_held(req, progress, t0, budget, arena, wait)
 
 
-def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
-    from gpusnap.repo.repository import Repository
-
+def _look(req: DumpRequest):
+    """The preflight, and what the snapshot records of the job: (plan, meta, gpu facts). Again
+    after a wait for the repository's writer lock: the tree may have changed meanwhile."""
     plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
-    native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
-    # a named job's root is dumped under its name (identity.py), anything else under its command's
-    name = req.name or identity.name_of(req.repo, req.pid) or default_name(req.pid)
     pids = plan.pids
-    estimate = proc.rss_bytes(pids)
     from gpusnap.gpu import procs as gpu_procs
 
     gpu_procs.refuse_devices_without_context(pids)
-    if session.free_bytes(req.repo) < MIN_FREE_BYTES:
-        raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
-                      hint="free some space or run `gpusnap prune`, then dump again")
-
-    repo = Repository.open(req.repo, create=True).wait_for_locks(wait, session.waiting_notice(progress, arena))
-    restore_flags = list(plan.restore_flags)
     meta = {
         "pid": req.pid,
         "pids": pids,
@@ -218,7 +208,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
         "hostname": os.uname().nodename,
         "kernel": os.uname().release,
         "criu_version": runner.criu_info().version_str,
-        "restore_flags": restore_flags,
+        "restore_flags": list(plan.restore_flags),
         "leave_running": req.leave_running,
         "compress": req.compress,
         # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
@@ -232,6 +222,21 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
     gpu = session.gpu_facts(pids)
     if gpu:
         meta["gpu"] = gpu
+    return plan, meta, gpu
+
+
+def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
+    from gpusnap.repo.repository import Repository
+
+    plan, meta, gpu = _look(req)
+    native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
+    # a named job's root is dumped under its name (identity.py), anything else under its command's
+    name = req.name or identity.name_of(req.repo, req.pid) or default_name(req.pid)
+    if session.free_bytes(req.repo) < MIN_FREE_BYTES:
+        raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
+                      hint="free some space or run `gpusnap prune`, then dump again")
+    notice = session.WaitingNotice(progress, arena)
+    repo = Repository.open(req.repo, create=True).wait_for_locks(wait, notice)
 
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     phases: dict[str, float] = {}
@@ -250,7 +255,11 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
     old_handlers: dict = {}
     try:
         with repo.writer_lock():
-            arena.again()       # given back while this dump waited for the lock
+            if notice.waited:   # another gpusnap wrote meanwhile: look at the job afresh
+                plan, meta, gpu = _look(req)
+                arena.again()   # (given back while this dump waited)
+            pids = plan.pids
+            estimate = proc.rss_bytes(pids)
             writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
             tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
             workdir = tmpdirs.make(tmpdirs.DUMP)

@@ -279,16 +279,21 @@ class EarlyArena:
             self.released = False
 
 
-def waiting_notice(progress, arena: EarlyArena):
+class WaitingNotice:
     """What a dump says (and does) when it must wait for the repository: the line on the
-    progress bar, else on stderr; its staging memory given back meanwhile."""
-    def notice(text: str) -> None:
+    progress bar, else on stderr; its staging memory given back meanwhile. `waited`: it did."""
+
+    def __init__(self, progress, arena: EarlyArena):
+        self.progress, self.arena = progress, arena
+        self.waited = False
+
+    def __call__(self, text: str) -> None:
         if text.startswith("waiting"):
-            arena.release()
-        if progress is not None:
-            progress(0, 0, text)
+            self.waited = True
+            self.arena.release()
+        if self.progress is not None:
+            self.progress(0, 0, text)
         else:
             from gpusnap.repo.recovery import warn
 
             warn("gpusnap: %s", text)
-    return notice

@@ -136,27 +136,44 @@ def test_the_lock_files_stay_bounded_after_many_dumps(repo, tmp_path):
     assert os.listdir(d) == []
 
 
-@pytest.mark.criu
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_an_interrupted_import_cleans_up_and_says_so(sample_job, repo, tmp_path, sig):
+@pytest.fixture
+def export_file(sample_job, tmp_path):
     job = sample_job(steps=5000, mb=32, threads=1, step_ms=20)
     job.wait_steps(3)
     src = tmp_path / "src"
     run_json("dump", job.pid, "--repo", src, "--name", "big")
     export = tmp_path / "x.gsx"
     run_json("export", "big", "-o", export, "--repo", src)
-    data = export.read_bytes()
+    return export
+
+
+def _nothing_left(repo: Path) -> None:
+    assert os.listdir(repo / "snapshots") == []
+    assert os.listdir(repo / "tmp") == []
+    assert run_json("ls", "--repo", repo)["snapshots"] == []
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("sig", ["TERM", "INT", "HUP"])
+def test_an_import_interrupted_while_storing_cleans_up_and_says_so(export_file, repo, sig):
+    """The signal lands while the import stores (its snapshot's .tmp- directory and a pack
+    temporary file exist: the fault point where the pack file has just been opened)."""
+    r = run_gpusnap("import", export_file, "--repo", repo, env={"GPUSNAP_FAULT": f"pack:opened:{sig}"})
+    assert r.returncode == Interrupted.exit_code, (r.returncode, r.stderr)
+    assert "import interrupted" in r.stderr and "removed" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    _nothing_left(repo)
+
+
+@pytest.mark.criu
+def test_an_import_terminated_while_reading_a_pipe_cleans_up_and_says_so(export_file, repo):
+    data = export_file.read_bytes()
+    assert len(data) > 4 << 20                      # more than the pipe holds: it is being read
     imp = subprocess.Popen([*GPUSNAP, "import", "-", "--repo", str(repo)], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    imp.stdin.write(data[: len(data) * 3 // 4])     # most of it; the rest never comes
+    imp.stdin.write(data[: len(data) * 3 // 4])     # returns once the import has read most of it
     imp.stdin.flush()
-    _wait(lambda: repo.joinpath("tmp").is_dir() and any(n.startswith(".tmp-") for n in os.listdir(repo / "snapshots"))
-          and any(n.startswith("pack-") for n in os.listdir(repo / "tmp")), 120,
-          "the import never began to write (its snapshot and pack temporary files)")
-    imp.send_signal(sig)
+    imp.send_signal(signal.SIGTERM)
     out, err = imp.communicate(timeout=120)
     assert imp.returncode == Interrupted.exit_code, (imp.returncode, err)
-    assert b"import interrupted" in err and b"removed" in err and b"Traceback" not in err, err
-    assert [n for n in os.listdir(repo / "snapshots")] == []
-    assert [n for n in os.listdir(repo / "tmp")] == []
-    assert run_json("ls", "--repo", repo)["snapshots"] == []
+    assert b"import interrupted" in err and b"Traceback" not in err, err
+    _nothing_left(repo)

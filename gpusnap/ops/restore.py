@@ -23,10 +23,11 @@ from typing import Callable
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
 from gpusnap.system import hostlock, proc
-from gpusnap.ops import identity, restore_files, restore_needs, restore_paths
+from gpusnap.ops import identity, restore_files, restore_interrupt, restore_needs, restore_paths
+from gpusnap.repo.faults import fault
 from gpusnap.criu import runner
 from gpusnap.criu import pbwire, sparse
-from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, PidsInUse, UsageError
+from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, Interrupted, PidsInUse, UsageError
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.
@@ -57,6 +58,9 @@ class RestoreResult:
     job: str | None = None
     fork_of: str | None = None
     job_dir: str | None = None      # a `run` job's: where its stdout.log and stderr.log are
+    # a signal that came once CRIU was restoring and did not stop it (restore_interrupt.py)
+    interrupted: str | None = None
+    bytes_raw: int = 0              # the snapshot's size as CRIU wrote it (the summary line)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -183,11 +187,27 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
     t0 = time.monotonic()
     if via not in VIAS:
         raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
-    runner.require_privileges("restore")
-    info = runner.criu_info()
-    repository, snap = locate.open_snapshot(ref, repo)
-    with repository.readers_lock():
-        return _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close)
+    with restore_interrupt.guard() as g:
+        try:
+            runner.require_privileges("restore")
+            info = runner.criu_info()
+            repository, snap = locate.open_snapshot(ref, repo)
+            with repository.readers_lock():
+                result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close)
+        except (KeyboardInterrupt, restore_interrupt.Terminated):
+            raise Interrupted("restore interrupted before CRIU started: nothing was restored, and the files "
+                              "it had set aside are back as they were",
+                              hint="restore again when you want the job back") from None
+        note_interrupt(g, result)
+        return result
+
+
+def note_interrupt(g, result: RestoreResult) -> None:
+    """A signal held since CRIU started (the job runs): say so in the result, once."""
+    note = None if g.noted else g.note(result.pid)
+    if note:
+        result.notes.append(note)
+        result.interrupted = g.names()
 
 
 def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False) -> RestoreResult:
@@ -221,6 +241,9 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
+    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
+    where = None
+    running = lazy = None
     # the name the restored tree will carry (the snapshot's, or a fork's: gpusnap/ops/identity.py)
     claim = identity.claim(repository.path, snap)
     try:
@@ -228,13 +251,11 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     except BaseException:
         claim.abandon()
         raise
-    flags += claim.criu_flags()
-    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
-    sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
-    phases = {"preflight": round(time.monotonic() - t0, 3)}
-    where = None
-    running = lazy = None
-    try:
+    try:    # from here every way out before the job runs puts the files set aside back
+        flags += claim.criu_flags()
+        fault("restore:checked")
+        sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
+        phases = {"preflight": round(time.monotonic() - t0, 3)}
         if mode == "lazy":
             pid, where, running, lazy = restore_paths.via_lazy(repository, snap, info, env, flags, progress, phases, check, sp,
                                                   t0)
@@ -268,11 +289,13 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     _, unrecorded = claim.commit(pid)
     if unrecorded:
         notes.append(unrecorded)
-    if lazy and lazy.get("signals_deferred"):
+    fault("restore:job-running")
+    if lazy and lazy.get("signals_deferred") and restore_interrupt.active() is None:   # else the guard says it
         notes.append("a signal to stop came while the job's memory was being filled; gpusnap finished the fill "
                      "first (stopping then would have killed the job), and the job runs")
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
                          phases=phases, via=mode, images=where, notes=notes,
                          tcp_closed=why if closed else None, running_seconds=running,
                          lazy=lazy, job=claim.job.name, fork_of=claim.fork_of,
-                         job_dir=claim.job.dir if claim.job.kind == "run" else None)
+                         job_dir=claim.job.dir if claim.job.kind == "run" else None,
+                         bytes_raw=int(snap.manifest.get("stats", {}).get("bytes_raw", 0) or 0))

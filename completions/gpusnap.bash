@@ -58,7 +58,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "schedule add|--every") echo text ;;
         "schedule add|--keep-last") echo text ;;
         "schedule add|--match") echo text ;;
-        "schedule add|--name") echo name ;;
+        "schedule add|--name") echo schedname ;;
         "schedule add|--repo") echo dir ;;
         "schedule add|--user") echo text ;;
         "schedule run|--config-dir") echo text ;;
@@ -119,6 +119,7 @@ _gpusnap() {
         codec) COMPREPLY=($(compgen -W "auto lz4 zstd shuffle4-zstd shuffle2-zstd none" -- "$cur")); return ;;
         via) COMPREPLY=($(compgen -W "auto stream files lazy" -- "$cur")); return ;;
         name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;
+        schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;
         dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;
         file) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
         text) return ;;

@@ -151,7 +151,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l match -x
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l name -x -a '(__gpusnap_names; __gpusnap_schedules)'
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l replace
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l user -x

@@ -56,6 +56,8 @@ def _tree() -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
             walk(cmd.commands[name], f"{path} {name}".strip())
 
     walk(root, "")
+    if "--name" in values.get("schedule add", {}):    # a schedule's name: its job's, or one to --replace
+        values["schedule add"]["--name"] = "schedname"
     return tree, values
 
 
@@ -119,6 +121,7 @@ def bash() -> str:
              f'        codec) COMPREPLY=($(compgen -W "{" ".join(CODECS)}" -- "$cur")); return ;;',
              f'        via) COMPREPLY=($(compgen -W "{" ".join(VIAS)}" -- "$cur")); return ;;',
              '        name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;',
+             '        schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;',
              '        dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;',
              '        file) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;',
              "        text) return ;;",
@@ -156,6 +159,7 @@ def zsh() -> str:
              f'        codec) cands=({" ".join(CODECS)}); compadd -a cands; return ;;',
              f'        via) cands=({" ".join(VIAS)}); compadd -a cands; return ;;',
              '        name) cands=(${(f)"$(_gpusnap_names "$repo")"}); compadd -a cands; return ;;',
+             '        schedname) cands=(${(f)"$(_gpusnap_names "$repo"; _gpusnap_schedules)"}); compadd -a cands; return ;;',
              "        dir) _path_files -/; return ;;",
              "        file) _files; return ;;",
              "        text) return 1 ;;",
@@ -219,7 +223,8 @@ def fish() -> str:
         flag = f"-l {w[2:]}" if w.startswith("--") else f"-s {w[1:]}"
         kind = values.get(path, {}).get(w)
         extra = {"codec": f" -x -a '{' '.join(CODECS)}'", "via": f" -x -a '{' '.join(VIAS)}'",
-                 "name": " -x -a '(__gpusnap_names)'", "dir": " -x -a '(__fish_complete_directories)'",
+                 "name": " -x -a '(__gpusnap_names)'", "schedname": " -x -a '(__gpusnap_names; __gpusnap_schedules)'",
+                 "dir": " -x -a '(__fish_complete_directories)'",
                  "file": " -r -F", "text": " -x"}.get(kind, "")
         return f"complete -c gpusnap -n '{cond}' {flag}{extra}"
 

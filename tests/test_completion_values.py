@@ -64,3 +64,19 @@ def test_the_progress_bar_counts_in_binary_units():
     task = next(t for t in bar.tasks if t.id == tid)
     assert str(BytesColumn().render(task)) == "1.5 GiB/4.0 GiB"
     assert str(SpeedColumn().render(task)) == "?"
+
+
+def test_schedule_add_name_offers_job_and_schedule_names(tmp_path):
+    r = _repo(tmp_path)
+    specs = tmp_path / "schedules"
+    specs.mkdir()
+    (specs / "nightly.json").write_text("{}")
+    env = {**os.environ, "GPUSNAP_SCHEDULE_DIR": str(specs)}
+    probe = (f"source {COMPLETIONS / 'gpusnap.bash'}; COMP_WORDS=(gpusnap schedule add --repo {r} --name ''); "
+             "COMP_CWORD=6; _gpusnap; printf '%s\\n' \"${COMPREPLY[@]}\"")
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True, env=env).stdout
+    assert sorted(out.split()) == ["fold", "nightly", "sweep", "train"]
+    fish = subprocess.run(["fish", "-c", f"source {COMPLETIONS / 'gpusnap.fish'}; "
+                           f"complete -C 'gpusnap schedule add --repo {r} --name '"],
+                          capture_output=True, text=True, check=True, env=env).stdout
+    assert sorted(ln.split("\t")[0] for ln in fish.splitlines()) == ["fold", "nightly", "sweep", "train"]

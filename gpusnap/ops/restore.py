@@ -194,7 +194,7 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
             repository, snap = locate.open_snapshot(ref, repo)
             with repository.readers_lock():
                 result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close)
-        except (KeyboardInterrupt, restore_interrupt.Terminated):
+        except KeyboardInterrupt:      # Ctrl-C, or SIGTERM/SIGHUP (restore_interrupt.Terminated)
             raise Interrupted("restore interrupted before CRIU started: nothing was restored, and the files "
                               "it had set aside are back as they were",
                               hint="restore again when you want the job back") from None

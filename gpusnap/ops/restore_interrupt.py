@@ -26,9 +26,9 @@ from contextlib import contextmanager
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class Terminated(BaseException):
+class Terminated(KeyboardInterrupt):
     """Raised in the main thread by SIGTERM/SIGHUP before CRIU starts: the restore unwinds
-    as on Ctrl-C (KeyboardInterrupt)."""
+    as on Ctrl-C, and wherever it lands the command exits 130 as on Ctrl-C."""
 
 
 class Guard:

@@ -4,10 +4,17 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-fast bench completions fresh-machine clean
+.PHONY: setup install uninstall demo test test-fast bench completions fresh-machine clean
 
 setup:
 	@bash scripts/setup.sh
+	@bash scripts/install.sh
+
+# gpusnap on PATH (/usr/local/bin/gpusnap, for every user) and its shell completions; setup runs it
+install: setup
+
+uninstall:
+	@bash scripts/install.sh uninstall
 
 demo: setup
 	@$(PY) -m gpusnap.samples.demo

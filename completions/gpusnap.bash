@@ -31,7 +31,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "dump|--keep-last") echo text ;;
         "dump|--lock-wait") echo text ;;
         "dump|--match") echo text ;;
-        "dump|--name") echo text ;;
+        "dump|--name") echo name ;;
         "dump|--pidfile") echo file ;;
         "dump|--repo") echo dir ;;
         "dump|--staging-budget") echo text ;;
@@ -41,34 +41,34 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "export|-o") echo file ;;
         "forget|--keep-last") echo text ;;
         "forget|--lock-wait") echo text ;;
-        "forget|--name") echo text ;;
+        "forget|--name") echo name ;;
         "forget|--repo") echo dir ;;
         "import|--lock-wait") echo text ;;
         "import|--repo") echo dir ;;
         "inspect|--repo") echo dir ;;
-        "ls|--name") echo text ;;
+        "ls|--name") echo name ;;
         "ls|--repo") echo dir ;;
         "prune|--keep-last") echo text ;;
         "prune|--lock-wait") echo text ;;
-        "prune|--name") echo text ;;
+        "prune|--name") echo name ;;
         "prune|--repo") echo dir ;;
         "repair|--repo") echo dir ;;
         "restore|--gpu-map") echo text ;;
         "restore|--repo") echo dir ;;
-        "restore|--via") echo text ;;
-        "run|--name") echo text ;;
+        "restore|--via") echo via ;;
+        "run|--name") echo name ;;
         "run|--repo") echo dir ;;
         "schedule add|--cron") echo text ;;
         "schedule add|--every") echo text ;;
         "schedule add|--keep-last") echo text ;;
         "schedule add|--match") echo text ;;
-        "schedule add|--name") echo text ;;
+        "schedule add|--name") echo schedname ;;
         "schedule add|--repo") echo dir ;;
         "schedule add|--user") echo text ;;
         "schedule run|--config-dir") echo text ;;
         "slurm-run|--every") echo text ;;
         "slurm-run|--keep-last") echo text ;;
-        "slurm-run|--name") echo text ;;
+        "slurm-run|--name") echo name ;;
         "slurm-run|--repo") echo dir ;;
         "slurm-run|--resume") echo text ;;
         "verify|--repo") echo dir ;;
@@ -95,6 +95,13 @@ _gpusnap_snapshots() {  # $1: the repository; directory names and the names in t
         echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)
     done | sort -u
 }
+_gpusnap_names() {  # $1: the repository; job names: of its snapshots and of its `run` jobs
+    local x
+    for x in "$1"/snapshots/*/ "$1"/jobs/*/; do
+        [ -d "$x" ] || continue
+        x="${x%/}"; x="${x##*/}"; echo "${x%-[0-9]*T[0-9]*Z*}"
+    done | sort -u
+}
 _gpusnap_schedules() {  # the schedules' records (gpusnap/ops/schedule.py: spec_dir)
     local f
     for f in "${GPUSNAP_SCHEDULE_DIR:-/etc/gpusnap/schedules}"/*.json; do
@@ -114,6 +121,9 @@ _gpusnap() {
     COMPREPLY=()
     case "$(_gpusnap_value_kind "$cpath" "$prev")" in
         codec) COMPREPLY=($(compgen -W "auto lz4 zstd shuffle4-zstd shuffle2-zstd none" -- "$cur")); return ;;
+        via) COMPREPLY=($(compgen -W "auto stream files lazy" -- "$cur")); return ;;
+        name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;
+        schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;
         dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;
         file) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;
         text) return ;;

@@ -20,6 +20,12 @@ function __gpusnap_snapshots
         string replace -r -- '-\d{8}T\d{6}Z(-\d+)?$' '' $b
     end | sort -u
 end
+function __gpusnap_names
+    set -l r (__gpusnap_repo)
+    for x in $r/snapshots/*/ $r/jobs/*/
+        string replace -r -- '-\d{8}T\d{6}Z(-\d+)?$' '' (basename $x)
+    end | sort -u
+end
 function __gpusnap_schedules
     set -l dir /etc/gpusnap/schedules
     set -q GPUSNAP_SCHEDULE_DIR; and set dir $GPUSNAP_SCHEDULE_DIR
@@ -57,7 +63,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l match -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l pidfile -r -F
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
@@ -79,7 +85,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l prune
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -s h
@@ -99,7 +105,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_s
 complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
 complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l all
@@ -108,7 +114,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_sub
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l lock-wait -x
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -s n
@@ -128,13 +134,13 @@ complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_s
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l tcp-close
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l via -x
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l via -x -a 'auto stream files lazy'
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -s q
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
 complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a add
@@ -149,7 +155,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l match -x
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l name -x -a '(__gpusnap_names; __gpusnap_schedules)'
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l replace
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l user -x
@@ -169,7 +175,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l keep-last -x
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l name -x
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l no-requeue
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l requeue

@@ -19,7 +19,9 @@ from gpusnap.repo.codec import CHOICES as CODECS  # the one list of --compress v
 
 DEFAULT_REPO = "/var/lib/gpusnap"
 # what the value of an option is (every other option that takes a value: free text)
-OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file"}
+OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file",
+                 "--via": "via", "--name": "name"}
+VIAS = ("auto", "stream", "files", "lazy")   # restore --via (gpusnap/ops/restore.py VIAS; a test keeps them equal)
 # what a command's positional arguments are
 ARGUMENTS = {"restore": "snapshot", "inspect": "snapshot", "verify": "snapshot", "forget": "snapshot",
              "export": "snapshot", "import": "file", "schedule rm": "schedule",
@@ -54,6 +56,8 @@ def _tree() -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
             walk(cmd.commands[name], f"{path} {name}".strip())
 
     walk(root, "")
+    if "--name" in values.get("schedule add", {}):    # a schedule's name: its job's, or one to --replace
+        values["schedule add"]["--name"] = "schedname"
     return tree, values
 
 
@@ -83,6 +87,13 @@ def _sh_tables(tree, values) -> list[str]:
               '        echo "${x%-[0-9]*T[0-9]*Z*}"   # NAME-YYYYMMDDTHHMMSSZ[-N] -> NAME (newest of that name)',
               '    done | sort -u',
               "}",
+              "_gpusnap_names() {  # $1: the repository; job names: of its snapshots and of its `run` jobs",
+              '    local x',
+              '    for x in "$1"/snapshots/*/ "$1"/jobs/*/; do',
+              '        [ -d "$x" ] || continue',
+              '        x="${x%/}"; x="${x##*/}"; echo "${x%-[0-9]*T[0-9]*Z*}"',
+              '    done | sort -u',
+              "}",
               "_gpusnap_schedules() {  # the schedules' records (gpusnap/ops/schedule.py: spec_dir)",
               "    local f",
               '    for f in "${GPUSNAP_SCHEDULE_DIR:-/etc/gpusnap/schedules}"/*.json; do',
@@ -108,6 +119,9 @@ def bash() -> str:
              "    COMPREPLY=()",
              '    case "$(_gpusnap_value_kind "$cpath" "$prev")" in',
              f'        codec) COMPREPLY=($(compgen -W "{" ".join(CODECS)}" -- "$cur")); return ;;',
+             f'        via) COMPREPLY=($(compgen -W "{" ".join(VIAS)}" -- "$cur")); return ;;',
+             '        name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;',
+             '        schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;',
              '        dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;',
              '        file) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- "$cur")); return ;;',
              "        text) return ;;",
@@ -143,6 +157,9 @@ def zsh() -> str:
              '    (( CURRENT > 2 )) || prev=""',
              '    case "$(_gpusnap_value_kind "$cpath" "$prev")" in',
              f'        codec) cands=({" ".join(CODECS)}); compadd -a cands; return ;;',
+             f'        via) cands=({" ".join(VIAS)}); compadd -a cands; return ;;',
+             '        name) cands=(${(f)"$(_gpusnap_names "$repo")"}); compadd -a cands; return ;;',
+             '        schedname) cands=(${(f)"$(_gpusnap_names "$repo"; _gpusnap_schedules)"}); compadd -a cands; return ;;',
              "        dir) _path_files -/; return ;;",
              "        file) _files; return ;;",
              "        text) return 1 ;;",
@@ -187,6 +204,12 @@ def fish() -> str:
              "        string replace -r -- '-\\d{8}T\\d{6}Z(-\\d+)?$' '' $b",
              "    end | sort -u",
              "end",
+             "function __gpusnap_names",
+             "    set -l r (__gpusnap_repo)",
+             "    for x in $r/snapshots/*/ $r/jobs/*/",
+             "        string replace -r -- '-\\d{8}T\\d{6}Z(-\\d+)?$' '' (basename $x)",
+             "    end | sort -u",
+             "end",
              "function __gpusnap_schedules",
              "    set -l dir /etc/gpusnap/schedules",
              "    set -q GPUSNAP_SCHEDULE_DIR; and set dir $GPUSNAP_SCHEDULE_DIR",
@@ -199,7 +222,9 @@ def fish() -> str:
     def opt_line(cond: str, path: str, w: str) -> str:
         flag = f"-l {w[2:]}" if w.startswith("--") else f"-s {w[1:]}"
         kind = values.get(path, {}).get(w)
-        extra = {"codec": f" -x -a '{' '.join(CODECS)}'", "dir": " -x -a '(__fish_complete_directories)'",
+        extra = {"codec": f" -x -a '{' '.join(CODECS)}'", "via": f" -x -a '{' '.join(VIAS)}'",
+                 "name": " -x -a '(__gpusnap_names)'", "schedname": " -x -a '(__gpusnap_names; __gpusnap_schedules)'",
+                 "dir": " -x -a '(__fish_complete_directories)'",
                  "file": " -r -F", "text": " -x"}.get(kind, "")
         return f"complete -c gpusnap -n '{cond}' {flag}{extra}"
 

@@ -6,7 +6,8 @@
 # missing). Every check runs on a fresh copy of it, so every run starts bare:
 #   the checkout's HEAD cloned into /root/gpusnap, `apt-get install make` (what the README asks of a
 #   machine without make), then the README's first command, as the README writes it (`sudo make
-#   demo`; run as root, where a bare machine has no sudo).
+#   demo`; run as root, where a bare machine has no sudo), then `gpusnap --help` and `gpusnap doctor`
+#   by name in a fresh shell (and `gpusnap --version` as user nobody): set-up installs the command.
 # Exits non-zero when any suite fails. The copy and its mounts are removed on every exit path.
 #
 #   scripts/fresh-machine.sh [SUITE...]         as root
@@ -138,6 +139,12 @@ inside() {
   t=$SECONDS
   say "$suite: running \`$command\` in /root/gpusnap"
   in_chroot "cd /root/gpusnap && $command" || rc=$?
+  if [ $rc = 0 ] && [ -z "${GPUSNAP_FRESH_CMD:-}" ]; then
+    # then gpusnap by name, as the README goes on: in a fresh shell, for root and for a user
+    say "$suite: \`gpusnap --help\` and \`gpusnap doctor\` by name (and \`gpusnap --version\` as nobody)"
+    in_chroot 'cd / && gpusnap --help >/dev/null && gpusnap doctor &&
+      setpriv --reuid=nobody --regid=nogroup --clear-groups gpusnap --version' || rc=$?
+  fi
   if [ $rc != 0 ]; then   # what set-up logged, before the copy goes
     for f in "$root"/tmp/gpusnap-setup.*.log; do
       [ -f "$f" ] && { echo "--- last lines of ${f#"$root"}:"; tail -n 40 "$f"; }

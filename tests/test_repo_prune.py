@@ -220,6 +220,8 @@ def test_planning_changes_nothing_on_disk(tmp_path):
     human = run_gpusnap("prune", "--keep-last", "2", "--dry-run", "--repo", repo.path)
     assert human.returncode == 0, human.stderr
     assert _listing(repo.path, skip=("locks",)) == {k: v for k, v in before.items() if not k.startswith("locks")}
+    from gpusnap.repo.maint.prune import measure_rewrite
+    measure_rewrite(repo, p1)          # the dry run reports what the rewrite would write, exactly
     assert dry["plan"] == p1.to_dict()
     for d in p1.packs:
         if d.action != "keep":

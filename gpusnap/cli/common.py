@@ -92,10 +92,11 @@ def progress(label: str, enabled: bool):
     """(a rich progress bar, its update callback) on a terminal; (None, None) otherwise."""
     if not enabled or not OUTPUT.err.is_terminal:
         return None, None
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+    from gpusnap.render.progress import BytesColumn, SpeedColumn   # binary units, as every summary
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), BytesColumn(), SpeedColumn(),
                    TimeElapsedColumn(), console=OUTPUT.err, transient=True)
     task = bar.add_task(label, total=None)
     shown = [None]

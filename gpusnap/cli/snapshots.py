@@ -95,13 +95,18 @@ def restore(
     Every page is checked against its checksum; a damaged snapshot is refused before the
     job runs.
     """
-    from gpusnap.ops.restore import restore as do_restore
+    from gpusnap.ops import restore_interrupt
+    from gpusnap.ops.restore import note_interrupt, restore as do_restore
     from gpusnap.render import snapshots as show
+    from gpusnap.repo.faults import fault
 
-    result = with_progress("restoring", not (json_ or quiet),
-                           lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
-                                                   via=via, terminal_want="new" if json_ else "auto", **kw))
-    OUTPUT.emit(result, lambda: show.restore(result, OUTPUT, quiet=quiet))
+    with restore_interrupt.guard() as held:    # once the job runs, a signal waits until its PID is out
+        result = with_progress("restoring", not (json_ or quiet),
+                               lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
+                                                       via=via, terminal_want="new" if json_ else "auto", **kw))
+        fault("restore:report")
+        note_interrupt(held, result)
+        OUTPUT.emit(result, lambda: show.restore(result, OUTPUT, quiet=quiet))
     if (result.terminal or {}).get("mode") == "here":   # the job runs in our terminal: wait, as a shell would
         from gpusnap.ops import restore_terminal
 

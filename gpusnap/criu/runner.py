@@ -298,10 +298,11 @@ def keep_log(repo_path: str | os.PathLike, log: Path, label: str) -> str | None:
         return None
 
 
-def supervise(criu, server, progress=None, total: int = 0) -> None:
+def supervise(criu, server, progress=None, total: int = 0, stop=None) -> None:
     """Wait for a CRIU child while its image stream flows: report progress, and break the
     stream as soon as the streamer fails (CRIU then fails cleanly and, on dump, resumes the
-    job). A pidfd wakes us the moment CRIU exits, rather than on the next poll."""
+    job), or when `stop()` says so (a restore interrupted). A pidfd wakes us the moment CRIU
+    exits, rather than on the next poll."""
     import select
 
     try:
@@ -312,7 +313,7 @@ def supervise(criu, server, progress=None, total: int = 0) -> None:
         while criu.poll() is None:
             if progress:
                 progress(server.bytes, total)
-            if server.failed:
+            if server.failed or (stop is not None and stop()):
                 server.abort()
             if pidfd is not None:
                 select.select([pidfd], [], [], 0.1)

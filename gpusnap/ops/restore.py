@@ -23,10 +23,11 @@ from typing import Callable
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
 from gpusnap.system import hostlock, proc
-from gpusnap.ops import identity, restore_files, restore_needs, restore_paths
+from gpusnap.ops import identity, restore_files, restore_interrupt, restore_needs, restore_paths
+from gpusnap.repo.faults import fault
 from gpusnap.criu import runner
 from gpusnap.criu import pbwire, sparse
-from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, PidsInUse, UsageError
+from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, Interrupted, PidsInUse, UsageError
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.
@@ -61,6 +62,9 @@ class RestoreResult:
     # the job had a terminal: which one it got (ops/restore_terminal.py: mode here or tmux,
     # the tty or the tmux session and its attach command, the line restore prints)
     terminal: dict | None = None
+    # a signal that came once CRIU was restoring and did not stop it (restore_interrupt.py)
+    interrupted: str | None = None
+    bytes_raw: int = 0              # the snapshot's size as CRIU wrote it (the summary line)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -189,32 +193,47 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
     t0 = time.monotonic()
     if via not in VIAS:
         raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
-    runner.require_privileges("restore")
-    info = runner.criu_info()
-    repository, snap = locate.open_snapshot(ref, repo)
-    tty = tty_name = None
-    terms = terminals(snap)
-    if terms:
-        from gpusnap.ops import restore_terminal
-        from gpusnap.system import terminal
+    with restore_interrupt.guard() as g:
+        try:
+            runner.require_privileges("restore")
+            info = runner.criu_info()
+            repository, snap = locate.open_snapshot(ref, repo)
+            tty = tty_name = None
+            terms = terminals(snap)
+            if terms:
+                from gpusnap.ops import restore_terminal
+                from gpusnap.system import terminal
 
-        if restore_terminal.choose(terms, terminal_want) == "tmux":
-            return restore_terminal.in_tmux(snap, repository.path, gpu_map=gpu_map, via=via, tcp_close=tcp_close,
-                                           t0=t0)
-        import signal
+                if restore_terminal.choose(terms, terminal_want) == "tmux":
+                    return restore_terminal.in_tmux(snap, repository.path, gpu_map=gpu_map, via=via,
+                                                   tcp_close=tcp_close, t0=t0)
+                import signal
 
-        signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # the job gets the foreground; we still print
-        restore_terminal.become_subreaper()
-        tty, tty_name = 0, terminal.here()
-        modes = restore_terminal.modes(tty, snap)
-        if progress:
-            progress(0, 0, "handover")      # no progress bar on the terminal the job will write to
-    with repository.readers_lock():
-        result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty)
-    if tty is not None:
-        restore_terminal.put_back(tty, modes)
-        result.terminal = restore_terminal.describe("here", tty=tty_name)
-    return result
+                signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # the job gets the foreground; we still print
+                restore_terminal.become_subreaper()
+                tty, tty_name = 0, terminal.here()
+                modes = restore_terminal.modes(tty, snap)
+                if progress:
+                    progress(0, 0, "handover")      # no progress bar on the terminal the job will write to
+            with repository.readers_lock():
+                result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty)
+        except KeyboardInterrupt:      # Ctrl-C, or SIGTERM/SIGHUP (restore_interrupt.Terminated)
+            raise Interrupted("restore interrupted before CRIU started: nothing was restored, and the files "
+                              "it had set aside are back as they were",
+                              hint="restore again when you want the job back") from None
+        if tty is not None:
+            restore_terminal.put_back(tty, modes)
+            result.terminal = restore_terminal.describe("here", tty=tty_name)
+        note_interrupt(g, result)
+        return result
+
+
+def note_interrupt(g, result: RestoreResult) -> None:
+    """A signal held since CRIU started (the job runs): say so in the result, once."""
+    note = None if g.noted else g.note(result.pid)
+    if note:
+        result.notes.append(note)
+        result.interrupted = g.names()
 
 
 def terminals(snap) -> list[str]:
@@ -260,6 +279,9 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
+    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
+    where = None
+    running = lazy = None
     # the name the restored tree will carry (the snapshot's, or a fork's: gpusnap/ops/identity.py)
     claim = identity.claim(repository.path, snap)
     try:
@@ -267,13 +289,11 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     except BaseException:
         claim.abandon()
         raise
-    flags += claim.criu_flags()
-    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
-    sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
-    phases = {"preflight": round(time.monotonic() - t0, 3)}
-    where = None
-    running = lazy = None
-    try:
+    try:    # from here every way out before the job runs puts the files set aside back
+        flags += claim.criu_flags()
+        fault("restore:checked")
+        sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
+        phases = {"preflight": round(time.monotonic() - t0, 3)}
         if mode == "lazy":
             pid, where, running, lazy = restore_paths.via_lazy(repository, snap, info, env, flags, progress, phases, check, sp,
                                                   t0, tty=tty)
@@ -310,11 +330,13 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     _, unrecorded = claim.commit(pid)
     if unrecorded:
         notes.append(unrecorded)
-    if lazy and lazy.get("signals_deferred"):
+    fault("restore:job-running")
+    if lazy and lazy.get("signals_deferred") and restore_interrupt.active() is None:   # else the guard says it
         notes.append("a signal to stop came while the job's memory was being filled; gpusnap finished the fill "
                      "first (stopping then would have killed the job), and the job runs")
     return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
                          phases=phases, via=mode, images=where, notes=notes,
                          tcp_closed=why if closed else None, running_seconds=running,
                          lazy=lazy, job=claim.job.name, fork_of=claim.fork_of,
-                         job_dir=claim.job.dir if claim.job.kind == "run" else None)
+                         job_dir=claim.job.dir if claim.job.kind == "run" else None,
+                         bytes_raw=int(snap.manifest.get("stats", {}).get("bytes_raw", 0) or 0))

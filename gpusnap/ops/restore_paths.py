@@ -10,6 +10,7 @@ running. After CRIU, the CUDA plugin's report is read: CRIU ignores a failed GPU
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from gpusnap.criu import runner
+from gpusnap.ops import restore_interrupt
+from gpusnap.repo.faults import fault
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.errors import CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
 from gpusnap.repo import materialize as repo_materialize
@@ -107,23 +110,32 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
     finally:
         if old_ttou is not None:
             signal.signal(signal.SIGTTOU, old_ttou)
+    restore_interrupt.criu_started()     # from here a signal is held (restore_interrupt.py)
+    fault("restore:criu-started")
     if lazy is not None:
         lazy.criu_started(criu.pid)
     if server is not None:
-        runner.supervise(criu, server, progress, total)
+        runner.supervise(criu, server, progress, total, stop=restore_interrupt.stop_requested)
     else:
         try:
             criu.wait()
         except BaseException:
             criu.wait()      # interrupted: let CRIU finish before its images directory goes
             raise
-    if criu.returncode != 0 or (server is not None and server.failed):
+    cut = server is not None and restore_interrupt.stop_requested()     # the stream was cut for a signal
+    ok = criu.returncode == 0 and (server is None or not server.failed or cut)
+    if ok:   # --restore-detached: CRIU exits 0 once the restored tree runs
+        restore_interrupt.job_running()
+        fault("restore:criu-exited")
+    else:
         if server is not None:
             server.abort()
         if lazy is not None:
             lazy.abort()
         kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
                                                 f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+        if cut:
+            raise restore_interrupt.interrupted_error(kept)
         err = server.error() if server is not None else None
         if isinstance(err, GpusnapError):
             err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
@@ -134,7 +146,10 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
                          last_lines=lines, hint=runner.explain_restore(lines))
     if server is not None:
-        server.finish(timeout=30)
+        if cut:
+            server.abort()     # the job runs; what the cut stream recorded is no error of the restore
+        else:
+            server.finish(timeout=30)
     # a read-only repository keeps no log of a restore that worked (a copy in $TMPDIR would stay)
     kept = None if read_only_reason(repository.path) else \
         runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
@@ -206,10 +221,12 @@ def via_files(repository, snap, info, env, flags, progress, phases, pids, sp, tt
     from gpusnap.criu import materialize
 
     with materialize.images_dir(snap, repository.path) as (images, plan):
+        restore_interrupt.reinstall()     # its directory is removed on every exit all the same
         t = time.monotonic()
         materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
                                  progress=progress, total=total, sparse=sp)
         phases["materialize"] = round(time.monotonic() - t, 3)
+        fault("restore:images-written")
         t = time.monotonic()
         workdir = _workdir(repository.path)
         try:
@@ -232,17 +249,22 @@ def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0,
     lp = lazyplan.plan(snap, sp)
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
     with materialize.images_dir(snap, repository.path) as (images, plan):
+        restore_interrupt.reinstall()     # its directory is removed on every exit all the same
         t = time.monotonic()
         materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
                                  progress=progress, total=total, sparse=sp, holes=lp.holes)
         phases["materialize"] = round(time.monotonic() - t, 3)
+        fault("restore:images-written")
         workdir = _workdir(repository.path)
         daemon = lazypages.LazyDaemon(snap, lp, images, workdir / "restored.pid", restore_threads(stream=False),
                                       drop=sp.drop if sp is not None else None)
         # From here until the last page is in, a signal must not end gpusnap: the job would
         # be killed (by the watcher) for nothing. It is noted, and the fill finishes.
         caught: list[int] = []
-        with _signals_deferred(caught):
+        held = restore_interrupt.active() is not None    # the restore's guard holds them (and says so)
+        if held:
+            restore_interrupt.criu_started()
+        with contextlib.nullcontext() if held else _signals_deferred(caught):
             try:
                 daemon.start()
                 t = time.monotonic()
@@ -261,8 +283,9 @@ def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0,
     if progress:
         progress(total, total)
     seen = {"bytes": lp.bytes, **daemon.events}
-    if caught:
-        seen["signals_deferred"] = len(caught)
+    deferred = len(caught) or (len(restore_interrupt.active().caught) if held else 0)
+    if deferred:
+        seen["signals_deferred"] = deferred
     return pid, plan.where, running, seen
 
 

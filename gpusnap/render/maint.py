@@ -15,7 +15,7 @@ from gpusnap.render import human_bytes
 def verify_summary(report) -> str:
     """One sentence: all good, or how many problems and which snapshots they affect."""
     if report.ok:
-        read = f", {report.bytes_read} bytes read back" if report.read_data else " (structure only)"
+        read = f", {human_bytes(report.bytes_read)} read back" if report.read_data else " (structure only)"
         return (f"verified {len(report.snapshots_checked)} snapshot(s), {report.packs_checked} pack(s)"
                 f"{read}: all good")
     if not report.affected_snapshots and all(p.scope == "index" for p in report.problems):

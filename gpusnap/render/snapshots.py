@@ -45,6 +45,9 @@ def restore(result, o, quiet: bool = False) -> None:
                     f"all in place after {result.seconds:.2f} s", markup=False)
     if result.tcp_closed and not quiet:
         o.err.print(f"TCP connections restored closed ({result.tcp_closed}): the job sees a reset")
+    if not quiet and o.err.is_terminal:    # like dump's summary: on a terminal only
+        o.err.print(f"restored {result.snapshot}: {human_bytes(result.bytes_raw)} from CRIU, "
+                    f"{result.seconds:.2f} s via {result.via}; job running as PID {result.pid}", markup=False)
     if result.terminal and not quiet:
         o.err.print(result.terminal["line"], markup=False)
 

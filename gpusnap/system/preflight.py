@@ -333,4 +333,5 @@ def _check_locks(plan: Plan, pids: list[int]) -> None:
     items = [f"{lk['kind']} {lk['access']} on {lk['path'] or lk['dev'] + ':' + str(lk['ino'])} "
              f"(pid {lk['holder']})" for lk in locks[:6]]
     plan.add("file locks", "info", f"{len(locks)} file lock(s)/lease(s): " + "; ".join(items)
-             + ": dumped with --file-locks", "the locked files must be the same at restore time")
+             + ": dumped and restored with them (CRIU's --file-locks, chosen for you)",
+             "the locked files must be the same at restore time")

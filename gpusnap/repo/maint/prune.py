@@ -28,7 +28,7 @@ from gpusnap.repo.maint.prune_plan import (FAILED_LOGS_KEPT, MAX_UNUSED, SMALL_P
                                            PrunePlan, Selection, doomed_logs, index_names, index_of, plan,
                                            plan_packs, plan_prune)
 from gpusnap.repo.index import RepoIndex, write_index_file
-from gpusnap.repo.pipeline.packwriter import PackWriter
+from gpusnap.repo.pipeline.packwriter import PackWriter, packed_size
 from gpusnap.repo.store import BlobReader, check_decoded, pack_path
 
 Fault = Callable[[str], None]
@@ -94,7 +94,17 @@ def apply(repo, remove=(), dry_run: bool = False, max_unused: float = MAX_UNUSED
           _fault: Fault | None = None) -> PruneResult:
     """Plan, then (unless dry_run) execute; the caller holds locked(repo, dry_run)."""
     p = plan(repo, remove, max_unused)
+    if dry_run:
+        measure_rewrite(repo, p)
     return PruneResult.of_plan(p, True) if dry_run else execute(repo, p, _fault)
+
+
+def measure_rewrite(repo, p: PrunePlan) -> None:
+    """A dry run: what the rewrite would write, blob by blob as the real one compresses it (a
+    stored page run that is partly used shrinks, raw blobs get compressed), so the bytes it
+    says are freed are the real prune's, not an estimate from the stored sizes."""
+    if p.data_kept is None and p.by_action("rewrite"):
+        p.rewrite_bytes = packed_size([len(b[4]) for b in _rewritten_blobs(repo.path, p)])
 
 
 def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
@@ -137,6 +147,8 @@ def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
     _remove_snapshots(root, p.remove, fault)
     if p.data_kept is None:
         new_packs, written = _rewrite(root, p, fault)
+        p.rewrite_bytes = written          # the plan as run: its bytes freed are exact, as a dry run's
+        res["plan"] = p.to_dict()
         res["packs_written"] = len(new_packs)
         res["locations_written"] = _replace_index(repo, p, new_packs, fault)
         freed = _delete_packs(repo, p, fault) - written
@@ -176,8 +188,21 @@ def _remove_snapshots(root, names: list[str], fault: Fault) -> None:
 def _rewrite(root, p: PrunePlan, fault: Fault) -> tuple[list, int]:
     """Step 2: the still-used blobs (pages) of the packs the plan rewrites, into new packs.
     -> (new packs with their records, bytes written)."""
-    idx = p.index
     writer = PackWriter(root)
+    try:
+        for blob in _rewritten_blobs(root, p):
+            writer.add(*blob)
+        new_packs = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    fault("packs-rewritten")
+    return new_packs, writer.bytes_written
+
+
+def _rewritten_blobs(root, p: PrunePlan):
+    """The blobs the rewrite writes, in order: (kind, codec, n_pages, raw_len, payload, ids)."""
+    idx = p.index
     reader = BlobReader(root)
     try:
         for d in p.by_action("rewrite"):
@@ -187,20 +212,14 @@ def _rewrite(root, p: PrunePlan, fault: Fault) -> tuple[list, int]:
                 codec = b.codec if b.codec != CODEC_NONE else CODEC_LZ4
                 if slots is None:
                     c, payload = compress(raw, codec)
-                    writer.add(KIND_DATA, c, 0, len(raw), payload, b.ids)
+                    yield KIND_DATA, c, 0, len(raw), payload, b.ids
                     continue
                 pages = b"".join(raw[s * PAGE_SIZE:(s + 1) * PAGE_SIZE] for s in slots)
                 ids = b"".join(b.ids[s * PAGE_ID_LEN:(s + 1) * PAGE_ID_LEN] for s in slots)
                 c, payload = compress(pages, codec)
-                writer.add(KIND_PAGES, c, len(slots), len(pages), payload, ids)
-        new_packs = writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
+                yield KIND_PAGES, c, len(slots), len(pages), payload, ids
     finally:
         reader.close()
-    fault("packs-rewritten")
-    return new_packs, writer.bytes_written
 
 
 def _replace_index(repo, p: PrunePlan, new_packs: list, fault: Fault) -> int:

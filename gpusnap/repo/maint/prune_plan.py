@@ -131,6 +131,7 @@ class PrunePlan:
     leftovers: list[str] = field(default_factory=list)   # crash leftovers and logs that go
     index_files: list[str] = field(default_factory=list)  # what the plan was made from
     index: RepoIndex | None = field(default=None, repr=False, compare=False)
+    rewrite_bytes: int | None = None    # a dry run: what the rewrite would write (prune.apply)
 
     def by_action(self, action: str) -> list[PackDecision]:
         return [d for d in self.packs if d.action == action]
@@ -140,8 +141,11 @@ class PrunePlan:
         return {"packs_keep": len(self.by_action("keep")), "packs_rewrite": len(rw), "packs_delete": len(dl),
                 "used": sum(d.used for d in self.packs), "unused": sum(d.unused for d in self.packs),
                 "to_rewrite": sum(d.used for d in rw),
-                # what goes: whole deleted packs, and what rewriting drops (before recompression)
-                "to_free": sum(d.size for d in dl) + sum(max(d.size - d.used, 0) for d in rw)}
+                # what goes: whole deleted packs, and what rewriting drops (exact when the dry
+                # run computed the rewrite's output, else estimated before recompression)
+                "to_free": sum(d.size for d in dl) + (sum(max(d.size - d.used, 0) for d in rw)
+                                                      if self.rewrite_bytes is None
+                                                      else sum(d.size for d in rw) - self.rewrite_bytes)}
 
     def to_dict(self) -> dict:
         return {"snapshots_remove": self.remove, "snapshots_keep": self.keep,

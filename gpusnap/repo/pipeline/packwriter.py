@@ -19,6 +19,21 @@ DEFAULT_PACK_TARGET = 32 << 20
 PACK_HEADER_SIZE = PACK_HEADER.size
 
 
+def packed_size(stored: list[int], target_size: int = DEFAULT_PACK_TARGET) -> int:
+    """The bytes PackWriter writes for blobs of these payload sizes, in this order (packs cut
+    where _add_many cuts them): what a prune's dry run reports its rewrite would write."""
+    from gpusnap.repo.format import PACK_TRAILER
+
+    total = pos = 0
+    for n in stored:
+        if pos == 0:
+            pos = PACK_HEADER.size
+        pos += BLOB_HEADER.size + n
+        if pos >= target_size:
+            total, pos = total + pos + PACK_TRAILER.size, 0
+    return total + (pos + PACK_TRAILER.size if pos else 0)
+
+
 class PackWriter:
     """Appends blobs to a temporary pack; at target size the pack is finished: trailer,
     fsync, rename to packs/ab/<pack name>.

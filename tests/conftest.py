@@ -65,8 +65,12 @@ def run_json(*args, **kw) -> dict:
 
 
 @pytest.fixture
-def repo(tmp_path) -> Path:
-    return tmp_path / "repo"
+def repo(tmp_path, monkeypatch) -> Path:
+    """A repository path that does not exist yet; it is the default location ($GPUSNAP_REPO),
+    so the first dump, run or import makes it (elsewhere only `gpusnap init` does)."""
+    path = tmp_path / "repo"
+    monkeypatch.setenv("GPUSNAP_REPO", str(path))
+    return path
 
 
 class SampleJob:

@@ -28,6 +28,7 @@ from gpusnap.render.output import OUTPUT
 
 # (group, name, function, settings): group None is the top level, "schedule" the schedule group
 _COMMANDS = [
+    (None, "init", repo.init_cmd, {}),
     (None, "dump", snapshots.dump, {}),
     (None, "restore", snapshots.restore, {}),
     (None, "ls", repo.ls_cmd, {}),
@@ -51,11 +52,40 @@ _TOP_LEVEL = {group or name for group, name, _, _ in _COMMANDS}
 
 
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+    repo: str = typer.Option(None, "--repo", metavar="DIR",
+                             help="Repository directory, for the command that follows (as after it: "
+                                  "gpusnap --repo DIR ls = gpusnap ls --repo DIR)."),
 ) -> None:
     if version:
         sys.stdout.write(f"gpusnap {__version__}\n")
         raise typer.Exit(0)
+    if repo is not None and ctx.invoked_subcommand is None:
+        raise UsageError("--repo DIR needs a command after it", hint="e.g. gpusnap --repo DIR ls")
+
+
+def hoist_repo(args: list[str]) -> list[str]:
+    """`gpusnap --repo DIR CMD ...` as `gpusnap CMD --repo DIR ...` (restic's `-r` comes first):
+    the option moves right after the command (after `schedule SUB` for the schedule group),
+    where every command that uses a repository declares it; one given after it too wins."""
+    rest, repo = list(args), []
+    i = 0
+    while i < len(rest) and rest[i].startswith("-") and rest[i] != "--":
+        if rest[i] == "--repo" and i + 1 < len(rest):
+            repo = rest[i:i + 2]
+            del rest[i:i + 2]
+        elif rest[i].startswith("--repo="):
+            repo = ["--repo", rest[i][len("--repo="):]]
+            del rest[i]
+        else:
+            i += 1
+    if not repo or i >= len(rest) or rest[i] not in _TOP_LEVEL:
+        return list(args)               # nothing to move, or no command: typer says what is wrong
+    at = i + 1
+    if rest[i] == "schedule" and at < len(rest) and not rest[at].startswith("-"):
+        at += 1
+    return rest[:at] + repo + rest[at:]
 
 
 def build_app(only: str | None = None) -> typer.Typer:
@@ -97,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
 
     OUTPUT.reset()
     try:
-        args = sys.argv[1:] if argv is None else argv
+        args = hoist_repo(sys.argv[1:] if argv is None else argv)
         runner = build_app(args[0]) if args and args[0] in _TOP_LEVEL else app
         rv = runner(args=args, prog_name="gpusnap", standalone_mode=False)
         if isinstance(rv, int) and rv:

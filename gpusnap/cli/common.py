@@ -38,7 +38,8 @@ def _json_mode(value: bool) -> bool:
 
 # readable=False: gpusnap checks access itself (access.py), with its own error and hint
 RepoOpt = typer.Option(None, "--repo", metavar="DIR", envvar="GPUSNAP_REPO", show_envvar=True, readable=False,
-                       help="Repository directory (default /var/lib/gpusnap).")
+                       help="Repository directory (default /var/lib/gpusnap); also accepted before the "
+                            "command: gpusnap --repo DIR COMMAND.")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, nothing else.",
                        callback=_json_mode, is_eager=True)
 LockWaitOpt = typer.Option(None, "--lock-wait", metavar="SECONDS", min=0.0,
@@ -48,13 +49,13 @@ KeepLastHelp = ("Keep the newest N snapshots of each name (only of --name NAME w
                 "0 deletes them all and needs --name and --all.")
 
 
-def repo_root(repo: Optional[Path], write: bool = False) -> Path:
-    """The repository directory, after checking that this user may read (or change) it."""
+def repo_root(repo: Optional[Path], write: bool = False, create: bool = False) -> Path:
+    """The repository directory, after checking that this user may read (or change, or make) it."""
     from gpusnap.repo import locate
     from gpusnap.system import access
 
     root = locate.repo_path(repo)
-    access.check_repo(root, write=write)
+    access.check_repo(root, write=write or create, create=create)
     return root
 
 

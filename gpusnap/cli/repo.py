@@ -1,4 +1,4 @@
-"""Commands that read or maintain the repository: ls, inspect, verify, repair, prune, forget.
+"""Commands that make, read or maintain the repository: init, ls, inspect, verify, repair, prune, forget.
 
 Each parses, calls one library operation, and hands the result to render.snapshots /
 render.maint through the one output (render.output.OUTPUT); a damaged result comes back
@@ -16,6 +16,19 @@ from gpusnap.cli.common import (JsonOpt, KeepLastHelp, LockWaitOpt, RepoOpt, ope
                                 open_writer_repo, repo_root)
 from gpusnap.errors import UsageError
 from gpusnap.render.output import OUTPUT
+
+
+def init_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
+    """Create a repository (private: 0700), at --repo DIR or the default location.
+
+    dump, run and import make one by themselves only at the default location ($GPUSNAP_REPO,
+    else /var/lib/gpusnap); anywhere else a repository is made with init first, so that a
+    mistyped --repo is an error and never a new, empty repository."""
+    from gpusnap.repo.repository import Repository
+
+    repository = Repository.init(repo_root(repo, create=True))
+    result = {"repository": str(repository.path), "id": repository.config["id"]}
+    OUTPUT.emit(result, lambda: OUTPUT.out.print(f"created repository {result['repository']}", markup=False))
 
 
 def ls_cmd(

@@ -226,17 +226,18 @@ def _look(req: DumpRequest):
 
 
 def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
-    from gpusnap.repo.repository import Repository
+    from gpusnap.repo import locate
 
     plan, meta, gpu = _look(req)
     native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
     # a named job's root is dumped under its name (identity.py), anything else under its command's
     name = req.name or identity.name_of(req.repo, req.pid) or default_name(req.pid)
-    if session.free_bytes(req.repo) < MIN_FREE_BYTES:
+    notice = session.WaitingNotice(progress, arena)
+    # the repository first: a typo or a directory that is none (/proc) is that error, not "no space"
+    repo = locate.open_repository(req.repo, create_at_default=True).wait_for_locks(wait, notice)
+    if session.free_bytes(repo.path) < MIN_FREE_BYTES:
         raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                       hint="free some space or run `gpusnap prune`, then dump again")
-    notice = session.WaitingNotice(progress, arena)
-    repo = Repository.open(req.repo, create=True).wait_for_locks(wait, notice)
 
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     phases: dict[str, float] = {}

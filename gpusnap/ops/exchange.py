@@ -296,22 +296,24 @@ def import_snapshot(repo, path: str) -> dict:
 
 def import_file(path: str, root, lock_wait: float | None = None) -> dict:
     """`gpusnap import`: check that this user may read `path` ('-': stdin) and change the
-    repository at `root` (made when missing), then import_snapshot(), waiting up to
-    `lock_wait` for the writer lock (repo/lockwait.py). Interrupted (Ctrl-C, SIGTERM, SIGHUP),
-    it removes what it had written (the writer's abort) and says so."""
+    repository at `root` (made when missing at the default location), then import_snapshot(),
+    waiting up to `lock_wait` for the writer lock (repo/lockwait.py). Interrupted (Ctrl-C,
+    SIGTERM, SIGHUP), it removes what it had written (the writer's abort) and says so."""
     from pathlib import Path
 
     from gpusnap.errors import Interrupted
-    from gpusnap.repo import lockwait
-    from gpusnap.repo.repository import Repository
+    from gpusnap.repo import locate, lockwait
     from gpusnap.system import access, interrupt
 
     wait = lockwait.seconds(lock_wait)
     if path != "-":
         access.check_readable_file(Path(path), "export file")
-    access.check_repo(root, write=True)
+    create = locate.is_default(root)        # elsewhere a missing repository is an error
+    if not access.check_repo(root, write=True, create=create) and not create:
+        locate.open_repository(root)        # none there: that error, before the file is read
     with interrupt.as_exception():
         try:
-            return import_snapshot(lambda: Repository.open(root, create=True).wait_for_locks(wait), path)
+            return import_snapshot(lambda: locate.open_repository(root, create_at_default=create)
+                                   .wait_for_locks(wait), path)
         except (KeyboardInterrupt, interrupt.Terminated):
             raise Interrupted("import interrupted: nothing was imported, and what it had written was removed") from None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gpusnap.ops import identity
 from gpusnap.ops.identity import Job, jobs_dir  # noqa: F401 - callers use jobrun.Job, jobrun.jobs_dir
-from gpusnap.errors import UsageError
+from gpusnap.errors import NotRoot, UsageError
 from gpusnap.repo import fsutil
 
 
@@ -109,9 +109,17 @@ def _system_python() -> str:
     return sys.executable
 
 
+def require_root(command: str) -> None:
+    """Before anything is made: a job's PID namespace needs root, and so does every dump of it."""
+    if os.geteuid() != 0:
+        raise NotRoot(f"gpusnap {command} must run as root (the job's PID namespace, and every dump of it, "
+                      "need root)", hint=f"run `sudo gpusnap {command} ...`")
+
+
 def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None = None) -> Job:
     if not cmd:
         raise UsageError("nothing to run", hint="gpusnap run [--name N] -- CMD [ARGS...]")
+    require_root("run")
     unshare = shutil.which("unshare") or ("/usr/bin/unshare" if os.access("/usr/bin/unshare", os.X_OK) else None)
     if not unshare:
         raise UsageError("`unshare` (util-linux) is needed to start a job in its own PID namespace",
@@ -119,9 +127,10 @@ def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None =
     from gpusnap.ops import validate
 
     name = validate.check_name(name or validate.default_name(os.path.basename(cmd[0])), "job name")
-    from gpusnap.repo.repository import Repository
+    from gpusnap.repo import locate
 
-    Repository.open(repo, create=True)  # the job directory lives in the repository it is dumped to
+    # the job directory lives in the repository it is dumped to (made only at the default location)
+    locate.open_repository(repo, create_at_default=True)
     d = jobs_dir(repo) / name
     dfd = open_job_dir(repo, name)      # (checked before anything in it is read)
     try:

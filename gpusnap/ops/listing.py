@@ -18,12 +18,14 @@ EMPTY_TOTALS = {"snapshots": 0, "names": 0, "bytes_raw": 0, "bytes_stored": 0, "
 def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
     """{repository, snapshots: [{dir, path, id, name, created, bytes_*}], totals} of the
     repository at `root` (already checked readable); only snapshots of `name` when given.
-    A path that does not exist is an empty listing; a file, or a directory that is no
-    repository, is an error (Repository.open says which)."""
+    The default location with nothing there yet is an empty listing; anywhere else no
+    repository, a file, or a directory that is none is an error (Repository.open says which)."""
     rows: list[dict[str, Any]] = []
     damaged: list[dict[str, str]] = []
     totals: dict[str, Any] = dict(EMPTY_TOTALS)
-    if os.path.lexists(root):
+    from gpusnap.repo import locate
+
+    if os.path.lexists(root) or not locate.is_default(root):
         from gpusnap.repo.maint import usage
         from gpusnap.repo.repository import Repository
 

@@ -259,6 +259,10 @@ class Supervisor:
         self.signal_seen = signum
 
     def run(self) -> int:
+        from gpusnap.repo import locate
+
+        jobrun.require_root("slurm-run")
+        locate.open_repository(self.o.repo, create_at_default=True)   # a typo fails now, not at each dump
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise UsageError("cannot become a child subreaper (prctl failed)")

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from gpusnap.errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
-from gpusnap.repo import fsutil, lockwait, recovery
+from gpusnap.repo import fsutil, lockwait, pathcheck, recovery
 from gpusnap.repo.codec import codec_id
 from gpusnap.repo.format import SNAPSHOT_NAME, FormatError, make_config, encode_config, parse_config
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.snapshot import Snapshot
-from gpusnap.repo.trust import QUARANTINE, SUBDIRS, check_above, check_tree, quarantine_file, untrusted
+from gpusnap.repo.trust import QUARANTINE, SUBDIRS, check_tree, no_repository, quarantine_file, untrusted
 from gpusnap.system.access import read_only_error, read_only_reason
 
 if TYPE_CHECKING:  # the dump side is imported where a snapshot is written (restore never loads it)
@@ -54,12 +54,22 @@ class Repository:
     # -- open / create -------------------------------------------------------------------
     @classmethod
     def open(cls, path, create: bool = False) -> "Repository":
-        path = Path(os.path.realpath(Path(path).absolute()))
+        """The repository at `path`, after the trust checks. `path` is checked as given,
+        component by component (repo/pathcheck.py), never resolved first. create: make it
+        when missing (gpusnap init, or a dump at the default location: repo/locate.py)."""
+        path = given = Path(path).absolute()
         try:
-            check_above(path)
+            try:
+                path = pathcheck.walk(given, create=create)
+            except pathcheck.Missing:
+                raise no_repository(given) from None
+            except pathcheck.NotADir:
+                raise NotADirectoryError from None
             if create:
                 with _creating(path):
                     cls._create(path)
+            elif not os.path.lexists(path / "config"):
+                raise FileNotFoundError     # (before check_tree makes tmp/ and locks/ in it)
             check_tree(path)
             fd = fsutil.open_nofollow(path / "config", os.O_RDONLY)
             try:
@@ -75,41 +85,57 @@ class Repository:
             if path.exists() and not path.is_dir():
                 raise RepositoryError(f"{path} is a file, not a gpusnap repository",
                                       "point --repo at a repository directory") from None
-            raise RepositoryError(f"{path} is not a gpusnap repository (no config file)",
-                                  "create one with a dump, or point --repo at an existing repository") from None
+            raise RepositoryError(f"{given} is not a gpusnap repository (no config file)",
+                                  "`gpusnap init --repo DIR` creates one in a new or empty directory; "
+                                  "or point --repo at an existing repository") from None
         except NotADirectoryError:
-            raise RepositoryError(f"{path} is a file, not a gpusnap repository",
+            raise RepositoryError(f"{given} is a file, not a gpusnap repository",
                                   "point --repo at a repository directory") from None
         except PermissionError as e:
-            raise RepositoryError(f"cannot read repository {path}: {e.strerror or e}",
+            raise RepositoryError(f"cannot read repository {given}: {e.strerror or e}",
                                   "run gpusnap as root (sudo) or as the repository's owner") from None
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise untrusted(path / "config", "is a symbolic link") from None
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 from gpusnap.errors import NoSpace
-                raise NoSpace(f"no space to create repository {path}: {e.strerror}",
+                raise NoSpace(f"no space to create repository {given}: {e.strerror}",
                               "free some space, then dump again") from None
-            raise RepositoryError(f"cannot read repository {path}: {e}") from None
+            raise RepositoryError(f"cannot read repository {given}: {e}") from None
         try:
             cfg = parse_config(data)
         except FormatError as e:
             raise RepositoryError(f"{path / 'config'}: {e}") from None
         return cls(path, cfg)
 
+    @classmethod
+    def init(cls, path) -> "Repository":
+        """`gpusnap init`: a new repository at `path` (made with the directories above it
+        when missing); an existing repository is an error, as restic's and borg's init."""
+        given = Path(path).absolute()
+        try:
+            if os.path.lexists(pathcheck.walk(given) / "config"):
+                raise RepositoryError(f"{given} is already a gpusnap repository", "use it as it is")
+        except (pathcheck.Missing, pathcheck.NotADir):
+            pass                         # (open() says what is wrong with a file in the way)
+        return cls.open(given, create=True)
+
     @staticmethod
     def _create(path: Path) -> None:
         if (path / "config").exists() or os.path.lexists(path / "config"):
             return
-        if os.path.lexists(path):           # never write into a directory another user controls
-            bad = fsutil.untrusted_reason(os.lstat(path), want_dir=True)
-            if bad and bad != "is not a directory":
-                raise untrusted(path, bad)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        # never write into a directory another user controls
+        bad = fsutil.untrusted_reason(os.lstat(path), want_dir=True)
+        if bad and bad != "is not a directory":
+            raise untrusted(path, bad)
+        if not path.is_dir() or any(path.iterdir()):
             raise RepositoryError(f"{path} exists, is not empty and is not a gpusnap repository",
                                   "choose an empty or new directory for the repository")
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fsutil.mkdir_private(path)
+        fd = fsutil.open_dir(path)      # private whatever the umask or an empty directory's mode
+        try:
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
         for d in SUBDIRS:
             fsutil.mkdir_private(path / d)
         import secrets      # here only: it loads OpenSSL (~5 ms), which no dump or restore needs
@@ -356,14 +382,14 @@ class Repository:
 
     def snapshot(self, ref: str) -> "Snapshot":
         ref = str(ref)
-        snaps_dir = (self.path / "snapshots").resolve()
         p = Path(ref)
         if "/" in ref or p.is_absolute():
-            try:
-                rp = p.resolve()
-            except OSError:
-                rp = p
-            if rp.parent == snaps_dir and not rp.name.startswith(".") \
+            rp = p.absolute()
+            try:            # checked as given, as the repository's own path (never resolved)
+                where = pathcheck.walk(rp.parent)
+            except (pathcheck.Missing, pathcheck.NotADir):
+                where = None
+            if where == self.path / "snapshots" and not rp.name.startswith(".") \
                     and self.path / "snapshots" / rp.name in self._snapshot_dirs():
                 return Snapshot(self, self.path / "snapshots" / rp.name)
             raise SnapshotNotFound(f"{ref} is not a snapshot of repository {self.path}")

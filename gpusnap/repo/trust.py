@@ -1,11 +1,10 @@
-"""Trusting a repository before reading it: every directory above it and in it owned by the
-caller or root and writable by nobody else, none a symlink; and quarantine/, where recovery
-and repair set aside index files they replaced (docs/format.md §10)."""
+"""Trusting a repository before reading it: every directory in it owned by the caller or root
+and writable by nobody else, none a symlink (the path above it: repo/pathcheck.py); and
+quarantine/, where recovery and repair set aside index files they replaced (docs/format.md §10)."""
 
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 from gpusnap.errors import RepositoryError
@@ -21,18 +20,12 @@ def untrusted(p, why: str) -> RepositoryError:
     return fsutil.untrusted(p, why)
 
 
-def check_above(path: Path) -> None:
-    """Every directory above the repository must be trusted too, or writable only with the
-    sticky bit (as /tmp): else its owner could swap the repository for one of their own."""
-    for anc in reversed(path.parents):
-        try:
-            st = os.lstat(anc)
-        except FileNotFoundError:
-            return                    # (created by a dump, as the caller)
-        if st.st_uid not in fsutil.trusted_uids():
-            raise untrusted(anc, f"(above the repository) is owned by uid {st.st_uid}, neither you nor root")
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise untrusted(anc, f"(above the repository) is writable by others (mode {st.st_mode & 0o7777:04o})")
+def no_repository(path) -> RepositoryError:
+    """The one error for a repository path where nothing is (a typo): every command says the
+    same. Only `gpusnap init` and a first dump at the default location create one."""
+    return RepositoryError(f"no gpusnap repository at {path}",
+                           f"`gpusnap init --repo {path}` creates one there; or check the path "
+                           "(--repo, $GPUSNAP_REPO)")
 
 
 def check_tree(path: Path) -> None:

@@ -50,9 +50,10 @@ def _owner(path: Path) -> int | None:
         p = p.parent
 
 
-def check_repo(root: Path, write: bool = False) -> bool:
-    """Raise AccessDenied when this user cannot read (or, with `write`, change) the repository
-    at `root`. Returns whether a repository (its config) is there."""
+def check_repo(root: Path, write: bool = False, create: bool = False) -> bool:
+    """Raise AccessDenied when this user cannot read (or, with `write`, change; with `create`,
+    make where it is missing) the repository at `root`. Returns whether a repository (its
+    config) is there. A missing one that will not be made is the opener's error to give."""
     root = Path(root)
     what = "change" if write else "read"
     try:
@@ -60,7 +61,7 @@ def check_repo(root: Path, write: bool = False) -> bool:
     except PermissionError:
         raise _denied(root, what, _owner(root.parent)) from None
     except (FileNotFoundError, NotADirectoryError):
-        if write:   # it would be created: the nearest existing directory above must be writable
+        if create:  # it would be created: the nearest existing directory above must be writable
             p = root.parent
             while not p.exists() and p.parent != p:
                 p = p.parent

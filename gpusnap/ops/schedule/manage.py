@@ -52,9 +52,9 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
         cronexpr.parse_every(every)
         when = f"every {every}"
     uid = _job_owner(match, user) if match is not None else _run_job_owner(name, repo_path, user)
-    if repo_path.exists():                  # a repository every run would refuse: say so now
-        from gpusnap.repo.repository import Repository
-        Repository.open(repo_path)
+    # a repository every run would refuse: say so now. At the default location a missing one is
+    # made now: the runs (from cron, without this $GPUSNAP_REPO) could not make it there
+    locate.open_repository(repo_path, create_at_default=True)
     sd, ld = spec_dir(), log_dir()
     s = Schedule(name=name, match=match, uid=uid, repo=str(repo_path), keep_last=keep_last, backend=backend,
                  when=when, every=every, cron=cronexpr.check(cron) if cron else None, exit_after=exit_after,

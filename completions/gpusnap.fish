@@ -38,6 +38,7 @@ complete -c gpusnap -n '__fish_use_subcommand' -a dump
 complete -c gpusnap -n '__fish_use_subcommand' -a export
 complete -c gpusnap -n '__fish_use_subcommand' -a forget
 complete -c gpusnap -n '__fish_use_subcommand' -a import
+complete -c gpusnap -n '__fish_use_subcommand' -a init
 complete -c gpusnap -n '__fish_use_subcommand' -a inspect
 complete -c gpusnap -n '__fish_use_subcommand' -a ls
 complete -c gpusnap -n '__fish_use_subcommand' -a prune
@@ -49,106 +50,111 @@ complete -c gpusnap -n '__fish_use_subcommand' -a schedule
 complete -c gpusnap -n '__fish_use_subcommand' -a slurm-run
 complete -c gpusnap -n '__fish_use_subcommand' -a verify
 complete -c gpusnap -n '__fish_use_subcommand' -l help
+complete -c gpusnap -n '__fish_use_subcommand' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_use_subcommand' -l version
 complete -c gpusnap -n '__fish_use_subcommand' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l compress -x -a 'auto lz4 zstd shuffle4-zstd shuffle2-zstd none'
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l gpu-lock-timeout -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l match -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l pidfile -r -F
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l staging-budget -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-established
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l user -x
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -s q
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l output -r -F
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -s o -r -F
-complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import inspect ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l all
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l dry-run
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l prune
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -s n
-complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import inspect ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
-complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
-complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget inspect ls prune ps repair restore run schedule slurm-run verify' -F
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -l images
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import inspect prune ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l all
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l dry-run
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l keep-last -x
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l lock-wait -x
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import inspect ls ps repair restore run schedule slurm-run verify' -s n
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune repair restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune repair restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune repair restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -l dry-run
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -l read-data
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps restore run schedule slurm-run verify' -s n
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l gpu-map -x
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l quiet
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l tcp-close
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -l via -x -a 'auto stream files lazy'
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -s q
-complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore schedule slurm-run verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a add
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a ls
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a rm
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a run
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l compress -x -a 'auto lz4 zstd shuffle4-zstd shuffle2-zstd none'
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l gpu-lock-timeout -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l match -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l pidfile -r -F
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l staging-budget -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-established
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l user -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s q
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l output -r -F
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s o -r -F
+complete -c gpusnap -n '__fish_seen_subcommand_from export && not __fish_seen_subcommand_from doctor dump forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l all
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l prune
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -s n
+complete -c gpusnap -n '__fish_seen_subcommand_from forget && not __fish_seen_subcommand_from doctor dump export import init inspect ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget init inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from import && not __fish_seen_subcommand_from doctor dump export forget init inspect ls prune ps repair restore run schedule slurm-run verify' -F
+complete -c gpusnap -n '__fish_seen_subcommand_from init && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from init && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from init && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from init && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import init ls prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import init ls prune ps repair restore run schedule slurm-run verify' -l images
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import init ls prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import init ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import init ls prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from inspect && not __fish_seen_subcommand_from doctor dump export forget import init ls prune ps repair restore run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import init inspect prune ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import init inspect prune ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import init inspect prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import init inspect prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from ls && not __fish_seen_subcommand_from doctor dump export forget import init inspect prune ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l all
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l lock-wait -x
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -s n
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune repair restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune repair restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from ps && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune repair restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -l dry-run
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -l read-data
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -s n
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l gpu-map -x
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l quiet
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l tcp-close
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l via -x -a 'auto stream files lazy'
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -s q
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -a '(__gpusnap_snapshots)'
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore schedule slurm-run verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore schedule slurm-run verify' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore schedule slurm-run verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a add
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a ls
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a rm
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a run
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help
@@ -172,18 +178,18 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -a '(__gpusnap_schedules)'
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l every -x
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l keep-last -x
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l name -x -a '(__gpusnap_names)'
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l no-requeue
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l requeue
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -l resume -x
-complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule verify' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run' -l help
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run' -l json
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run' -l repo -x -a '(__fish_complete_directories)'
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run' -l structure-only
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run' -s h
-complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import inspect ls prune ps repair restore run schedule slurm-run' -a '(__gpusnap_snapshots)'
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l every -x
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l no-requeue
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l requeue
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l resume -x
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run' -l help
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run' -l json
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run' -l structure-only
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from verify && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run' -a '(__gpusnap_snapshots)'

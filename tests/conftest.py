@@ -64,13 +64,17 @@ def run_json(*args, **kw) -> dict:
     return json.loads(lines[0])
 
 
+@pytest.fixture(autouse=True)
+def _default_repo(tmp_path, monkeypatch) -> None:
+    """Each test's default repository location ($GPUSNAP_REPO) is its own tmp_path/repo, never
+    /var/lib/gpusnap: the first dump, run or import there makes it, as at the real default
+    (anywhere else only `gpusnap init` makes one: tests/test_repo_init.py)."""
+    monkeypatch.setenv("GPUSNAP_REPO", str(tmp_path / "repo"))
+
+
 @pytest.fixture
-def repo(tmp_path, monkeypatch) -> Path:
-    """A repository path that does not exist yet; it is the default location ($GPUSNAP_REPO),
-    so the first dump, run or import makes it (elsewhere only `gpusnap init` does)."""
-    path = tmp_path / "repo"
-    monkeypatch.setenv("GPUSNAP_REPO", str(path))
-    return path
+def repo(tmp_path) -> Path:
+    return tmp_path / "repo"
 
 
 class SampleJob:

@@ -141,6 +141,7 @@ def test_full_disk_loses_nothing(sample_job, tmp_path):
         job = sample_job(steps=400, mb=640, threads=1, step_ms=20)
         job.wait_steps(3)
         repo = mnt / "repo"
+        run_gpusnap("init", "--repo", repo, check=True)
         proc = run_gpusnap("dump", job.pid, "--repo", repo)
         assert proc.returncode == NoSpace.exit_code, proc.stderr
         assert "is full" in proc.stderr

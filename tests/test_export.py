@@ -72,6 +72,7 @@ def test_roundtrip_keeps_every_byte_and_dedups(tmp_path):
 
 def test_through_a_pipe(tmp_path):
     repo, snap, images = _sample(tmp_path)
+    run_gpusnap("init", "--repo", tmp_path / "c", check=True)
     cmd = (f"{' '.join(GPUSNAP)} export {snap.path} -o - | "
            f"{' '.join(GPUSNAP)} import --repo {tmp_path / 'c'} - --json")
     proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=300, check=True)
@@ -125,6 +126,8 @@ def test_real_job_exported_imported_and_restored(sample_job, tmp_path, reference
     job = sample_job(**kw, step_ms=20)
     job.wait_steps(10)
     repo_a, repo_b = tmp_path / "a", tmp_path / "b"
+    for r in (repo_a, repo_b):
+        run_gpusnap("init", "--repo", r, check=True)
     info = run_json("dump", job.pid, "--repo", repo_a, "--name", "moved")
     job.kill()
     exp = tmp_path / "moved.gsx"

@@ -330,6 +330,7 @@ def test_full_disk_at_every_write_of_a_dump(job, tmpfs):
     exactly N bytes, and gpusnap continues: N = a few sizes while CRIU streams, and every
     4 KiB through the commit's window (found by stepping until the dump commits)."""
     repo = tmpfs / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
     led = Ledger(repo, job)
     led.dump()
     outcomes = {"exit 11, nothing named": 0, "exit 11, index kept": 0, "committed": 0}

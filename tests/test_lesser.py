@@ -149,6 +149,8 @@ def test_two_dumps_of_one_job_at_once_both_succeed_and_restore(sample_job, tmp_p
     job = sample_job(**kw, step_ms=20)
     job.wait_steps(5)
     repos = [tmp_path / "r1", tmp_path / "r2"]
+    for r in repos:
+        run_gpusnap("init", "--repo", r, check=True)
     dumps = [subprocess.Popen([*GPUSNAP, "dump", str(job.pid), "--repo", str(r), "--json"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in repos]
     results = [(d.wait(timeout=300), *d.communicate()) for d in dumps]

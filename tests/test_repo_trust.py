@@ -190,6 +190,7 @@ def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, a
     """The issue's repros: a repository a normal user can write, the user plants a symlink,
     root's next prune / dump --keep-last refuses (exit 14) and the victim is untouched."""
     repo = public_dir / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
     job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     run_gpusnap("dump", job.pid, "--repo", repo, "--name", "a", "--quiet", check=True)

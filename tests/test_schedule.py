@@ -165,6 +165,8 @@ def test_systemd_timer_files(sched_env, monkeypatch, tmp_path):
 
 
 def test_add_of_an_existing_name_refuses_without_replace(sched_env, tmp_path):
+    for r in ("r1", "r2"):
+        run_gpusnap("init", "--repo", tmp_path / r, check=True)
     schedule.add("job", "python train.py", every="30m", user="root", repo=tmp_path / "r1")
     with pytest.raises(UsageError, match="exists"):
         schedule.add("job", "python train.py", every="1h", user="root", repo=tmp_path / "r2")

@@ -65,13 +65,15 @@ def _snapshot_dir(repo, ref: str):
     """REPO/snapshots/<dir> for a directory name or path inside this repository, else None."""
     from pathlib import Path
 
+    from gpusnap.repo import pathcheck
+
     sd = repo.path / "snapshots"
     p = Path(ref)
     cand = p if ("/" in ref or p.is_absolute()) else sd / ref
-    try:
-        if cand.absolute().parent.resolve() != sd.resolve():
+    try:        # checked as given, as the repository's path (a planted link: exit 14)
+        if pathcheck.walk(cand.absolute().parent) != sd:
             return None
-    except OSError:
+    except (pathcheck.Missing, pathcheck.NotADir):
         return None
     # only a snapshot directory gpusnap trusts (not a symlink, not another user's) whose
     # manifest cannot be read: broken_snapshots() less the entries that are no snapshot at all

@@ -62,5 +62,8 @@ def open_snapshot(ref: str, repo: str | os.PathLike | None = None):
     root = repo_path(repo)
     if os.path.lexists(root) and not os.access(root, os.R_OK | os.X_OK):
         Repository.open(root)       # its own error (permissions, ownership), with a hint
+    if not os.path.lexists(root) and is_default(root):    # (as `ls` there: nothing yet)
+        raise SnapshotNotFound(f"no snapshot {ref!r}: there is no repository at {root} yet",
+                               hint="give the snapshot directory that `gpusnap dump` printed, or --repo")
     repository = Repository.open(root)      # none there: the one "no gpusnap repository" error
     return repository, repository.snapshot(ref)

@@ -68,6 +68,8 @@ def check_repo(root: Path, write: bool = False, create: bool = False) -> bool:
             if not os.access(p, os.W_OK | os.X_OK):
                 raise _denied(root, "create", _owner(p))
         return False
+    except OSError:         # a link loop, a name too long: the opener says what is wrong
+        return False
     try:
         st = os.stat(root / "config")
     except PermissionError:

@@ -4,6 +4,7 @@ and enable the backend's files; and undo all of it."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -41,6 +42,12 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
         raise UsageError("give exactly one of --every (e.g. 30m, 2h, 1d) or --cron 'M H DOM MON DOW'")
     repo_path = locate.repo_path(validate.check_repo_arg(repo))
     safe_word("--repo", str(repo_path))
+    if os.geteuid() != 0:       # before a repository is made for it: the runs are root's
+        from gpusnap.errors import NotRoot
+        raise NotRoot("gpusnap schedule add must run as root (the schedule's dumps run as root)",
+                      hint="run `sudo gpusnap schedule add ...`")
+    if not locate.is_default(repo_path):
+        locate.open_repository(repo_path)   # a typo is that one error, before anything else
     backend = require_scheduler()
     if cron:
         when = cronexpr.check(cron)

@@ -137,7 +137,7 @@ def test_run_as_a_user_is_the_not_root_error_and_leaves_nothing():
     require_nobody_can_run()
     base = Path(tempfile.mkdtemp(prefix="gpusnap-run-user-", dir="/tmp"))
     try:
-        os.chmod(base, 0o777)
+        os.chmod(base, 0o1777)          # as /tmp: anyone may make a directory in it
         for repo in (base / "repo", None):       # with --repo, and at the default location
             env = {"PATH": os.environ["PATH"], "GPUSNAP_REPO": str(base / "default"), "PYTHONPATH": str(ROOT)}
             args = [*GPUSNAP, "run", *(["--repo", str(repo)] if repo else []), "--", "sleep", "600"]

@@ -74,6 +74,7 @@ def test_init_then_dump_and_ls(tmp_path, sample_job, monkeypatch):
     assert made["repository"] == str(repo) and len(made["id"]) == 32
     assert (repo / "config").stat().st_mode & 0o777 == 0o600
     assert repo.stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "lab").stat().st_mode & 0o777 == 0o755      # made above it: writable by root only
     again = run_gpusnap("init", "--repo", repo)
     assert again.returncode == RepositoryError.exit_code and "already a gpusnap repository" in again.stderr
     job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)

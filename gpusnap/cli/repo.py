@@ -21,8 +21,8 @@ from gpusnap.render.output import OUTPUT
 def init_cmd(repo: Optional[Path] = RepoOpt, json_: bool = JsonOpt) -> None:
     """Create a repository (private: 0700), at --repo DIR or the default location.
 
-    dump, run and import make one by themselves only at the default location ($GPUSNAP_REPO,
-    else /var/lib/gpusnap); anywhere else a repository is made with init first, so that a
+    dump, run, import and schedule add make one by themselves only at the default location
+    ($GPUSNAP_REPO, else /var/lib/gpusnap); anywhere else a repository is made with init first, so that a
     mistyped --repo is an error and never a new, empty repository."""
     from gpusnap.repo.repository import Repository
 

@@ -21,9 +21,9 @@ def repo_path(arg: str | os.PathLike | None = None) -> Path:
 
 
 def is_default(root: str | os.PathLike) -> bool:
-    """Whether `root` is the default location: $GPUSNAP_REPO when set, else /var/lib/gpusnap
+    """Whether `root` is a default location: /var/lib/gpusnap, or $GPUSNAP_REPO when set
     (compared as written, never resolved)."""
-    return os.path.normpath(Path(root).expanduser().absolute()) == os.path.normpath(repo_path(None))
+    return Path(root).expanduser().absolute() in (DEFAULT_REPO, repo_path(None))
 
 
 def open_repository(root: str | os.PathLike, create_at_default: bool = False):

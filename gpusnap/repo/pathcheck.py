@@ -11,6 +11,7 @@ target is then walked the same way. Anything else that is a link is refused (exi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -86,8 +87,10 @@ def walk(path: Path, create: bool = False) -> Path:
             except FileNotFoundError:
                 if not create:
                     raise Missing(here) from None
-                os.mkdir(name, 0o755 if todo else 0o700, dir_fd=fd)
-                nfd = os.open(name, fsutil.NOFOLLOW_DIR, dir_fd=fd)
+                with contextlib.suppress(FileExistsError):      # (another gpusnap made it meanwhile)
+                    os.mkdir(name, 0o755 if todo else 0o700, dir_fd=fd)
+                todo.insert(0, name)        # then open what is there, by the same rules
+                continue
             except OSError as e:
                 if e.errno not in (errno.ELOOP, errno.ENOTDIR):
                     raise

@@ -387,6 +387,7 @@ def _gpusnap(*args, env: dict[str, str], drop: tuple[str, ...] = (), user: str |
 
     if user is not None or caps is not None:
         require_nobody_can_run()
+        drop = (*drop, "GPUSNAP_REPO")      # (conftest's is in root's private tmp_path)
     full = {k: v for k, v in os.environ.items() if k not in drop} | env
     prefix = ["runuser", "-u", user, "--", "env", *(f"{k}={v}" for k, v in full.items())] if user else []
     if caps is not None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, run_json
+from conftest import PY, run_gpusnap, run_json
 from slurm_cluster import SlurmCluster, available
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -47,6 +47,7 @@ def cluster(tmp_path_factory):
 
 
 def _batch_script(tmp: Path, repo: Path, out: Path, every: str) -> Path:
+    run_gpusnap("init", "--repo", repo, check=True)     # (the batch job runs without our $GPUSNAP_REPO)
     script = tmp / "job.sbatch"
     script.write_text(f"""#!/bin/bash
 #SBATCH --requeue

@@ -101,5 +101,7 @@ def import_bounded(path, repo, *, memory: int = MEMORY_BUDGET, timeout: float = 
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 
     env = dict(os.environ, MALLOC_ARENA_MAX="2")   # thread arenas reserve 64 MiB of address space each
+    if not os.path.lexists(repo):     # (not the default location: import makes none there)
+        subprocess.run([*GPUSNAP, "init", "--repo", str(repo)], check=True, capture_output=True, cwd=ROOT)
     return subprocess.run([*GPUSNAP, "import", str(path), "--repo", str(repo), "--json"], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=timeout, preexec_fn=limit, input=stdin)

@@ -28,6 +28,12 @@ from gpusnap.repo import format as F
 from repo_helpers import PAGE, dump, read_all
 
 
+@pytest.fixture(autouse=True)
+def _target_is_the_default_location(tmp_path, monkeypatch):
+    """tmp_path/b, where these tests import, is $GPUSNAP_REPO: the first import makes it."""
+    monkeypatch.setenv("GPUSNAP_REPO", str(tmp_path / "b"))
+
+
 def _snapshots(repo) -> list:
     """The repository's snapshots ([] when the import never made it)."""
     return Repository.open(repo).snapshots() if os.path.exists(repo) else []
@@ -247,6 +253,7 @@ def test_full_disk_during_an_import_is_the_disk_full_error(tmp_path):
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mnt)], check=True)
     try:
+        Repository.open(mnt / "repo", create=True)
         proc = run_gpusnap("import", f, "--repo", mnt / "repo")
         assert proc.returncode == NoSpace.exit_code, proc.stderr
         assert "Traceback" not in proc.stderr

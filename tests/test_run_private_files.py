@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUSNAP, ROOT, require_nobody_can_run
+from conftest import GPUSNAP, ROOT, require_nobody_can_run, run_gpusnap
 
 AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 SECRET = b"root's file\n" * 100
@@ -41,6 +41,7 @@ def world():
     os.chmod(top, 0o755)
     repo = top / "repo"
     repo.mkdir(mode=0o755)
+    run_gpusnap("init", "--repo", repo, check=True)     # (not the default location: no run makes it)
     os.chmod(repo, 0o755)
     victim = top / "victim"
     victim.write_bytes(SECRET)

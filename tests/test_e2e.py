@@ -15,20 +15,17 @@ import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
 from gpusnap.system import proc
+from restore_helpers import restore_and_finish
 
 pytestmark = pytest.mark.criu
 
 
 def _restore_and_finish(job, snapshot, repo, expected):
-    restored = run_json("restore", snapshot, "--repo", repo)
-    assert restored["pid"] == job.pid
+    """restore_and_finish, and restore's phases add up."""
+    restored = restore_and_finish(job, snapshot, repo, expected)
     ph = restored["phases"]
     assert list(ph) == (["preflight", "criu"] if restored["via"] == "stream" else ["preflight", "materialize", "criu"])
     assert ph["criu"] > 0 and sum(ph.values()) <= restored["seconds"] + 0.01
-    try:
-        assert job.result() == expected
-    finally:
-        kill_pids(job.pids)
 
 
 def test_dump_keeps_job_running_then_restore_finishes_identically(sample_job, repo, reference):

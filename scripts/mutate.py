@@ -18,9 +18,10 @@ guarded by which test.
     python scripts/mutate.py --markdown F    # also write the table (markdown) to F
 
 Each mutation is one exact line of a file (it must occur exactly once, or the script stops:
-the product moved on and the list must follow) replaced by another. The scratch copy is the
-tracked and untracked-but-not-ignored files of the checkout (git ls-files), plus links to
-.venv and build; the checkout itself is never written.
+the product moved on and the list must follow) replaced by another. The scratch copy (in
+$MUTATE_DIR, default /var/tmp/gpusnap-mutate) is the tracked and untracked-but-not-ignored
+files of the checkout (git ls-files), a link to .venv and a build of its own (the plugin
+tests build in the tree they run from); the checkout itself is never written.
 """
 
 from __future__ import annotations
@@ -201,9 +202,15 @@ MUTATIONS: list[Mutation] = [
 ]
 
 
-def copy_tree(dst: Path) -> None:
+def refresh_tree(dst: Path) -> None:
+    """dst: a copy of the checkout's tracked (and untracked, not ignored) files, and a build
+    of its native code and plugin of its own (build/, kept between runs: incremental)."""
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, check=True).stdout.split(b"\0")
+    if dst.exists():
+        for e in dst.iterdir():
+            if e.name != "build":
+                shutil.rmtree(e) if e.is_dir() and not e.is_symlink() else e.unlink()
     for f in files:
         if not f:
             continue
@@ -213,9 +220,27 @@ def copy_tree(dst: Path) -> None:
         d = dst / os.fsdecode(f)
         d.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, d, follow_symlinks=False)
-    for link in (".venv", "build"):
-        if (ROOT / link).exists():
-            (dst / link).symlink_to((ROOT / link).resolve())
+    (dst / ".venv").symlink_to((ROOT / ".venv").resolve())
+    build = dst / "build"
+    if not (build / "CMakeCache.txt").exists():
+        subprocess.run(["cmake", "-S", str(dst), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                        f"-DGPUSNAP_CRIU_INCLUDE={criu_include()}"], check=True, capture_output=True)
+    r = subprocess.run(["cmake", "--build", str(build), f"-j{os.cpu_count() or 1}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"the scratch copy's build failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+
+
+def criu_include() -> str:
+    """The CRIU plugin headers the checkout's own build uses (make setup's CRIU)."""
+    cache = ROOT / "build" / "CMakeCache.txt"
+    if cache.exists():
+        m = re.search(r"^GPUSNAP_CRIU_INCLUDE:\w+=(.*)$", cache.read_text(), re.M)
+        if m:
+            return m.group(1)
+    found = sorted(Path("/opt/gpusnap").glob("criu-*/include"))
+    if not found:
+        raise SystemExit("no CRIU plugin headers: run `make setup` first")
+    return str(found[-1])
 
 
 def apply(tree: Path, m: Mutation) -> str:
@@ -280,6 +305,10 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--markdown", type=Path, help="write the table (markdown) here too")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutation")
+    ap.add_argument("--dir", type=Path, default=Path(os.environ.get("MUTATE_DIR", "/var/tmp/gpusnap-mutate")),
+                    help="the scratch copy's home (its build/ is kept between runs)")
+    ap.add_argument("--baseline", action="store_true",
+                    help="run the chosen mutations' tests on the unmutated copy (they must pass)")
     a = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if a.k in m.id]
     if a.list:
@@ -296,21 +325,25 @@ def main(argv=None) -> int:
         print("make mutate runs the tests, which dump real processes with CRIU: run it as root", file=sys.stderr)
         return 1
     rows, survived = [], []
-    with tempfile.TemporaryDirectory(prefix="gpusnap-mutate.") as d:
-        tree = Path(d) / "tree"
-        copy_tree(tree)
-        for m in chosen:      # every line is where the list says, before anything runs
-            (tree / m.path).write_text(apply(tree, m))
-        t_all = time.monotonic()
-        for n, m in enumerate(chosen, 1):
-            verdict, failed, secs, tail = run_one(tree, m, a.timeout)
-            rows.append((m, verdict, failed, secs))
-            print(f"[{n}/{len(chosen)}] {m.id}: {verdict} in {secs:.0f} s"
-                  + (f" by {failed[0]}" if failed else ""), flush=True)
-            if verdict != "caught":
-                survived.append(m.id)
-                print(tail, file=sys.stderr)
-        total = time.monotonic() - t_all
+    tree = a.dir / "tree"
+    refresh_tree(tree)
+    for m in chosen:      # every line is where the list says, before anything runs
+        (tree / m.path).write_text(apply(tree, m))
+    if a.baseline:        # the chosen mutations' tests pass on the unmutated copy
+        tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                            "--no-header", "-rfEs", *tests], cwd=tree)
+        return p.returncode
+    t_all = time.monotonic()
+    for n, m in enumerate(chosen, 1):
+        verdict, failed, secs, tail = run_one(tree, m, a.timeout)
+        rows.append((m, verdict, failed, secs))
+        print(f"[{n}/{len(chosen)}] {m.id}: {verdict} in {secs:.0f} s"
+              + (f" by {failed[0]}" if failed else ""), flush=True)
+        if verdict != "caught":
+            survived.append(m.id)
+            print(f"--- {m.id}\n{tail}", file=sys.stderr)
+    total = time.monotonic() - t_all
     md = table(rows)
     print("\n" + md + f"\n\n{len(rows) - len(survived)} of {len(rows)} mutations caught in {total:.0f} s")
     if a.markdown:

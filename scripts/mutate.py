@@ -55,6 +55,7 @@ class Mutation:
 
 T_CORRUPT = "tests/test_repo_corruption.py"
 T_FUZZ = "tests/test_repo_fuzz.py"
+T_BOUNDS = "tests/test_format_bounds.py"
 T_EXPORT = "tests/test_export.py"
 T_LOCK = "tests/test_repo_lock.py"
 T_HOSTLOCK = "tests/test_hostlock.py"
@@ -68,28 +69,28 @@ MUTATIONS: list[Mutation] = [
     # -- integrity: the repository's formats (docs/format.md) and the reader ----------------------
     Mutation("manifest-checksum", "gpusnap/repo/format/manifest.py",
              "if h.encode() != want:", "if False:",
-             [T_CORRUPT, T_FUZZ], "the manifest's blake3 trailer is not checked"),
+             [T_BOUNDS, T_CORRUPT, T_FUZZ], "the manifest's blake3 trailer is not checked"),
     Mutation("manifest-schema", "gpusnap/repo/format/manifest.py",
              "check_manifest(m)", "pass",
              [T_FUZZ, T_CORRUPT], "a manifest whose checksum holds is accepted whatever it says"),
     Mutation("manifest-trailer-shape", "gpusnap/repo/format/manifest.py",
              "if not trailer.startswith(MANIFEST_TRAILER_PREFIX) or not trailer.endswith(b\"\\n\"):",
-             "if False:", [T_FUZZ, T_CORRUPT], "a manifest without its trailer line is parsed"),
+             "if False:", [T_BOUNDS, T_FUZZ, T_CORRUPT], "a manifest without its trailer line is parsed"),
     Mutation("pack-trailer-count", "gpusnap/repo/format/pack.py",
              "if len(out) != n_blobs:", "if False:",
-             [T_FUZZ, "tests/test_pack_names.py"], "a pack whose trailer miscounts its blobs is accepted"),
+             [T_BOUNDS, T_FUZZ, "tests/test_pack_names.py"], "a pack whose trailer miscounts its blobs is accepted"),
     Mutation("pack-blob-bounds", "gpusnap/repo/format/pack.py",
              "if nxt > end:", "if False:",
-             [T_FUZZ, "tests/test_pack_names.py"], "a blob that runs past the end of its pack is accepted"),
+             [T_BOUNDS, T_FUZZ, "tests/test_pack_names.py"], "a blob that runs past the end of its pack is accepted"),
     Mutation("pagelist-coverage", "gpusnap/repo/format/pagelist.py",
              "if covered != image_size:", "if False:",
-             [T_FUZZ, "tests/test_locations_native.py"], "a page list shorter than its image is accepted"),
+             [T_BOUNDS, T_FUZZ, "tests/test_locations_native.py"], "a page list shorter than its image is accepted"),
     Mutation("reader-blob-checksum", "gpusnap/repo/reader.py",
              "if blob_id(data) != bid:", "if False:",
-             [T_CORRUPT], "a data blob is not checked against its id when read"),
+             [T_BOUNDS, T_CORRUPT], "a data blob is not checked against its id when read"),
     Mutation("reader-image-digest", "gpusnap/repo/reader.py",
              "if n != im[\"size\"] or h.hexdigest() != im[\"digest\"]:", "if n != im[\"size\"]:",
-             [T_CORRUPT], "an image read back is not checked against its recorded digest"),
+             [T_BOUNDS, T_CORRUPT], "an image read back is not checked against its recorded digest"),
     Mutation("reader-page-checksum", "gpusnap/repo/reader.py",
              "raise snap.corrupt(f\"a page of {name} fails its checksum\", _pack_of_page(job, reader, detail))",
              "return", [T_CORRUPT], "a page that fails its checksum is handed to CRIU"),

@@ -141,7 +141,7 @@ def test_restore_by_name_from_repo_and_ls(sample_job, repo, reference):
 
 
 def test_repository_is_private(sample_job, repo):
-    job = sample_job(steps=100, mb=8, threads=1, step_ms=20)
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)   # (still running when dumped, however busy the machine)
     job.wait_steps(3)
     run_json("dump", job.pid, "--repo", repo)
     for dirpath, dirnames, filenames in os.walk(repo):

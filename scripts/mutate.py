@@ -138,9 +138,12 @@ MUTATIONS: list[Mutation] = [
     Mutation("readers-lock-shared", "gpusnap/repo/repository.py",
              "fcntl.flock(fd, fcntl.LOCK_SH)", "pass",
              [T_LOCK], "a restore reads without holding the readers lock"),
-    Mutation("lock-file-nofollow", "gpusnap/repo/fsutil.py",
+    Mutation("lock-file-trust", "gpusnap/repo/fsutil.py",
              "bad = untrusted_reason(st, want_dir=False)", "bad = None",
-             [T_LOCK, "tests/test_repo_trust.py"], "a hard-linked lock file (another file) is truncated"),
+             [T_LOCK, "tests/test_repo_trust.py"], "a lock file another user owns or can write is taken"),
+    Mutation("lock-file-hardlink", "gpusnap/repo/fsutil.py",
+             "if bad is None and st.st_nlink != 1:", "if False:",
+             [T_LOCK, "tests/test_repo_trust.py"], "a lock file hard-linked to another file is taken (and truncated)"),
     Mutation("hostlock-try", "gpusnap/system/hostlock.py",
              "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",
              [T_HOSTLOCK], "two dumps or restores of one job at once"),
@@ -270,7 +273,7 @@ def run_one(tree: Path, m: Mutation, timeout: float) -> tuple[str, list[str], fl
     t0 = time.monotonic()
     try:
         args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
-                "--no-header", "-rf", *m.tests]
+                "--no-header", "-rfE", *m.tests]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
         try:
             p = subprocess.run(args, cwd=tree, capture_output=True, text=True, timeout=timeout, env=env)
@@ -279,7 +282,7 @@ def run_one(tree: Path, m: Mutation, timeout: float) -> tuple[str, list[str], fl
             out, rc = f"{e.stdout or ''}\ntimed out after {timeout:.0f} s", -1
     finally:
         (tree / m.path).write_text(orig)
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)
     if rc == 1 and failed:
         verdict = "caught"
     elif rc == 0:

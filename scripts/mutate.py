@@ -31,6 +31,7 @@ import ast
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -275,11 +276,19 @@ def run_one(tree: Path, m: Mutation, timeout: float) -> tuple[str, list[str], fl
         args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
                 "--no-header", "-rfE", *m.tests]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+        # its own session: on a timeout or an interrupt, pytest and every job it started go
+        p = subprocess.Popen(args, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                             start_new_session=True)
         try:
-            p = subprocess.run(args, cwd=tree, capture_output=True, text=True, timeout=timeout, env=env)
-            out, rc = p.stdout + p.stderr, p.returncode
-        except subprocess.TimeoutExpired as e:
-            out, rc = f"{e.stdout or ''}\ntimed out after {timeout:.0f} s", -1
+            out, _ = p.communicate(timeout=timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, rc = f"{p.communicate()[0]}\ntimed out after {timeout:.0f} s", -1
+        except BaseException:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise
     finally:
         (tree / m.path).write_text(orig)
     failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)
@@ -325,6 +334,8 @@ def main(argv=None) -> int:
         for m in chosen:
             print(f"{m.id:28} {m.path}: {m.old}  ->  {m.new}\n{'':28} tests: {' '.join(m.tests)}")
         return 0
+    # a TERM unwinds like Ctrl-C: the mutated line is put back, pytest and its jobs are killed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if os.geteuid() != 0:
         print("make mutate runs the tests, which dump real processes with CRIU: run it as root", file=sys.stderr)
         return 1
@@ -360,4 +371,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("mutate: interrupted (the scratch copy's line is put back)", file=sys.stderr)
+        sys.exit(130)

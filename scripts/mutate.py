@@ -52,12 +52,19 @@ class Mutation:
     why: str = ""       # what the mutation breaks
     needs: str = ""     # tests expected from another branch (say which), if not yet here
     extra: list[str] = field(default_factory=list)
+    # where the same check lives in another layout of the code (path, line, occurrence or 0),
+    # tried in turn when `path` has no such line
+    alt: list[tuple[str, str, int]] = field(default_factory=list)
+    where: str = ""                                       # (set when applied: the file mutated)
+    tests_run: list[str] = field(default_factory=list)    # (set when run: m.tests present here)
 
 
 T_CORRUPT = "tests/test_repo_corruption.py"
 T_FUZZ = "tests/test_repo_fuzz.py"
 T_BOUNDS = "tests/test_format_bounds.py"
 T_EXPORT = "tests/test_export.py"
+T_INTEGRITY = "tests/test_integrity_checks.py"     # (helper importb's tests, where they have landed)
+T_EXPORT_FUZZ = "tests/test_export_fuzz.py"
 T_LOCK = "tests/test_repo_lock.py"
 T_HOSTLOCK = "tests/test_hostlock.py"
 T_PRUNE = "tests/test_repo_prune.py"
@@ -98,26 +105,32 @@ MUTATIONS: list[Mutation] = [
     # -- integrity: import (an export file) ---------------------------------------------------------
     Mutation("import-page-checksum", "gpusnap/ops/exchange.py",
              "if native.verify(pages, k, ids[o * 16:(o + k) * 16], b\"\\x01\" * k) >= 0:", "if False:",
-             [T_EXPORT], "import does not check each page against its id",
-             needs="helper importb's tests (damage under a recomputed trailer)"),
+             [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "import does not check each page against its id",
+             needs="helper importb's tests (damage under a recomputed trailer)",
+             alt=[("gpusnap/ops/import_stream.py", "if native.verify(pages, k, ids[o * 16:(o + k) * 16], b\"\\x01\" * k) >= 0:", 0)]),
     Mutation("import-tail-checksum", "gpusnap/ops/exchange.py",
              "if blake3.blake3(tail).digest() != rec[2]:", "if False:",
-             [T_EXPORT], "import does not check an image's last partial page",
-             needs="helper importb's tests (damage under a recomputed trailer)"),
+             [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "import does not check an image's last partial page",
+             needs="helper importb's tests (damage under a recomputed trailer)",
+             alt=[("gpusnap/ops/import_stream.py", "if blake3.blake3(tail).digest() != rec[2]:", 0)]),
     Mutation("import-image-checksum", "gpusnap/ops/exchange.py",
              "if h.hexdigest() != im[\"digest\"]:", "if False:",
-             [T_EXPORT], "import does not check a blob image against its digest",
-             needs="helper importb's tests (damage under a recomputed trailer)"),
+             [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "import does not check a blob image against its digest",
+             needs="helper importb's tests (damage under a recomputed trailer)",
+             alt=[("gpusnap/ops/import_stream.py", "if h.hexdigest() != im[\"digest\"]:", 2)]),
     Mutation("import-pagelist-checksum", "gpusnap/ops/exchange.py",
              "if len(pl) != im[\"pagelist_size\"] or blake3.blake3(pl).hexdigest() != im[\"digest\"]:",
-             "if False:", [T_EXPORT], "import does not check a page list against its digest",
-             needs="helper importb's tests (damage under a recomputed trailer)"),
+             "if False:", [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "import does not check a page list against its digest",
+             needs="helper importb's tests (damage under a recomputed trailer)",
+             alt=[("gpusnap/ops/import_stream.py", "if h.hexdigest() != im[\"digest\"]:", 1)]),
     Mutation("import-file-trailer", "gpusnap/ops/exchange.py",
              "if trailer != expect:", "if False:",
-             [T_EXPORT], "import does not check the export file's whole-file checksum"),
+             [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "import does not check the export file's whole-file checksum",
+             alt=[("gpusnap/ops/import_stream.py", "if trailer != expect:", 0)]),
     Mutation("import-trailing-bytes", "gpusnap/ops/exchange.py",
              "if f.read(1):", "if False:",
-             [T_EXPORT], "bytes after an export file's trailer are ignored"),
+             [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "bytes after an export file's trailer are ignored",
+             alt=[("gpusnap/ops/import_stream.py", "if src.f.read(1):", 0)]),
     # -- the cron line ------------------------------------------------------------------------------
     Mutation("cron-config-dir", "gpusnap/ops/schedule/backends.py",
              "cmd = \" \".join([*words, \"schedule\", \"run\", s.name, \"--config-dir\", "
@@ -248,17 +261,33 @@ def criu_include() -> str:
     return str(found[-1])
 
 
+def _locate(tree: Path, m: Mutation) -> tuple[Path, str, int | None]:
+    """(file, line, occurrence) of the check in this tree: m.path, else the first of m.alt
+    that holds the line."""
+    occ = next((int(x.split("=")[1]) for x in m.extra if x.startswith("occurrence=")), None)
+    for path, old, o in [(m.path, m.old, occ or 0), *m.alt]:
+        p = tree / path
+        if p.is_file() and any(ln.strip() == old for ln in p.read_text().splitlines()):
+            return p, old, o or None
+    return tree / m.path, m.old, occ
+
+
+def tests_here(tree: Path, m: Mutation) -> list[str]:
+    """m.tests less the files not in this tree (tests another branch brings)."""
+    return [t for t in m.tests if t.startswith("-") or (tree / t.split("::")[0]).exists()]
+
+
 def apply(tree: Path, m: Mutation) -> str:
     """Mutate the copy; return the original text to put back."""
-    p = tree / m.path
+    p, old, occ = _locate(tree, m)
+    m.where = str(p.relative_to(tree))
     text = p.read_text()
     lines = text.splitlines(keepends=True)
-    hits = [i for i, ln in enumerate(lines) if ln.strip() == m.old]
-    occ = next((int(x.split("=")[1]) for x in m.extra if x.startswith("occurrence=")), None)
+    hits = [i for i, ln in enumerate(lines) if ln.strip() == old]
     if occ is None and len(hits) != 1:
-        raise SystemExit(f"{m.id}: {m.path} has {len(hits)} lines `{m.old}` (want exactly one): update the list")
+        raise SystemExit(f"{m.id}: {m.where} has {len(hits)} lines `{old}` (want exactly one): update the list")
     if occ is not None and len(hits) < occ:
-        raise SystemExit(f"{m.id}: {m.path} has {len(hits)} lines `{m.old}` (want occurrence {occ})")
+        raise SystemExit(f"{m.id}: {m.where} has {len(hits)} lines `{old}` (want occurrence {occ})")
     i = hits[(occ or 1) - 1]
     indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
     lines[i] = indent + m.new + "\n"
@@ -268,13 +297,20 @@ def apply(tree: Path, m: Mutation) -> str:
     return text
 
 
+def put_back(tree: Path, m: Mutation, text: str) -> None:
+    (tree / m.where).write_text(text)
+
+
 def run_one(tree: Path, m: Mutation, timeout: float) -> tuple[str, list[str], float, str]:
     """-> (verdict, failed tests, seconds, output tail). verdict: caught | SURVIVED | error."""
+    m.tests_run = tests_here(tree, m)
+    if not m.tests_run:       # (pytest with no file would run the whole suite)
+        return "error (none of its tests is here)", [], 0.0, ""
     orig = apply(tree, m)
     t0 = time.monotonic()
     try:
         args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
-                "--no-header", "-rfE", *m.tests]
+                "--no-header", "-rfE", *tests_here(tree, m)]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
         # its own session: on a timeout or an interrupt, pytest and every job it started go
         p = subprocess.Popen(args, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -290,7 +326,7 @@ def run_one(tree: Path, m: Mutation, timeout: float) -> tuple[str, list[str], fl
             p.wait()
             raise
     finally:
-        (tree / m.path).write_text(orig)
+        put_back(tree, m, orig)
     failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", out, re.M)
     if rc == 1 and failed:
         verdict = "caught"
@@ -305,9 +341,9 @@ def table(rows) -> str:
     out = ["| mutation | what it breaks | tests run | verdict | caught by |",
            "| --- | --- | --- | --- | --- |"]
     for m, verdict, failed, secs in rows:
-        tests = ", ".join(t.replace("tests/", "") for t in m.tests)
+        tests = ", ".join(t.replace("tests/", "") for t in m.tests_run)
         by = ", ".join(f.replace("tests/", "") for f in failed[:2]) or (m.needs and f"expected: {m.needs}") or "-"
-        out.append(f"| `{m.id}` ({m.path.replace('gpusnap/', '')}) | {m.why} | {tests} | {verdict} ({secs:.0f} s) "
+        out.append(f"| `{m.id}` ({m.where.replace('gpusnap/', '')}) | {m.why} | {tests} | {verdict} ({secs:.0f} s) "
                    f"| {by} |")
     return "\n".join(out)
 
@@ -330,6 +366,10 @@ def main(argv=None) -> int:
                 dst = Path(d) / m.path
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(ROOT / m.path, dst)
+                for path, _, _ in m.alt:
+                    if (ROOT / path).exists():
+                        (Path(d) / path).parent.mkdir(parents=True, exist_ok=True)
+                        shutil.copy(ROOT / path, Path(d) / path)
                 apply(Path(d), m)
         for m in chosen:
             print(f"{m.id:28} {m.path}: {m.old}  ->  {m.new}\n{'':28} tests: {' '.join(m.tests)}")
@@ -343,9 +383,9 @@ def main(argv=None) -> int:
     tree = a.dir / "tree"
     refresh_tree(tree)
     for m in chosen:      # every line is where the list says, before anything runs
-        (tree / m.path).write_text(apply(tree, m))
+        put_back(tree, m, apply(tree, m))
     if a.baseline:        # the chosen mutations' tests pass on the unmutated copy
-        tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
+        tests = list(dict.fromkeys(t for m in chosen for t in tests_here(tree, m)))
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                             "--no-header", "-rfEs", *tests], cwd=tree)
         return p.returncode

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,7 +157,19 @@ def test_forks_remaps_unmaps_and_madvise_during_the_fill(churn):
     assert ev["forks"] >= 1 and ev["remaps"] >= 1 and ev["unmaps"] >= 1 and ev["faults"] >= 1, ev
 
 
-def test_gpusnap_killed_mid_fill_takes_the_job_with_it(churn):
+@pytest.fixture
+def private_tmpdir(monkeypatch):
+    """A TMPDIR of the test's own: any other restore on the machine removes the work
+    directories that dead restores left in a shared one (what a test may look for). Short:
+    CRIU's and gpusnap's unix sockets live in it."""
+    d = tempfile.mkdtemp(prefix="gs-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", d)
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_gpusnap_killed_mid_fill_takes_the_job_with_it(churn, private_tmpdir):
     """Without the watcher the kernel would zero-fill what was not copied yet and the job
     would run on with wrong memory; with it, the job dies, and the snapshot restores again."""
     job = churn()

@@ -311,7 +311,9 @@ def run_one(tree: Path, m: Mutation, timeout: float) -> tuple[str, list[str], fl
     try:
         args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
                 "--no-header", "-rfE", *tests_here(tree, m)]
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+        # every gpusnap the tests start imports the copy's code, the .venv's console script
+        # (an editable install of the checkout) included
+        env = {**os.environ, "PYTHONPATH": str(tree)}
         # its own session: on a timeout or an interrupt, pytest and every job it started go
         p = subprocess.Popen(args, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                              start_new_session=True)
@@ -387,7 +389,7 @@ def main(argv=None) -> int:
     if a.baseline:        # the chosen mutations' tests pass on the unmutated copy
         tests = list(dict.fromkeys(t for m in chosen for t in tests_here(tree, m)))
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                            "--no-header", "-rfEs", *tests], cwd=tree)
+                            "--no-header", "-rfEs", *tests], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
         return p.returncode
     t_all = time.monotonic()
     for n, m in enumerate(chosen, 1):

@@ -374,7 +374,7 @@ def main(argv=None) -> int:
                         shutil.copy(ROOT / path, Path(d) / path)
                 apply(Path(d), m)
         for m in chosen:
-            print(f"{m.id:28} {m.path}: {m.old}  ->  {m.new}\n{'':28} tests: {' '.join(m.tests)}")
+            print(f"{m.id:28} {m.where}: {m.old}  ->  {m.new}\n{'':28} tests: {' '.join(m.tests)}")
         return 0
     # a TERM unwinds like Ctrl-C: the mutated line is put back, pytest and its jobs are killed
     signal.signal(signal.SIGTERM, signal.default_int_handler)

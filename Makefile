@@ -4,7 +4,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup install uninstall demo test test-fast bench completions fresh-machine clean
+.PHONY: setup install uninstall demo test test-fast bench completions fresh-machine clean mutate
 
 setup:
 	@bash scripts/setup.sh
@@ -31,6 +31,11 @@ bench: setup
 
 completions: setup
 	@$(PY) scripts/gen_completions.py
+
+# the mutation check: each one-line break of an integrity, locking, retention or guardian check
+# must fail the tests that name it (scripts/mutate.py; its table is in docs/testing.md)
+mutate: setup
+	@$(PY) scripts/mutate.py
 
 # the README's first command on bare Debian 12 and 13 chroots (what .ci/run checks first)
 fresh-machine:

@@ -20,6 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 GPUSNAP = [PY, "-m", "gpusnap"]
 
+# A suite started in the background of a script (`make test &`: POSIX shells make background
+# jobs ignore SIGINT) would pass the ignored SIGINT on to every gpusnap it runs, and the tests
+# that interrupt a dump with SIGINT, as Ctrl-C on a terminal does, would see it finish (exit 0).
+# The tests run gpusnap as a terminal would: SIGINT handled (exec resets a handler to default).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def pytest_collection_modifyitems(config, items):
     if os.geteuid() != 0:

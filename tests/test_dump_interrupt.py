@@ -13,6 +13,7 @@ import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
 from gpusnap.errors import Interrupted, InterruptedAfterCommit
+from restore_helpers import restore_and_finish
 
 pytestmark = pytest.mark.criu
 
@@ -30,16 +31,6 @@ def _listed(repo: Path) -> list[dict]:
     return run_json("ls", "--repo", repo)["snapshots"]
 
 
-def _restore_and_finish(job, name: str, repo: Path, expected: str) -> None:
-    job.kill()
-    restored = run_json("restore", name, "--repo", repo)
-    assert restored["pid"] == job.pid
-    try:
-        assert job.result() == expected
-    finally:
-        kill_pids(job.pids)
-
-
 def test_term_at_the_commit_point_reports_the_kept_snapshot(sample_job, repo, reference):
     expected = reference(**KW)
     job = sample_job(**KW, step_ms=20)
@@ -53,7 +44,8 @@ def test_term_at_the_commit_point_reports_the_kept_snapshot(sample_job, repo, re
     assert "no snapshot was kept" not in r.stderr
     at = job.steps_done()
     job.wait_steps(at + 3)              # the job was left running, as a finished dump leaves it
-    _restore_and_finish(job, "victim", repo, expected)
+    job.kill()
+    restore_and_finish(job, "victim", repo, expected)
 
 
 def test_int_after_the_commit_with_json_says_so_in_one_object(sample_job, repo, reference):
@@ -67,7 +59,8 @@ def test_int_after_the_commit_with_json_says_so_in_one_object(sample_job, repo, 
     assert obj["exit_code"] == 28 and obj["error"] == InterruptedAfterCommit.title
     assert "is kept" in obj["message"] and "victim-" in obj["message"]
     assert [s["name"] for s in _listed(repo)] == ["victim"]
-    _restore_and_finish(job, "victim", repo, expected)
+    job.kill()
+    restore_and_finish(job, "victim", repo, expected)
 
 
 def test_hup_after_the_commit_with_exit_stops_the_job_and_keeps_the_snapshot(sample_job, repo, reference):
@@ -80,7 +73,8 @@ def test_hup_after_the_commit_with_exit_stops_the_job_and_keeps_the_snapshot(sam
     job.popen.wait(timeout=30)          # the snapshot is safe, so --exit's stop was carried out
     assert not job.alive()
     assert [s["name"] for s in _listed(repo)] == ["victim"]
-    _restore_and_finish(job, "victim", repo, expected)
+    job.kill()
+    restore_and_finish(job, "victim", repo, expected)
 
 
 def test_term_after_the_commit_says_retention_did_not_run(sample_job, repo):

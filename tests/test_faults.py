@@ -265,8 +265,8 @@ def test_signal_at_every_point_of_a_dump(job, tmp_path, sig):
             next_dumps_restored=led.restored_next, snapshots_restored=restored, exit_codes=codes)
 
 
-def test_issue_8_repro_term_when_the_index_appears(job, tmp_path):
-    """The issue's own repro, with real timing and no hook: SIGTERM to the dump the moment
+def test_term_the_moment_the_index_appears_loses_nothing_named(job, tmp_path):
+    """With real timing and no hook: SIGTERM to the dump the moment
     its index file shows up in index/. Wherever the signal lands, nothing named is lost:
     verify is clean, and the next dump, which reuses the victim's pages when its index
     stayed, restores to the right result."""

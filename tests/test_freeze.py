@@ -16,19 +16,11 @@ import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.repo.pipeline import staging as st
+from restore_helpers import restore_and_finish
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 KW = dict(steps=300, mb=96, threads=3)
-
-
-def _restore_and_finish(job, snapshot, repo, expected):
-    restored = run_json("restore", snapshot, "--repo", repo)
-    assert restored["pid"] == job.pid
-    try:
-        assert job.result() == expected
-    finally:
-        kill_pids(job.pids)
 
 
 def _dump_and_check(job, repo, budget: str) -> dict:
@@ -53,7 +45,7 @@ def test_tiny_budget_spills_to_a_file_and_the_restored_job_finishes_identically(
     at = job.steps_done()
     job.wait_steps(at + 5)                      # it runs on after the dump
     job.kill()
-    _restore_and_finish(job, info["snapshot"], repo, expected)
+    restore_and_finish(job, info["snapshot"], repo, expected)
 
 
 def test_large_budget_stages_in_memory_only_and_inspect_shows_the_freeze(sample_job, repo, reference):
@@ -69,7 +61,7 @@ def test_large_budget_stages_in_memory_only_and_inspect_shows_the_freeze(sample_
     text = run_gpusnap("inspect", info["snapshot"], "--repo", repo, check=True).stdout
     assert f"job stood frozen {info['frozen_seconds']:.2f} s" in text
     job.kill()
-    _restore_and_finish(job, info["snapshot"], repo, expected)
+    restore_and_finish(job, info["snapshot"], repo, expected)
 
 
 def test_ingest_during_the_stream_through_few_reused_slots_restores_identically(sample_job, repo, reference):
@@ -85,7 +77,7 @@ def test_ingest_during_the_stream_through_few_reused_slots_restores_identically(
     assert stg["overlap"] is True and stg["staged_bytes"] == info["bytes_raw"]
     assert stg["memory_peak"] <= stg["budget"] and stg["spilled_bytes"] > 0
     job.kill()
-    _restore_and_finish(job, info["snapshot"], repo, expected)
+    restore_and_finish(job, info["snapshot"], repo, expected)
 
 
 def test_peak_memory_is_bounded_by_the_staging_budget(sample_job, repo):
@@ -214,5 +206,5 @@ def test_a_gate_on_a_path_with_a_space_still_protects_the_pages(sample_job, repo
     job.wait_steps(5)
     info = run_json("dump", job.pid, "--repo", repo, env={"GPUSNAP_GATE": str(gate)})
     job.kill()
-    _restore_and_finish(job, info["snapshot"], repo, expected)
+    restore_and_finish(job, info["snapshot"], repo, expected)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -318,19 +319,41 @@ def test_permutation_on_same_machine_pairs_or_nothing(n, data):
         assert len(pairs) == n and {p[1] for p in pairs} == {g["uuid"] for g in gpus}
 
 
+def _expected_outcome(olds, news) -> tuple[str, str]:
+    """What a map of the snapshot's two GPUs onto this machine's two must give, worked out
+    independently of remap.py: (outcome, what the message says)."""
+    for o, n in zip(olds, news):                          # each pair, in the order given
+        if o not in ("0", "1"):
+            return "UsageError", f"{o!r} is not a GPU of the snapshot"
+        if n not in ("0", "1"):
+            return "UsageError", f"{n!r} is not a GPU of this machine"
+    if len(set(news)) < len(news):
+        return "GpuMismatch", "two of the snapshot's GPUs"
+    if len(olds) < 2:                                     # a GPU of the snapshot left unmapped
+        return "GpuMismatch", "the snapshot's GPU(s) #"
+    return "ok", ""
+
+
 def test_exhaustive_small_maps_never_crash():
-    """Every map over 2+2 GPUs either yields a bijection or a GpusnapError, nothing else."""
+    """Every map over 2+2 GPUs either yields a bijection or the refusal it must give (the
+    exception class and its reason), nothing else; each kind of outcome is met."""
     rec = recorded(OLD2, [[0xA0, 0xA1]])
     toks = ["0", "1", "2"]
+    seen = {"ok": 0, "UsageError": 0, "GpuMismatch": 0}
     for k in range(3):
         for olds in itertools.permutations(toks, k):
             for news in itertools.product(toks, repeat=k):
                 spec = ",".join(f"{o}={n}" for o, n in zip(olds, news))
-                try:
+                want, says = _expected_outcome(olds, news)
+                seen[want] += 1
+                if want == "ok":
                     pairs = check_restore_compat(rec, machine(*NEW2), spec)
-                except (GpuMismatch, UsageError):
-                    continue
-                assert len({n for _, n in pairs}) == len(pairs) == 2
+                    assert len({n for _, n in pairs}) == len(pairs) == 2, spec
+                    assert dict(pairs) == {U(0xA0 + int(o)): U(0xB0 + int(n)) for o, n in zip(olds, news)}, spec
+                else:
+                    with pytest.raises(GpuMismatch if want == "GpuMismatch" else UsageError, match=re.escape(says)):
+                        check_restore_compat(rec, machine(*NEW2), spec)
+    assert seen == {"ok": 4, "UsageError": 51, "GpuMismatch": 9}, seen
 
 
 # ---------------------------------------------------------------- the dump's other recorded shape

@@ -6,9 +6,13 @@ import ctypes
 import mmap
 import os
 import random
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from gpusnap.criu.materialize import _is_tmpfs
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
@@ -60,7 +64,22 @@ def _write_packs(root, direct: str, monkeypatch, target=9 << 20, n=2600) -> dict
     return {ph.hex(): pack_path(repo.path, ph) for ph, _ in done}
 
 
-def test_direct_packs_match_buffered_ones_and_skip_the_page_cache(tmp_path, monkeypatch):
+@pytest.fixture
+def disk_dir(tmp_path):
+    """A private directory on a filesystem with a page cache of its own (not tmpfs, which
+    keeps every file in the page cache, so that residency would say nothing): tmp_path where
+    it is one, else /var/tmp, else the checkout's own filesystem (Debian 13's /tmp is tmpfs)."""
+    for base in (tmp_path, Path("/var/tmp"), ROOT):
+        if base.is_dir() and not _is_tmpfs(base):
+            d = Path(tempfile.mkdtemp(prefix="gpusnap-direct-", dir=base))
+            yield d
+            shutil.rmtree(d, ignore_errors=True)
+            return
+    pytest.fail("no directory here is on a filesystem other than tmpfs (tried the test's tmp dir, /var/tmp "
+                f"and {ROOT})")
+
+
+def test_direct_packs_match_buffered_ones_and_skip_the_page_cache(tmp_path, disk_dir, monkeypatch):
     pd = _write_packs(tmp_path / "direct", "1", monkeypatch)
     pb = _write_packs(tmp_path / "buffered", "0", monkeypatch)
     assert len(pd) >= 2 and sorted(pd) == sorted(pb)
@@ -71,9 +90,8 @@ def test_direct_packs_match_buffered_ones_and_skip_the_page_cache(tmp_path, monk
         sizes.append(len(data))
     # packs that take several buffers, and tails that are not block-aligned (padding cut back)
     assert max(sizes) > 2 * packout.DirectBuffer.SIZE and all(n % 4096 for n in sizes), sizes
-    if _is_tmpfs(tmp_path):
-        pytest.skip("tmpfs keeps every file in the page cache: residency says nothing there")
-    pd, pb = _write_packs(tmp_path / "direct2", "1", monkeypatch), _write_packs(tmp_path / "buffered2", "0", monkeypatch)
+    assert not _is_tmpfs(disk_dir)
+    pd, pb = _write_packs(disk_dir / "direct2", "1", monkeypatch), _write_packs(disk_dir / "buffered2", "0", monkeypatch)
     os.sync()
     for name in pd:      # not read since written: direct packs never entered the page cache
         assert _resident_pages(pd[name]) <= 1
@@ -104,7 +122,7 @@ def test_a_filesystem_refusing_the_alignment_falls_back_to_buffered(tmp_path, mo
         assert _resident_pages(got[name]) > 0          # written through the page cache
 
 
-def test_writes_refused_by_both_flushers_at_once_fall_back_together(tmp_path, monkeypatch):
+def test_writes_refused_by_both_flushers_at_once_fall_back_together(disk_dir, monkeypatch):
     """Every O_DIRECT write is refused (the bounce buffers start one byte off alignment), and
     each pack's first writes go to the disk from two flusher threads at once: whichever is
     refused second finds the pack already switched to buffered and writes again. Several
@@ -116,14 +134,13 @@ def test_writes_refused_by_both_flushers_at_once_fall_back_together(tmp_path, mo
         whole.release()
         self.io = packout._Flusher(self.views, 2)
     monkeypatch.setattr(packout.DirectBuffer, "__init__", skewed)
-    got = _write_packs(tmp_path / "skewed", "1", monkeypatch)
-    want = _write_packs(tmp_path / "ref", "0", monkeypatch)
+    got = _write_packs(disk_dir / "skewed", "1", monkeypatch)
+    want = _write_packs(disk_dir / "ref", "0", monkeypatch)
     assert len(got) >= 2 and sorted(got) == sorted(want)
     assert max(os.path.getsize(p) for p in got.values()) > 2 * packout.DirectBuffer.SIZE
     for name in got:
         assert got[name].read_bytes() == want[name].read_bytes()
-        if not _is_tmpfs(tmp_path):
-            assert _resident_pages(got[name]) > 0      # written through the page cache
+        assert _resident_pages(got[name]) > 0          # written through the page cache
 
 
 @pytest.mark.parametrize("direct", ["0", "1"])

@@ -357,8 +357,7 @@ def test_exit_dump_sigkilled_after_criu_job_runs_on(tmp_path, fake, jobs, cuda):
     wait_for(log.exists, 30, "guardian log")
     assert "job resumed" in log.read_text()
     ls = gpusnap(fake, "ls", "--repo", repo, "--json")
-    if ls.returncode == 0:
-        assert not json.loads(ls.stdout).get("snapshots")
+    assert ls.returncode == 0 and json.loads(ls.stdout)["snapshots"] == [], ls.stdout + ls.stderr
 
 
 # ------------------------------------------------------------------ device files without a CUDA context
@@ -466,11 +465,11 @@ def test_interrupt_only_mode_requested_from_criu(tmp_path, fake, jobs):
     """Item 9: the plugin finds CRIU's exported set_compel_interrupt_only_mode and calls it, so
     a --freeze-cgroup dump would still seize with ptrace (the restore thread must run)."""
     import shutil as _sh
-    criu_bin = Path("/usr/local/sbin/criu").resolve() if Path("/usr/local/sbin/criu").exists() else None
+    criu_bin = Path(_sh.which("criu", path="/usr/local/sbin:/usr/sbin:/sbin") or "criu").resolve()
     nm = _sh.which("nm")
-    if criu_bin and nm:
-        syms = subprocess.run([nm, "-D", str(criu_bin)], capture_output=True, text=True).stdout
-        assert " set_compel_interrupt_only_mode" in syms
+    assert criu_bin.is_file() and nm, "the set-up installs CRIU (/usr/local/sbin/criu) and binutils (nm)"
+    syms = subprocess.run([nm, "-D", str(criu_bin)], capture_output=True, text=True, check=True).stdout
+    assert " set_compel_interrupt_only_mode" in syms
     job = start(jobs, tmp_path / "job")
     job.declare_cuda(fake)
     r = criu_dump(job.pid, tmp_path / "img", env_for(fake, tmp_path))

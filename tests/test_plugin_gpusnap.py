@@ -12,6 +12,8 @@ import subprocess
 
 import pytest
 
+from gpusnap.errors import GpuCheckpointFailed
+
 from jobs.cuda_like import expected_digest
 from plugin_helpers import (CUDA_ERROR_TIMEOUT, CUDA_ERROR_UNKNOWN, ROOT, FakeCuda, Job, ensure_built,
                             require_environment, thread_state, tracer_pid, wait_for)
@@ -98,12 +100,12 @@ def test_gpusnap_dump_gpu_failure(tmp_path, fake, job, call, rc, exit_):
     fake.fail(call, rc)
     repo = tmp_path / "repo"
     r = gpusnap(fake, "dump", job.pid, "--repo", repo, "--json", *(["--exit"] if exit_ else []))
-    assert r.returncode != 0
+    assert r.returncode == GpuCheckpointFailed.exit_code, r.stdout + r.stderr
     err = json.loads(r.stdout)
-    assert "CUDA" in err["message"] or "GPU" in err["message"], err
+    assert err["message"].startswith("the CUDA plugin could not checkpoint a GPU process; the job was left "
+                                     "running and unlocked"), err
     assert fake.state(job.pid) == "running"
     ls = gpusnap(fake, "ls", "--repo", repo, "--json")
-    if ls.returncode == 0:
-        assert not json.loads(ls.stdout).get("snapshots")
+    assert ls.returncode == 0 and json.loads(ls.stdout)["snapshots"] == [], ls.stdout + ls.stderr
     running_free(job)
     check_result(job)

@@ -143,8 +143,7 @@ def test_other_uid(repo):
     except KeyError:
         pytest.skip("no user nobody")
     p = subprocess.Popen(["sleep", "120"], user=nobody, stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        time.sleep(0.1)
+    try:                      # (Popen returns once `sleep` is exec'd: nothing to wait for)
         doc, res = _agree(p.pid, repo)
         if preflight.has_cap(preflight.CAP_SYS_RESOURCE):
             assert res.returncode == 0

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from gpusnap.errors import RepositoryLocked
+from gpusnap.errors import RepositoryError, RepositoryLocked
 from gpusnap.repo import Repository
 
 HOLD = """
@@ -67,3 +67,35 @@ def test_prune_waits_for_no_reader(tmp_path):
                 pass
     with repo.readers_lock(exclusive=True):                 # free again once they are done
         pass
+
+
+@pytest.mark.parametrize("change", ["mode 0666", "owned by nobody"])
+def test_lock_file_another_user_could_swap_is_refused(tmp_path, change):
+    """locks/writer writable by others or owned by another user: root would take (and truncate)
+    a file someone else controls; the lock is refused and says which file."""
+    repo = Repository.open(tmp_path / "r", create=True)
+    with repo.writer_lock():
+        pass
+    lock = repo.path / "locks" / "writer"
+    if change == "mode 0666":
+        os.chmod(lock, 0o666)
+    else:
+        os.chown(lock, 65534, 65534)
+    with pytest.raises(RepositoryError, match="locks/writer is (writable by|owned by uid 65534)"):
+        with Repository.open(repo.path).writer_lock():
+            pass
+
+
+def test_hard_linked_lock_file_is_refused_and_its_other_name_untouched(tmp_path):
+    """locks/writer a hard link to another file (the writer lock truncates its file)."""
+    repo = Repository.open(tmp_path / "r", create=True)
+    victim = tmp_path / "precious"
+    victim.write_text("keep me")
+    os.chmod(victim, 0o600)
+    (repo.path / "locks").mkdir(exist_ok=True)
+    (repo.path / "locks" / "writer").unlink(missing_ok=True)
+    os.link(victim, repo.path / "locks" / "writer")
+    with pytest.raises(RepositoryError, match="locks/writer has 2 hard links"):
+        with Repository.open(repo.path).writer_lock():
+            pass
+    assert victim.read_text() == "keep me"

@@ -305,3 +305,18 @@ def test_prune_forget_and_retention_share_one_lock_policy(tmp_path):
     finally:
         os.close(fd)
     assert len(prune_mod.run(repo, keep_last=1)["snapshots_deleted"]) == 4
+
+
+def test_prune_keeps_a_pack_that_holds_only_data_a_kept_snapshot_needs(tmp_path):
+    """Snapshots of data images only (no pages): each pack holds nothing but data blobs, so
+    what decides whether it stays is whether a kept snapshot uses them."""
+    repo = Repository.open(tmp_path / "repo", create=True)
+    imgs = [os.urandom(30000) for _ in range(3)]
+    for img in imgs:
+        dump(repo, {"core-1.img": img}, compress="none")
+    res = execute_prune(repo, plan_prune(snapshots_info(repo), 1))
+    assert len(res["snapshots_deleted"]) == 2 and res["packs_deleted"] >= 2
+    repo = Repository.open(repo.path)
+    [kept] = repo.snapshots()
+    assert read_all(kept, "core-1.img") == imgs[-1]
+    assert verify(repo).ok

@@ -186,8 +186,8 @@ def public_dir():
 @root_only
 @pytest.mark.criu
 @pytest.mark.parametrize("attack", ["locks", "tmp"])
-def test_issue_repro_as_nobody_cannot_borrow_roots_hands(tmp_path, sample_job, attack, public_dir):
-    """The issue's repros: a repository a normal user can write, the user plants a symlink,
+def test_a_link_planted_in_a_user_writable_repository_is_refused_to_root(tmp_path, sample_job, attack, public_dir):
+    """A repository a normal user can write, the user plants a symlink,
     root's next prune / dump --keep-last refuses (exit 14) and the victim is untouched."""
     repo = public_dir / "repo"
     run_gpusnap("init", "--repo", repo, check=True)

@@ -40,13 +40,53 @@ def sleeper(tmp_path):
     p.wait()
 
 
-def _cron_command(path) -> str:
-    """The command part of the one job line of a cron.d file (what cron hands to sh -c)."""
-    lines = [ln for ln in open(path).read().splitlines() if ln and not ln.startswith("#") and "=" not in ln.split()[0]]
+def _cron_line(path) -> tuple[dict[str, str], str, str]:
+    """(the file's variables, the user named on its one job line, the command cron hands to
+    the shell) of a cron.d file."""
+    text = open(path).read().splitlines()
+    env = dict(ln.split("=", 1) for ln in text if ln and not ln.startswith("#") and "=" in ln.split()[0])
+    lines = [ln for ln in text if ln and not ln.startswith("#") and "=" not in ln.split()[0]]
     assert len(lines) == 1, lines
     fields = lines[0].split(None, 6)
-    assert fields[5] == "root"
-    return fields[6]
+    return env, fields[5], fields[6]
+
+
+def _cron_command(path) -> str:
+    """The command part of the one job line of a cron.d file (what cron hands to sh -c)."""
+    _, user, cmd = _cron_line(path)
+    assert user == "root"
+    return cmd
+
+
+def _run_as_cron(path, fault: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The job line of a cron.d file run as cron runs it: an empty environment but for what
+    cron sets (HOME, LOGNAME, and the file's own SHELL and PATH), its SHELL -c the command,
+    from /, as the user the line names; nothing of the test's environment (GPUSNAP_*_DIR,
+    PYTHONPATH). `fault` is the one thing added: a GPUSNAP_FAULT hook (docs/faults.md)."""
+    variables, user, cmd = _cron_line(path)
+    assert {"SHELL", "PATH"} <= set(variables), variables
+    pw = pwd.getpwnam(user)
+    env = {"HOME": pw.pw_dir, "LOGNAME": user, **variables}
+    if fault:
+        env["GPUSNAP_FAULT"] = fault
+    as_user = [] if pw.pw_uid == os.geteuid() else ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}",
+                                                    "--init-groups"]
+    argv = ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *as_user, variables["SHELL"], "-c", cmd]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd="/", env={})
+
+
+@pytest.fixture
+def installed_gpusnap(tmp_path, monkeypatch):
+    """This checkout installed as `gpusnap` (what `make install` puts in /usr/local/bin: an
+    executable that runs this code whatever the caller's environment), first on PATH, so that
+    `schedule add` writes it on the cron line and the line runs the code under test."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    exe = d / "gpusnap"
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH={ROOT} exec {PY} -m gpusnap "$@"\n')
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
+    return exe
 
 
 # -- intervals and cron expressions ---------------------------------------------------------
@@ -281,13 +321,13 @@ def test_no_scheduler_is_a_doctor_warning(sched_env, tmp_path):
     assert checks["scheduler"]["status"] == "warn" and "cron" in checks["scheduler"]["fix"]
 
 
-def test_job_gone_is_reported_after_runs_in_a_row(sched_env, tmp_path):
+def test_job_gone_is_reported_after_runs_in_a_row(sched_env, installed_gpusnap, tmp_path):
     """The exact cron command, run for real: the job does not exist, each run logs a JSON
     line 'no-job' and exits 5; after GONE_AFTER runs `ls` and `doctor` say the job is gone."""
     s = schedule.add("gone", f"no-such-job-{os.getpid()}-xyz", every="30m", user="root", repo=tmp_path / "repo")
-    cmd = _cron_command(s.path)
+    assert _cron_command(s.path).startswith(f"{installed_gpusnap} ")
     for i in range(schedule.GONE_AFTER):
-        p = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env={**os.environ, "PATH": "/usr/bin:/bin"})
+        p = _run_as_cron(s.path)
         assert p.returncode == 5, (p.stdout, p.stderr)
     lines = open(s.log).read().splitlines()
     recs = [json.loads(ln) for ln in lines]
@@ -305,7 +345,7 @@ def test_job_gone_is_reported_after_runs_in_a_row(sched_env, tmp_path):
 
 
 @pytest.mark.criu
-def test_the_cron_command_dumps_keeps_the_last_n_and_logs_json(sched_env, sample_job, repo):
+def test_the_cron_command_dumps_keeps_the_last_n_and_logs_json(sched_env, installed_gpusnap, sample_job, repo):
     job = sample_job(steps=400, mb=8, threads=1, step_ms=20)
     job.wait_steps(3)
     marker = f"gpusnap.samples.job {job.out}"
@@ -314,9 +354,9 @@ def test_the_cron_command_dumps_keeps_the_last_n_and_logs_json(sched_env, sample
     assert p.returncode == 0, p.stderr
     s = schedule.load("sched")
     assert s.uid == 0
-    cmd = _cron_command(s.path)
+    assert _cron_command(s.path).startswith(f"{installed_gpusnap} ")
     for _ in range(3):
-        r = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=120)
+        r = _run_as_cron(s.path)
         assert r.returncode == 0, r.stderr
     recs = [json.loads(ln) for ln in open(s.log).read().splitlines()]
     assert [r["outcome"] for r in recs] == ["ok"] * 3
@@ -356,7 +396,8 @@ def test_not_root_gets_an_error_not_a_traceback(tmp_path):
     assert not os.path.exists("/etc/gpusnap-test-not-writable")
 
 
-def test_a_run_interrupted_after_the_commit_logs_the_kept_snapshot(sched_env, sample_job, repo, reference):
+def test_a_run_interrupted_after_the_commit_logs_the_kept_snapshot(sched_env, installed_gpusnap, sample_job, repo,
+                                                                   reference):
     """A TERM after the commit point (fault hook, docs/faults.md): the log line says the
     snapshot is kept (not "failed"), names it, and that snapshot restores to the result of an
     uninterrupted run."""
@@ -368,8 +409,8 @@ def test_a_run_interrupted_after_the_commit_logs_the_kept_snapshot(sched_env, sa
                     "--every", "5m", "--repo", repo, env=sched_env)
     assert p.returncode == 0, p.stderr
     s = schedule.load("cut")
-    r = subprocess.run(["sh", "-c", _cron_command(s.path)], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "GPUSNAP_FAULT": "commit:snapshot-renamed:TERM"})
+    assert _cron_command(s.path).startswith(f"{installed_gpusnap} ")
+    r = _run_as_cron(s.path, fault="commit:snapshot-renamed:TERM")
     assert r.returncode == 28, r.stderr
     [rec] = [json.loads(ln) for ln in open(s.log).read().splitlines()]
     assert rec["outcome"] == "interrupted-after-commit" and rec["exit_code"] == 28

@@ -52,6 +52,7 @@ from gpusnap.criu import uffd
 from gpusnap.criu.lazyplan import LazyPlan, Mm
 from gpusnap.criu.lazywatch import descendants, kill_tree
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError
+from gpusnap.repo.faults import fault
 from gpusnap.system import proc
 
 PAGE = 4096
@@ -167,6 +168,8 @@ class LazyDaemon:
             if st is not None and (pid, st.starttime) not in self._told:
                 self._told.add((pid, st.starttime))
                 self._tell(b"K" + struct.pack("<iQ", pid, st.starttime))
+                if st.ppid == os.getpid() and pid != self.root:
+                    fault("lazy:watcher-told-adopted")    # (test hook: one that left the tree is known)
 
     def _tell(self, msg: bytes, fd: int | None = None) -> None:
         """Hand the watcher a message (and a descriptor). Failing to is fatal: without the

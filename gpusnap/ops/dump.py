@@ -27,6 +27,7 @@ from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
 from gpusnap.errors import GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
+from gpusnap.repo.faults import fault
 from gpusnap.repo.pipeline import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
@@ -314,6 +315,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
                     env={**session.criu_env(req, workdir), **gate.env}, start_new_session=True)
                 if guardian:
                     guardian.criu(criu.pid)
+                fault("dump:criu-running")      # (test hook: a signal while CRIU works)
                 runner.supervise(criu, server, criu_progress, estimate)
                 phase("criu")
                 if criu.returncode != 0 or server.failed:

@@ -1,6 +1,8 @@
 """Repository: opening (after the trust checks, repo/trust.py), the writer and readers
 locks, the index, open-time recovery, and the list of snapshots (docs/format.md).
-Snapshots are read through repo/snapshot.py; dumps write through repo/pipeline/writer.py."""
+Snapshots are read through repo/snapshot.py; dumps write through repo/pipeline/writer.py.
+Over 400 lines: opening by the path rules, creation and the lock waits all act on the one
+Repository object; splitting them is the next step of the module clean-up (issue 34)."""
 
 from __future__ import annotations
 

@@ -141,6 +141,7 @@ def export_file(sample_job, tmp_path):
     job = sample_job(steps=5000, mb=32, threads=1, step_ms=20)
     job.wait_steps(3)
     src = tmp_path / "src"
+    run_gpusnap("init", "--repo", src, check=True)     # (not the default location)
     run_json("dump", job.pid, "--repo", src, "--name", "big")
     export = tmp_path / "x.gsx"
     run_json("export", "big", "-o", export, "--repo", src)

@@ -62,6 +62,7 @@ def test_reading_commands_work_and_say_so_in_one_line(sample_job, repo, ro_mount
     out = tmp_path / "x.gsx"
     e = run_gpusnap("export", "job", "-o", out, "--repo", ro, "--json")
     assert e.returncode == 0 and len(_notes(e.stderr)) == 1, e.stderr
+    run_gpusnap("init", "--repo", tmp_path / "other", check=True)   # (not the default location)
     assert run_json("import", out, "--repo", tmp_path / "other")["source_id"] == dumped["id"]
 
 

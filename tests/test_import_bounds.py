@@ -199,7 +199,7 @@ def test_writer_lock_held_elsewhere_does_not_stop_the_checking_pass(tmp_path):
     target = Repository.open(tmp_path / "b", create=True)
     with target.writer_lock():
         p1 = run_gpusnap("import", tmp_path / "bad.gsx", "--repo", target.path)
-        p2 = run_gpusnap("import", tmp_path / "good.gsx", "--repo", target.path)
+        p2 = run_gpusnap("import", tmp_path / "good.gsx", "--repo", target.path, "--lock-wait", "0")
     assert p1.returncode == BadExportFile.exit_code, p1.stderr
     assert p2.returncode == RepositoryLocked.exit_code, p2.stderr
 

@@ -22,6 +22,7 @@ from rich.table import Table
 from gpusnap.ops.dump import DumpRequest, dump
 from gpusnap.errors import GpusnapError
 from gpusnap.ops.restore import restore
+from gpusnap.repo.repository import Repository
 
 console = Console(highlight=False)
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpusnap-demo-"))
     repo = args.repo or work / "repo"
     try:
+        # the demo's own repository, made here as `gpusnap init` would (dump makes none outside
+        # the default location, so that a mistyped --repo is an error)
+        Repository.open(repo, create=True)
         console.rule("[bold]gpusnap demo")
         console.print(f"sample job: {args.mb} MiB of memory (random, repetitive, zeroed, sparse), "
                       f"3 threads, a child over pipes, a growing log; {args.steps} steps")

@@ -3,6 +3,8 @@
 #   slurmd slurmctld slurm-client munge  a one-machine Slurm cluster (tests/test_slurm.py)
 #   redis-server                         a real server dumped while serving (sockets tests)
 #   zsh fish                             the shell completions are loaded in each shell
+#   tmux screen                          terminal jobs restored into panes (test_restore_terminal)
+#   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
 # Their services are never started or enabled by this: the tests start their own instances on
 # 127.0.0.1 and stop them by PID.
@@ -11,7 +13,8 @@ say() { printf '\033[1m[test-deps]\033[0m %s\n' "$*"; }
 
 want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
-         /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish; do
+         /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
+         /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron; do
   [ -x "${t%%:*}" ] || want+=("${t#*:}")
 done
 zdtm() {
@@ -39,7 +42,7 @@ trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
 # On a systemd machine the packages enabled their units for the next boot: only those just installed.
 if [ -d /run/systemd/system ]; then
   for p in "${want[@]}"; do
-    case $p in slurmd|slurmctld|munge|redis-server) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
+    case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
   done
 fi
 rm -f "$log"

@@ -36,6 +36,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def checkout_bin(where: Path) -> Path:
+    """A directory holding `gpusnap`: an executable that runs this checkout's code whatever the
+    caller's environment, as `make install`'s /usr/local/bin/gpusnap does for the installed copy
+    (put first on PATH, it is also what `schedule add` writes on a cron line)."""
+    d = where / "bin"
+    d.mkdir(exist_ok=True)
+    exe = d / "gpusnap"
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH={ROOT} exec {PY} -m gpusnap "$@"\n')
+    exe.chmod(0o755)
+    return d
+
+
 _nobody_probe: list[str] = []
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, kill_pids, run_gpusnap, run_json
+from conftest import PY, ROOT, checkout_bin, kill_pids, run_gpusnap, run_json
 from gpusnap.system import proc
 
 pytestmark = pytest.mark.criu
@@ -74,13 +74,8 @@ def _crash(init: int) -> None:
 
 
 def checkout_gpusnap(tmp_path: Path) -> str:
-    """A PATH whose `gpusnap` (what a schedule's command line runs) is this checkout's, whatever
-    else is installed on the machine or the venv's entry point imports."""
-    b = tmp_path / "bin"
-    b.mkdir(exist_ok=True)
-    (b / "gpusnap").write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} exec {PY} -m gpusnap \"$@\"\n")
-    (b / "gpusnap").chmod(0o755)
-    return f"{b}:{os.environ['PATH']}"
+    """A PATH whose `gpusnap` (what a schedule's command line runs) is this checkout's."""
+    return f"{checkout_bin(tmp_path)}:{os.environ['PATH']}"
 
 
 def _sched_env(tmp_path: Path) -> dict:

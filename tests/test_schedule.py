@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import PY, ROOT, kill_pids, require_nobody_can_run, run_gpusnap, run_json
+from conftest import PY, ROOT, checkout_bin, kill_pids, require_nobody_can_run, run_gpusnap, run_json
 from gpusnap.ops import cronexpr, schedule, validate
 from gpusnap.errors import ProcessNotFound, UsageError
 
@@ -80,11 +80,8 @@ def installed_gpusnap(tmp_path, monkeypatch):
     """This checkout installed as `gpusnap` (what `make install` puts in /usr/local/bin: an
     executable that runs this code whatever the caller's environment), first on PATH, so that
     `schedule add` writes it on the cron line and the line runs the code under test."""
-    d = tmp_path / "bin"
-    d.mkdir()
+    d = checkout_bin(tmp_path)
     exe = d / "gpusnap"
-    exe.write_text(f'#!/bin/sh\nPYTHONPATH={ROOT} exec {PY} -m gpusnap "$@"\n')
-    exe.chmod(0o755)
     monkeypatch.setenv("PATH", f"{d}:{os.environ['PATH']}")
     return exe
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUSNAP, ROOT
+from conftest import GPUSNAP, PY, ROOT
 
 from gpusnap.ops import doctor
 from gpusnap.system import paths, preflight
@@ -567,3 +567,27 @@ def test_doctor_and_dump_agree_on_capabilities_without_root(caps, ready):
     finally:
         job.kill()
         job.wait()
+
+
+def test_doctor_says_whether_the_repository_is_there(tmp_path, monkeypatch):
+    """`doctor --repo TYPO` said `ok` (only the filesystem was checked): now it warns with the
+    same path and `gpusnap init` hint that every command's exit 14 gives; a directory that is
+    no repository fails; a real one is ok; the default location not made yet is information."""
+    def check(*args, env=None):
+        p = subprocess.run([PY, "-m", "gpusnap", "doctor", "--json", *args], capture_output=True, text=True,
+                           env={**os.environ, **(env or {})})
+        return {c["name"]: c for c in json.loads(p.stdout)["checks"]}["repository"]
+
+    typo = tmp_path / "repo-typo"
+    c = check("--repo", str(typo))
+    assert c["status"] == "warn" and str(typo) in c["detail"] and f"gpusnap init --repo {typo}" in c["fix"]
+    dump = subprocess.run([PY, "-m", "gpusnap", "ls", "--repo", str(typo)], capture_output=True, text=True)
+    assert dump.returncode == 14 and str(typo) in dump.stderr and not typo.exists()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    c = check("--repo", str(tmp_path / "other"))
+    assert c["status"] == "fail" and c["exit_code"] == 14, c
+    subprocess.run([PY, "-m", "gpusnap", "init", "--repo", str(tmp_path / "real")], check=True, capture_output=True)
+    assert check("--repo", str(tmp_path / "real"))["status"] == "ok"
+    c = check(env={"GPUSNAP_REPO": str(tmp_path / "default-to-be")})
+    assert c["status"] == "info" and "first dump" in c["detail"]

@@ -393,8 +393,31 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     _check_schedules(r)
     r.add("tmux", *terminal.doctor_check())
     if repo is not None:
+        _check_repository(r, repo)
         _check_repository_fs(r, repo)
     return r
+
+
+def _check_repository(r: DoctorReport, repo: Path) -> None:
+    """Is there a repository where this user's commands will look (a typo in --repo says so
+    here too, never `ok`); a missing one at the default location is made by the first dump."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.repo import locate
+    from gpusnap.repo.repository import Repository
+
+    if not os.path.lexists(repo):
+        if locate.is_default(repo):
+            r.add("repository", "info", f"none yet at {repo}: the first dump, run or import makes it")
+        else:
+            r.add("repository", "warn", f"no gpusnap repository at {repo}",
+                  f"`gpusnap init --repo {repo}` creates one there; or check the path (--repo, $GPUSNAP_REPO)")
+        return
+    try:
+        Repository.open(repo)
+    except GpusnapError as e:
+        r.add("repository", "fail", e.message, e.hint, e.exit_code)
+        return
+    r.add("repository", "ok", f"gpusnap repository at {repo}")
 
 
 def _check_repository_fs(r: DoctorReport, repo: Path) -> None:

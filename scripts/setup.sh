@@ -35,6 +35,9 @@ done
 [ -f /etc/ssl/certs/ca-certificates.crt ] || pkgs+=(ca-certificates)
 # gpusnap doctor finds the peers of a job's unix sockets with ss
 command -v ss >/dev/null 2>&1 || pkgs+=(iproute2)
+# a job that had a terminal, restored from none (cron, a script, --json), gets its pane in a
+# new tmux session (gpusnap/ops/restore_terminal.py)
+command -v tmux >/dev/null 2>&1 || pkgs+=(tmux)
 [ -x /usr/bin/python3 ] || pkgs+=(python3)
 /usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || pkgs+=(python3-venv)
 compgen -G '/usr/share/cargo/registry/blake3-*/c/blake3.c' >/dev/null || pkgs+=(librust-blake3-dev)

@@ -184,7 +184,10 @@ def test_corrupt_pack_refuses_restore_and_starts_nothing(sample_job, repo):
     steps_before = job.steps_done()
     proc = run_gpusnap("restore", info["snapshot"])
     assert proc.returncode == CorruptSnapshot.exit_code, proc.stderr
-    assert pack.name[:12] in proc.stderr and "fails its checksum" in proc.stderr, proc.stderr
+    # which check catches the flipped bit depends on where it lands: the codec (the
+    # compressed stream no longer decodes) or the blake3 id of the decoded pages
+    assert pack.name[:12] in proc.stderr, proc.stderr
+    assert "fails its checksum" in proc.stderr or "cannot decompress" in proc.stderr, proc.stderr
     # CRIU killed the half-built tree before it ran: each of its processes is gone (or a
     # zombie) once the SIGKILL is through, and the job's log did not move
     from gpusnap.system.proc import exists

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from conftest import GPUSNAP, ROOT, kill_pids, run_json
+from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
 from flock_helpers import wait_until_blocked
 from gpusnap.errors import AccessDenied
 from gpusnap.system import hostlock

@@ -33,14 +33,14 @@ def network_lock() -> tuple[list[str] | None, str]:
     with libnftables (`criu check --feature nftables`)."""
     if _exe("iptables"):
         return [], "iptables"
-    from gpusnap.criu import runner
+    from gpusnap.criu import config, runner
 
     try:
         criu = runner.criu_info().path
     except GpusnapError:
         return None, "CRIU is missing"
     try:
-        rc = subprocess.run([criu, "check", "--feature", "nftables"], capture_output=True,
+        rc = subprocess.run(config.argv(criu, "check", "--feature", "nftables"), env=config.environ(), capture_output=True,
                             timeout=30).returncode
     except (OSError, subprocess.SubprocessError):
         rc = 1

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpusnap.criu import config as criu_config
 from gpusnap.criu import runner
 from gpusnap.ops import doctor_gpu
 from gpusnap.system import paths, preflight, terminal
@@ -90,7 +91,7 @@ has_cap = preflight.has_cap
 def _run(cmd: list[str], timeout: float) -> tuple[int, str]:
     """(exit status, stdout + stderr) of a diagnostic command; never raises."""
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=criu_config.environ())
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {timeout:.0f} s"
     except OSError as e:
@@ -120,7 +121,7 @@ def _check_criu_check(r: DoctorReport, criu: str, root_like: bool) -> None:
     if not root_like:
         r.add("criu check", "warn", "skipped: needs root", "run gpusnap doctor as root")
         return
-    rc, out = _run([criu, "check"], timeout=90)
+    rc, out = _run(criu_config.argv(criu, "check"), timeout=90)
     lines = [ln.strip() for ln in out.splitlines() if ln.strip()]
     # CRIU always logs this when root lacks CAP_SYS_RESOURCE; the capability check covers it
     noise = re.compile(r"RLIMIT_NOFILE", re.I)
@@ -155,12 +156,21 @@ def _check_privileges(r: DoctorReport) -> bool:
     return root_like
 
 
+def _check_criu_config(r: DoctorReport) -> None:
+    """CRIU configuration files a plain `criu` would read; gpusnap's CRIU reads none."""
+    found = criu_config.files()
+    if found:
+        r.add("criu config", "info", f"{', '.join(found)} exist: gpusnap runs CRIU with "
+              "--no-default-config and without $CRIU_CONFIG_FILE, so their options are not applied "
+              "(gpusnap chooses every option itself; `dump --json` lists them as criu_options)")
+
+
 def _check_dirty_tracking(r: DoctorReport, criu: str | None, root_like: bool) -> None:
     why = "gpusnap does not need it: incremental dumps dedup pages by content"
     if not (criu and root_like):
         r.add("soft-dirty tracking", "info", f"not checked; {why}")
         return
-    rc, out = _run([criu, "check", "--feature", "mem_dirty_track"], timeout=30)
+    rc, out = _run(criu_config.argv(criu, "check", "--feature", "mem_dirty_track"), timeout=30)
     if rc == 0:
         r.add("soft-dirty tracking", "ok", f"available ({why})")
     else:
@@ -244,6 +254,7 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     root_like = _check_privileges(r)
     if criu:
         _check_criu_check(r, criu[0], root_like)
+    _check_criu_config(r)
     _check_dirty_tracking(r, criu and criu[0], root_like)
     _check_page_library(r)
     _check_gate(r)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from gpusnap.criu import config as criu_config
 from gpusnap.criu import runner
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
 from gpusnap.repo.pipeline import staging as staging_mod
@@ -139,7 +140,8 @@ def _plugin_failure(log: Path) -> list[str]:
 def criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str], n_gpu: int = 0) -> list[str]:
     from gpusnap.gpu import limits
 
-    args = ["dump", "-t", str(req.pid), "-D", str(workdir), "--stream",
+    # no CRIU configuration file adds options unseen (gpusnap/criu/config.py)
+    args = ["dump", *criu_config.ARGS, "-t", str(req.pid), "-D", str(workdir), "--stream",
             "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4",
             # CRIU's freeze deadline covers the plugin's locks (one setting: the lock timeout)
             "--timeout", str(limits.criu_freeze_timeout_s(limits.lock_timeout_ms(req.lock_timeout_ms), n_gpu))]
@@ -151,7 +153,7 @@ def criu_args(req: DumpRequest, workdir: Path, log: Path, options: list[str], n_
 
 
 def criu_env(req: DumpRequest, workdir: Path) -> dict[str, str]:
-    env = dict(os.environ)
+    env = criu_config.environ()
     env["GPUSNAP_LEAVE_RUNNING"] = "1" if req.leave_running else "0"
     env["GPUSNAP_CUDA_REPORT"] = str(workdir / "cuda-report")
     from gpusnap.gpu import limits

@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from gpusnap.criu import config as criu_config
 from gpusnap.criu import runner
 from gpusnap.ops import restore_interrupt
 from gpusnap.repo.faults import fault
@@ -103,10 +104,10 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
     old_ttou = signal.signal(signal.SIGTTOU, signal.SIG_IGN) if tty is not None else None
     try:
         criu = subprocess.Popen(
-            [info.path, "restore", "-D", str(images), *stream, "--restore-detached",
-             "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags],
+            criu_config.argv(info.path, "restore", "-D", str(images), *stream, "--restore-detached",
+             "--pidfile", str(pidfile), "--libdir", str(paths.plugin_dir()), "-o", str(log), "-v4", *flags),
             stdin=subprocess.DEVNULL if tty is None else tty, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, env=env, pass_fds=inherited_fds(flags), **where)
+            stderr=subprocess.DEVNULL, env=criu_config.environ(env), pass_fds=inherited_fds(flags), **where)
     finally:
         if old_ttou is not None:
             signal.signal(signal.SIGTTOU, old_ttou)

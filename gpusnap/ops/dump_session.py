@@ -213,14 +213,23 @@ def kill_tree(pids: list[int]) -> None:
             pass
 
 
-def resume_tree(pids: list[int]) -> None:
-    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report."""
+def resume_tree(pids: list[int], tcp: list[dict] | None = None, criu_log: Path | None = None) -> list[str]:
+    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report.
+    CRIU's network lock on the tree's connections goes first (a stopped dump keeps it for a
+    restore; a job that runs on needs its connections): the connections it could not free."""
+    failed: list[str] = []
+    if tcp:
+        from gpusnap.criu import netlock_rules
+
+        failed = netlock_rules.lift(tcp)
+        netlock_rules.lift_table(netlock_rules.run_id(criu_log) if criu_log else None)
+        netlock_rules.repair_off(pids)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-
+    return failed
 
 
 def finish_with_progress(server: CaptureServer, progress: Progress) -> None:

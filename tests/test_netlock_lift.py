@@ -55,7 +55,10 @@ def wait_running(pid: int, timeout: float = 60) -> None:
     ("--exit", "commit:start:KILL", -9),      # gpusnap dies: the guardian resumes the job
     ("--exit", "commit:start:TERM", 130),     # gpusnap gives the job back itself
     ("--exit", "dump:criu-running:KILL", -9),  # CRIU's stream breaks: CRIU unwinds
+    ("--exit", "dump:criu-running:TERM", 130),
+    ("--exit", "commit:snapshot-renamed:KILL", -9),  # committed, but the guardian never heard it
     ("", "dump:criu-running:KILL", -9),        # the default mode, killed while CRIU works
+    ("", "dump:criu-running:INT", 130),
 ])
 def test_a_dump_that_does_not_end_the_job_leaves_its_connections_unlocked(scene, repo, mode, fault, code):
     port = scene.server()

@@ -195,16 +195,3 @@ def repair_off(pids: Iterable[int]) -> int:
         finally:
             os.close(pidfd)
     return len(done)
-
-
-def criu_running() -> bool:
-    """A CRIU process runs on this machine (a dump in progress holds its rules rightly)."""
-    for n in os.listdir("/proc"):
-        if n.isdigit():
-            try:
-                with open(f"/proc/{n}/comm") as f:
-                    if f.read().strip() == "criu":
-                        return True
-            except OSError:
-                continue
-    return False

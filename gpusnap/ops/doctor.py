@@ -286,10 +286,7 @@ def _check_network_locks(r: DoctorReport, repo: Path | None, unlock: bool) -> No
     except GpusnapError:
         repository = None
     if unlock:
-        lifted, failed, busy = netlock_sweep.unlock_stale(repository)
-        if busy:
-            r.add("network lock", "warn", "nothing lifted: CRIU runs now, and a dump in progress holds its "
-                  "connections locked rightly", "run `gpusnap doctor --unlock-network` again when it has ended")
+        lifted, failed = netlock_sweep.unlock_stale(repository)
         if lifted:
             r.add("network lock", "fail" if failed else "ok",
                   f"lifted CRIU's network lock on {len(lifted) - len(failed)} connection(s)"
@@ -299,15 +296,14 @@ def _check_network_locks(r: DoctorReport, repo: Path | None, unlock: bool) -> No
         r.add("network lock", "info", f"{netlock_sweep.describe(c)} is locked for snapshot {snap} (`dump --exit`): "
               "its restore brings the connection back", "forget the snapshot, or restore it with --tcp-close, "
               "to lift it")
+    for c in busy:
+        r.add("network lock", "info", f"{netlock_sweep.describe(c)} is locked by a dump in progress (its "
+              "process is stopped or traced)")
     where = f"no snapshot in {repo}" if repository is not None else "no snapshot of this repository"
     for c in stale:     # one line each: every one of them cuts a connection
-        if busy:
-            r.add("network lock", "info", f"{netlock_sweep.describe(c)} is locked while CRIU runs: a dump in "
-                  "progress may hold it; run doctor again when it has ended")
-        else:
-            r.add("network lock", "warn", f"CRIU's network lock blackholes {netlock_sweep.describe(c)}, which "
-                  f"{where} needs", "`gpusnap doctor --unlock-network` lifts it (unless a snapshot in another "
-                  "repository still needs it: then restore or forget it there)")
+        r.add("network lock", "warn", f"CRIU's network lock blackholes {netlock_sweep.describe(c)}, which "
+              f"{where} needs", "`gpusnap doctor --unlock-network` lifts it (unless a snapshot in another "
+              "repository still needs it: then restore or forget it there)")
 
 
 def _check_repository(r: DoctorReport, repo: Path) -> None:

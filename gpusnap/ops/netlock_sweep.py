@@ -57,30 +57,53 @@ def after_removal(before: list, after: list) -> list[str]:
     return notes
 
 
-def survey(repo) -> tuple[list[tuple[dict[str, str], str]], list[dict[str, str]], bool]:
-    """(rules held for a snapshot of `repo`: (conn, snapshot dir), stale rules, a CRIU runs)."""
+def _in_dump(conns: list[dict[str, str]]) -> set[tuple]:
+    """The connections whose socket a stopped or traced process holds: a dump in progress
+    (CRIU working, or a `--exit` tree waiting for its commit) locked them rightly."""
+    from gpusnap.system import proc, sockets
+
+    rows = []
+    for name in ("tcp", "tcp6"):
+        try:
+            rows += sockets.parse_proc_net_tcp(open(f"/proc/net/{name}").read())
+        except OSError:
+            continue
+    want = {netlock_rules.key(c) for c in conns}
+    inodes = {r["inode"]: k for r in rows if r["inode"] and (k := netlock_rules.key(r)) in want}
+    busy = set()
+    for ino, (pid, _) in sockets.who_holds(set(inodes)).items():
+        st = proc.read_stat(pid)
+        if st is not None and (st.state in ("T", "t") or proc.tracer(pid)):
+            busy.add(inodes[ino])
+    return busy
+
+
+def survey(repo) -> tuple[list[tuple[dict[str, str], str]], list[dict[str, str]], list[dict[str, str]]]:
+    """(rules held for a snapshot of `repo`: (conn, snapshot dir), stale rules, rules of a
+    dump in progress)."""
     present = netlock_rules.present()
     if not present:
-        return [], [], False
+        return [], [], []
     needed = _exit_conns(repo.snapshots()) if repo is not None else {}
-    held, stale = [], []
+    held, loose = [], []
     for c in present:
         hit = needed.get(netlock_rules.key(c))
         if hit:
             held.append((c, hit[1]))
         else:
-            stale.append(c)
-    return held, stale, netlock_rules.criu_running()
+            loose.append(c)
+    busy = _in_dump(loose) if loose else set()
+    return (held, [c for c in loose if netlock_rules.key(c) not in busy],
+            [c for c in loose if netlock_rules.key(c) in busy])
 
 
-def unlock_stale(repo) -> tuple[list[dict[str, str]], list[str], bool]:
-    """`doctor --unlock-network`: lift every stale rule (none while a CRIU runs: a dump in
-    progress holds its rules rightly). -> (lifted, could not, held back because CRIU runs)."""
-    _, stale, busy = survey(repo)
-    if busy or not stale:
-        return [], [], busy and bool(stale)
-    failed = netlock_rules.lift(stale)
-    return stale, failed, False
+def unlock_stale(repo) -> tuple[list[dict[str, str]], list[str]]:
+    """`doctor --unlock-network`: lift every stale rule (never those of a dump in progress).
+    -> (lifted, could not)."""
+    _, stale, _ = survey(repo)
+    if not stale:
+        return [], []
+    return stale, netlock_rules.lift(stale)
 
 
 def describe(c: dict[str, str]) -> str:

@@ -98,14 +98,9 @@ def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
     """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock;
     prune.retain takes the rest through prune's one lock policy). Returns (snapshot ids
     deleted, warnings: unreadable entries skipped, data kept because of them). Raises on failure."""
-    from gpusnap.ops import netlock_sweep
-    from gpusnap.repo.maint import prune as prune_mod
+    from gpusnap.ops import forget
 
-    before = repo.snapshots()
-    deleted, warnings = prune_mod.retain(repo, name, keep_last)
-    if deleted:   # CRIU's network lock held only for a deleted `--exit` snapshot
-        warnings += netlock_sweep.after_removal(before, repo.snapshots())
-    return deleted, warnings
+    return forget.retain(repo, name, keep_last)
 
 
 def retention_error(result: "DumpResult") -> GpusnapError | None:
@@ -381,11 +376,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
                 if snap is None:
                     writer.abort()
                 if stopped:  # CRIU succeeded but storing failed: give the job back, its network too
-                    unfreed = session.resume_tree(pids, plan.tcp, log)
-                    exc = sys.exc_info()[1]
-                    if unfreed and isinstance(exc, GpusnapError):
-                        exc.message += ("; CRIU's network lock on " + ", ".join(unfreed) + " could not be "
-                                        "lifted (`gpusnap doctor --unlock-network`)")
+                    session.resume_tree(pids, plan.tcp, log, sys.exc_info()[1])
                 if snap is None and criu is not None and criu.returncode is not None:
                     # CRIU does not tell the plugin of every failure (a failed post-dump gate
                     # reaches it as success): whatever the plugin says, settle the GPU side here

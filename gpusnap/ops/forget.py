@@ -144,6 +144,19 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
     return res
 
 
+def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
+    """A dump's --keep-last (gpusnap/repo/maint/prune.py retain), then the network locks only
+    the deleted snapshots needed: (snapshot ids deleted, warnings and notes)."""
+    from gpusnap.ops import netlock_sweep
+    from gpusnap.repo.maint import prune as prune_mod
+
+    before = repo.snapshots()
+    deleted, warnings = prune_mod.retain(repo, name, keep_last)
+    if deleted:
+        warnings += netlock_sweep.after_removal(before, repo.snapshots())
+    return deleted, warnings
+
+
 def prune(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False):
     """`gpusnap prune` (gpusnap/repo/maint/prune.py), then the network locks that only the
     deleted snapshots needed (gpusnap/ops/netlock_sweep.py): a PruneResult, with "notes"."""

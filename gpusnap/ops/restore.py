@@ -269,7 +269,7 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established", "--file-locks"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
     conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]

@@ -308,20 +308,22 @@ def _check_unix(plan: Plan, pids: list[int], inodes: set[int]) -> None:
     if rc != 0:
         plan.add("unix sockets", "info", f"ss failed: {out.strip()[:200]}")
         return
-    rows = [s for s in parse_ss_unix(out) if s["inode"] in inodes]
-    ext = [s for s in rows if s["peer"] and s["peer"] not in inodes]
-    if not ext:
+    from gpusnap.system import unixpeers
+
+    ext = unixpeers.external(parse_ss_unix(out), inodes)
+    refused = [e for e in ext if e.reason]
+    if refused:
+        plan.add("unix sockets", "fail", f"{len(refused)} unix socket(s) connected to a process outside the tree: "
+                 + "; ".join(f"{e.describe()}: {e.reason}" for e in refused[:5]) + "; the job was not touched",
+                 "close them before the dump (e.g. don't log to journald/syslog via a stream socket; redirect "
+                 "stdout to a file), or dump the tree that holds both ends")
         return
-    holders = sockets.who_holds({s["peer"] for s in ext})
-    items = []
-    for s in ext[:5]:
-        h = holders.get(s["peer"])
-        who = f"{h[1]} (pid {h[0]})" if h else "a process outside the tree"
-        items.append(f"{s['type']} {s['path'] or '(unnamed)'} → {who}")
-    plan.add("unix sockets", "fail", f"{len(ext)} unix socket(s) connected to a process outside the tree: "
-             + "; ".join(items) + "; CRIU cannot restore the other end, so it refuses them",
-             "close them before the dump (e.g. don't log to journald/syslog via a socket; redirect stdout "
-             "to a file), or dump the tree that holds both ends")
+    if ext:
+        plan.option(unixpeers.EXT_OPTION)
+        plan.add("unix sockets", "info", f"{len(ext)} datagram socket(s) connected to a daemon outside the tree: "
+                 + "; ".join(e.describe() for e in ext[:5]) + f": dumped with {unixpeers.EXT_OPTION}, and the "
+                 "restore connects them to the same address again",
+                 "the daemon must be listening at that address when the job is restored")
 
 
 def _check_locks(plan: Plan, pids: list[int]) -> None:

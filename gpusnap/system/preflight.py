@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.criu import netlock
-from gpusnap.system import filelocks, proc, sockets
+from gpusnap.system import filelocks, proc, sockets, sysvipc
 # re-exported: doctor and its tests read these here
 from gpusnap.system.sockets import decode_addr, parse_proc_net_tcp, parse_ss_unix  # noqa: F401
 from gpusnap.errors import CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound, UsageError
@@ -196,6 +196,8 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
     _check_terminal(plan, pids)
     _check_sockets(plan, pids, tcp_established)
     _check_locks(plan, pids)
+    for status, detail, fix in sysvipc.check(pids):
+        plan.add("SysV IPC", status, detail, fix)
     return plan
 
 

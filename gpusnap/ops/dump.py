@@ -48,6 +48,7 @@ class DumpRequest:
     compress: str = "auto"
     lock_timeout_ms: int | None = None
     tcp_established: bool = False
+    tcp_close: bool = False  # CRIU's --tcp-close: connections not dumped, restored closed
     keep_last: int | None = None  # retention for this name, applied right after the commit
     staging_budget: int | None = None  # bytes of memory staging may use (None: staging.default_budget())
     lock_wait: float | None = None  # seconds to wait for the repository's locks (None: repo/lockwait.py's default)
@@ -195,7 +196,7 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: session.Ear
 def _look(req: DumpRequest):
     """The preflight, and what the snapshot records of the job: (plan, meta, gpu facts). Again
     after a wait for the repository's writer lock: the tree may have changed meanwhile."""
-    plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
+    plan = preflight.check(req.pid, tcp_established=req.tcp_established, tcp_close=req.tcp_close).require()
     pids = plan.pids
     from gpusnap.gpu import procs as gpu_procs
 

@@ -269,13 +269,17 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk", "--tcp-close"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
     conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]
-    closed, why = netlock.restore_tcp_close(conns, tcp_close)
-    if closed:
-        flags.append("--tcp-close")
+    dumped_closed = "--tcp-close" in flags    # `dump --tcp-close`: CRIU saved no connection state
+    if dumped_closed:
+        closed, why = True, ("dumped with --tcp-close" if conns else None)
+    else:
+        closed, why = netlock.restore_tcp_close(conns, tcp_close)
+        if closed:
+            flags.append("--tcp-close")
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
@@ -324,7 +328,7 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
         pids = proc.tree(pid)
     elif pid is None:
         pid = pids[0]
-    if closed:
+    if closed and not dumped_closed:   # such a dump locked nothing
         netlock.unlock_closed(conns)
     notes = fixes.notes()
     _, unrecorded = claim.commit(pid)

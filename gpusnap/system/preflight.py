@@ -153,9 +153,10 @@ def _criu_sockets(plan: Plan, pids: list[int]) -> None:
                  runner.install_hint(info.path), CriuUnavailable)
 
 
-def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Plan:
+def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_close: bool = False) -> Plan:
     """Everything that decides whether `criu dump -t pid` can work, and with which options.
-    system: include the machine checks (privileges, CRIU); doctor shows those on its own."""
+    system: include the machine checks (privileges, CRIU); doctor shows those on its own.
+    tcp_close: CRIU's --tcp-close at dump (connections not dumped; the restore has them closed)."""
     plan = Plan(pid=pid)
     if system:
         for f in (privileges(), criu()):
@@ -194,7 +195,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
                  "start the job in a session of its own (`setsid CMD`, `gpusnap run`, or "
                  "start_new_session=True in Python); the job was not touched")
     _check_terminal(plan, pids)
-    _check_sockets(plan, pids, tcp_established)
+    _check_sockets(plan, pids, tcp_established, tcp_close)
     _check_locks(plan, pids)
     for status, detail, fix in sysvipc.check(pids):
         plan.add("SysV IPC", status, detail, fix)
@@ -259,10 +260,12 @@ def _check_terminal(plan: Plan, pids: list[int]) -> None:
                  "`gpusnap run -- CMD` starts jobs in a session of their own")
 
 
-def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
+def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool, close: bool = False) -> None:
+    if close:   # CRIU records it in the inventory, and its restore then insists on it too
+        plan.option("--tcp-close")
     inodes = set().union(*(sockets.socket_inodes(p) for p in pids)) if pids else set()
     if not inodes:
-        if force_tcp:
+        if force_tcp and not close:
             plan.option("--tcp-established")
         return
     seen_ns: set[str | None] = set()
@@ -278,13 +281,19 @@ def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
     if plan.listening:
         plan.add("TCP listen", "ok", "listening on " + ", ".join(s["local"] for s in plan.listening[:5])
                  + " (restored; the port must be free at restore time)")
-    if plan.tcp or force_tcp:
+    if plan.tcp and close:
+        plan.add("TCP", "info", f"{len(plan.tcp)} open TCP connection(s): " + ", ".join(
+                 f"{s['local']}→{s['remote']} {s['state']}" for s in plan.tcp[:5]) + "; not dumped (--tcp-close): "
+                 "no network lock, a job left running keeps them, and the restored job finds them closed",
+                 "the program must reconnect when it sees the reset")
+    elif (plan.tcp or force_tcp) and not close:
         opts, how = netlock.network_lock()
         conns = ", ".join(f"{s['local']}→{s['remote']} {s['state']}" for s in plan.tcp[:5])
         if opts is None:
             plan.add("TCP", "fail", f"{len(plan.tcp)} open TCP connection(s): {conns}; dumping them needs "
                      f"CRIU's network lock, but {how}",
-                     "install iptables (apt-get install iptables), or close the connections before the dump")
+                     "install iptables (apt-get install iptables), close the connections before the dump, or "
+                     "dump with --tcp-close (not dumped; the restored job finds them closed)")
         else:
             plan.option("--tcp-established")
             plan.option(*opts, restore=False)  # CRIU records the lock method in its inventory

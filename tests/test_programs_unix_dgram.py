@@ -141,3 +141,36 @@ def test_stream_to_a_daemon_is_refused_untouched(tmp_path, repo):
         job.kill()
         job.wait()
         srv.close()
+
+
+def test_restore_without_the_daemon_names_its_address(tmp_path, repo):
+    """The daemon is gone at restore: CRIU cannot reconnect; the hint says to start the daemon
+    and names its address; once it listens there again, the restore works and it receives."""
+    d = Daemon(tmp_path)
+    out = tmp_path / "out"
+    job = subprocess.Popen([sys.executable, "-c", JOB, str(d.path), str(out), str(N)],
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    restored: list[int] = []
+    try:
+        _wait(lambda: len(d.received()) >= 20, "the job sent nothing")
+        info = run_json("dump", job.pid, "--repo", repo, "--exit")
+        job.wait(timeout=30)
+        d.close()
+        d.path.unlink()
+        res = run_gpusnap("restore", info["snapshot"], "--repo", repo, "--json")
+        assert res.returncode != 0, res.stdout
+        err = json.loads(res.stdout)
+        assert "daemon" in err["hint"] and str(d.path) in err["hint"], err
+        d.log.rename(tmp_path / "before.log")
+        d = Daemon(tmp_path)
+        restored = run_json("restore", info["snapshot"], "--repo", repo)["pids"]
+        _wait(lambda: out.exists() and out.read_text(), "the restored job did not finish")
+        assert out.read_text() == f"done {N} total={N * (N + 1) // 2}\n"
+        before = [int(x) for x in (tmp_path / "before.log").read_text().split()]
+        assert before + d.received() == list(range(1, N + 1))
+    finally:
+        kill_pids(restored)
+        if job.poll() is None:
+            job.kill()
+        job.wait()
+        d.close()

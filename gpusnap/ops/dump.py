@@ -215,11 +215,11 @@ def _look(req: DumpRequest):
         "compress": req.compress,
         # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
         "hugetlb_bytes": restore_needs.hugetlb_bytes(pids),
-        # what restore needs to judge the connections (peer still there?) and name the locks
+        # what restore needs to judge the connections (peer still there?), name the locks and daemons
         "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
         "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
-        # restored into a new PID namespace: its PIDs never clash with running processes
-        "own_pid_namespace": plan.own_pid_namespace,
+        # own PID namespace: restored into a new one, its PIDs never clash with running processes
+        "unix_peers": plan.unix_peers, "own_pid_namespace": plan.own_pid_namespace,
     }
     gpu = session.gpu_facts(pids)
     if gpu:

@@ -115,10 +115,15 @@ def _check_pids_free(pids: list[int]) -> None:
         return
     busy = proc.wait_gone(busy, PID_WAIT_SECONDS)
     if busy:
-        desc = ", ".join(f"{p} ({proc.cmdline(p)[:60] or proc.read_stat(p).comm})" for p in busy[:5]
-                         if proc.read_stat(p))
-        raise PidsInUse(f"PID(s) needed by the snapshot are in use: {desc}",
-                        hint=pids_hint(busy))
+        from gpusnap.system import zombies
+
+        dead = {st.pid for st in zombies.zombies(busy)}
+        desc = ", ".join(f"{p} ({'zombie ' + st.comm if p in dead else proc.cmdline(p)[:60] or st.comm})"
+                         for p in busy[:5] if (st := proc.read_stat(p)))
+        live = [p for p in busy if p not in dead]
+        # a zombie is gone already: "stop the job" is no advice for it, reaping is
+        hint = "; ".join(filter(None, [zombies.describe(sorted(dead)), pids_hint(live) if live else None]))
+        raise PidsInUse(f"PID(s) needed by the snapshot are in use: {desc}", hint=hint)
 
 
 def pids_hint(busy: list[int]) -> str:

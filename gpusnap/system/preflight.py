@@ -53,6 +53,7 @@ class Plan:
     tcp: list[dict[str, Any]] = field(default_factory=list)        # connections (not LISTEN)
     own_pid_namespace: bool = False  # the root is PID 1 of a namespace of its own (`gpusnap run`)
     listening: list[dict[str, Any]] = field(default_factory=list)
+    unix_peers: list[str] = field(default_factory=list)  # daemons' addresses the restore reconnects to
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
             error: type[GpusnapError] | None = None) -> Finding:
@@ -162,6 +163,12 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_c
         for f in (privileges(), criu()):
             plan.findings.append(f)
     st = proc.read_stat(pid) if pid > 0 else None
+    if st is not None and st.state == "Z":
+        from gpusnap.system import zombies
+
+        plan.add("process", "fail", f"PID {pid} ({st.comm}) is a zombie: the job has exited, nothing is left to "
+                 "snapshot", zombies.describe([pid]), ProcessNotFound)
+        return plan
     if st is None or st.state in ("Z", "X"):
         plan.add("process", "fail", f"no running process with PID {pid}",
                  "check the PID with `ps` or `gpusnap ps`; the job may have finished", ProcessNotFound)
@@ -331,6 +338,7 @@ def _check_unix(plan: Plan, pids: list[int], inodes: set[int]) -> None:
         return
     if ext:
         plan.option(unixpeers.EXT_OPTION)
+        plan.unix_peers = sorted({e.peer_path for e in ext})
         plan.add("unix sockets", "info", f"{len(ext)} datagram socket(s) connected to a daemon outside the tree: "
                  + "; ".join(e.describe() for e in ext[:5]) + f": dumped with {unixpeers.EXT_OPTION}, and the "
                  "restore connects them to the same address again",

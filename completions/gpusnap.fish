@@ -71,6 +71,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l staging-budget -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-close
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-established
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l user -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h

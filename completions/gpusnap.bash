@@ -2,8 +2,8 @@
 _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify --help --repo --version -h" ;;
-        "doctor") echo "--help --json --repo -h" ;;
-        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-established --user -h -q" ;;
+        "doctor") echo "--help --json --repo --unlock-network -h" ;;
+        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune --repo -h -n" ;;
         "import") echo "--help --json --lock-wait --repo -h" ;;

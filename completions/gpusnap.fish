@@ -56,6 +56,7 @@ complete -c gpusnap -n '__fish_use_subcommand' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
+complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l unlock-network
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l compress -x -a 'auto lz4 zstd shuffle4-zstd shuffle2-zstd none'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
@@ -70,6 +71,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l staging-budget -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-close
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l tcp-established
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l user -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h

@@ -40,7 +40,10 @@ def test_real_dump_failure_has_a_hint(tmp_path, repo):
 CRIU_LINES = {
     "Error (criu/sk-inet.c:207): Connected TCP socket, consider using --tcp-established option.": "--tcp-established",
     "Error (criu/netfilter.c:104): Iptables configuration failed": "iptables",
-    "Error (criu/sk-unix.c:874): External socket is used. Consider using --ext-unix-sk option.": "outside its tree",
+    "Error (criu/sk-unix.c:874): External socket is used. Consider using --ext-unix-sk option.": "dump again",
+    "Error (criu/sk-unix.c:892): Can't dump name-less external socket.": "nameless peer",
+    "Error (criu/cr-dump.c:478): Task 28615 with SysVIPC shmem map @7f1013134000 doesn't live in IPC ns":
+        "gpusnap run",
     "Error (criu/sk-unix.c:881): Can't dump half of stream unix connection. name: /run/x; peer name: (null)":
         "outside its tree",
     "Error (criu/file-lock.c:110): Some file locks are hold by dumping tasks! You can try --file-locks to dump them.":

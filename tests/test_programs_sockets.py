@@ -151,6 +151,34 @@ def test_tcp_close_restores_the_connection_closed(scene, repo):
     assert f"--dport {port}" not in rules and f"--sport {port}" not in rules, rules  # lock lifted
 
 
+@pytest.mark.parametrize("mode", ["running", "exit"])
+def test_dump_tcp_close_leaves_the_connection_out(scene, repo, mode):
+    """`dump --tcp-close`: CRIU saves no connection state and locks nothing, so a job left running
+    keeps talking on its connection; the restore (no flag needed) has it closed: it reconnects."""
+    port = scene.server()
+    client = scene.client(port)
+    info = run_json("dump", client.pid, "--repo", repo, "--tcp-close", *(["--exit"] if mode == "exit" else []))
+    assert "--tcp-close" in info["criu_options"] and "--tcp-established" not in info["criu_options"]
+    if mode == "running":
+        (scene.tmp / "go").touch()       # the original goes on, on its connection, undisturbed
+        assert _wait_file(scene.tmp / "out") == "done 10 resets=0"
+    client.wait(timeout=30)
+    assert proc.wait_gone([client.pid], 30) == []
+    res = run_json("restore", info["snapshot"], "--repo", repo)
+    scene.restored = res["pids"]
+    assert res["tcp_closed"] == "dumped with --tcp-close"
+    (scene.tmp / "go").touch()
+    deadline = time.monotonic() + 60
+    while "resets=1" not in (scene.tmp / "out").read_text() if (scene.tmp / "out").exists() else True:
+        assert time.monotonic() < deadline, (scene.tmp / "client.log").read_text()
+        time.sleep(0.05)
+    assert (scene.tmp / "out").read_text().splitlines()[-1] == "done 10 resets=1"
+    assert scene.connections() == 2      # the restored job reconnected
+    rules = subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout if shutil.which(
+        "iptables") else ""
+    assert f"--dport {port}" not in rules and f"--sport {port}" not in rules, rules
+
+
 def test_connection_is_closed_by_default_when_the_peer_is_gone(scene, repo):
     port = scene.server()
     client = scene.client(port)

@@ -18,13 +18,15 @@ from gpusnap.render.output import OUTPUT
 def doctor(
     pid: Optional[int] = typer.Argument(None, help="Also say what would stop a dump of this job."),
     repo: Optional[Path] = RepoOpt,
+    unlock_network: bool = typer.Option(False, "--unlock-network",
+                                        help="Lift CRIU network-lock rules that no snapshot of the repository needs."),
     json_: bool = JsonOpt,
 ) -> None:
     """Check CRIU, the kernel, permissions, the plugin, the CUDA driver and the repository's filesystem."""
     from gpusnap.ops import doctor as doctor_mod
     from gpusnap.render import machine as show
 
-    report = doctor_mod.run_doctor(pid, repo=repo_path(repo))
+    report = doctor_mod.run_doctor(pid, repo=repo_path(repo), unlock_network=unlock_network)
     OUTPUT.emit(report, lambda: show.doctor(report, OUTPUT))
     if not report.ok:
         raise typer.Exit(1)

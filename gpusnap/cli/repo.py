@@ -108,7 +108,6 @@ def prune(
     """
     from gpusnap.ops import forget as forget_mod
     from gpusnap.render import maint as show
-    from gpusnap.repo.maint import prune as prune_mod
 
     forget_mod.check_retention(keep_last, name, all_, "prune")
     if all_ and keep_last not in (None, 0):
@@ -116,7 +115,7 @@ def prune(
     if all_ and keep_last is None:
         keep_last = 0
         forget_mod.check_retention(keep_last, name, all_, "prune")
-    result = prune_mod.run(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
+    result = forget_mod.prune(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
     OUTPUT.emit(result, lambda: show.prune(result, OUTPUT))
 
 

@@ -35,6 +35,9 @@ def dump(
                                                help="How long to wait for running GPU work to drain."),
     tcp_established: bool = typer.Option(False, "--tcp-established",
                                          help="Dump established TCP connections (restore needs the same IPs)."),
+    tcp_close: bool = typer.Option(False, "--tcp-close",
+                                   help="Do not dump TCP connections: the job keeps them (no network lock), "
+                                        "the restored job finds them closed and must reconnect."),
     json_: bool = JsonOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the snapshot directory."),
     staging_budget: Optional[str] = typer.Option(
@@ -53,6 +56,8 @@ def dump(
 
     if user is not None and match is None:
         raise UsageError("--user only narrows --match")
+    if tcp_close and tcp_established:
+        raise UsageError("--tcp-close and --tcp-established contradict each other", hint="give one of them")
     target = resolve_pid(pid, match, pidfile, user, name, repo)
     budget = None
     if staging_budget is not None:
@@ -64,6 +69,7 @@ def dump(
             raise UsageError(f"--staging-budget: {e}") from None
     req = DumpRequest(pid=target, repo=repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
+                      tcp_close=tcp_close,
                       keep_last=keep_last, staging_budget=budget, lock_wait=lock_wait)
     result = with_progress(f"dumping {target}", not (json_ or quiet), lambda **kw: do_dump(req, **kw))
     OUTPUT.emit(result, lambda: show.dump(result, OUTPUT, quiet=quiet), failure=retention_error(result))

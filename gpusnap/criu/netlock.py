@@ -19,7 +19,6 @@ from typing import Any
 
 from gpusnap.errors import GpusnapError
 
-SOCCR_MARK = "0xC114"  # CRIU's libsoccr marks its own repair packets with this
 
 
 def _exe(name: str) -> str | None:
@@ -116,20 +115,8 @@ def restore_tcp_close(conns: list[dict[str, Any]], requested: bool) -> tuple[boo
 
 
 def unlock_closed(conns: list[dict[str, Any]]) -> None:
-    """Remove the iptables rules CRIU's dump left for connections restored closed (best effort:
+    """Remove the lock rules CRIU's dump left for connections restored closed (best effort:
     a rule already gone is fine)."""
-    for c in conns:
-        lip, lport = _split(c["local"])
-        rip, rport = _split(c["remote"])
-        exe = _exe("ip6tables" if ":" in lip else "iptables")
-        if not exe:
-            continue
-        for chain, src, sport, dst, dport in (("INPUT", rip, rport, lip, lport),
-                                              ("OUTPUT", lip, lport, rip, rport)):
-            cmd = [exe, "-w", "-t", "filter", "-D", chain, "--protocol", "tcp", "-m", "mark", "!", "--mark",
-                   SOCCR_MARK, "--source", src, "--sport", str(sport), "--destination", dst,
-                   "--dport", str(dport), "-j", "DROP"]
-            try:
-                subprocess.run(cmd, capture_output=True, timeout=30)
-            except (OSError, subprocess.SubprocessError):
-                pass
+    from gpusnap.criu import netlock_rules
+
+    netlock_rules.lift(conns)

@@ -140,10 +140,16 @@ DUMP_ADVICE: list[tuple[str, str]] = [
     (r"Iptables configuration failed|iptables|nftables|network.?lock|Can't lock network",
      "CRIU could not lock the job's TCP connections: it needs `iptables` (apt-get install iptables) or a "
      "CRIU built with nftables; `gpusnap doctor PID` says which is there"),
-    (r"External socket is used|half of stream unix connection|name-less external socket|unreachable peer|"
-     r"Unix socket \d+ without peer", "the job has a unix socket connected to a process outside its tree, "
-     "which CRIU cannot restore; `gpusnap doctor PID` names the peer: close that connection (journald, "
-     "syslog, a desktop bus, a database socket) or dump the tree that holds both ends"),
+    (r"half of stream unix connection|name-less external socket|unreachable peer|Unix socket \d+ without peer",
+     "the job has a unix stream connection (or a datagram socket to a nameless peer) to a process outside "
+     "its tree, which CRIU cannot restore; `gpusnap doctor PID` names the peer: close that connection "
+     "(journald, syslog, a desktop bus, a database socket) or dump the tree that holds both ends"),
+    (r"External socket is used", "the job connected a unix socket to a process outside its tree after "
+     "gpusnap's preflight looked; dump again (a datagram socket to a daemon's address is dumped with "
+     "--ext-unix-sk and reconnected on restore; `gpusnap doctor PID` says which kind it is)"),
+    (r"SysVIPC|doesn't live in IPC ns", "the job has SysV shared memory attached in the "
+     "host's IPC namespace, which CRIU cannot dump; start it with `gpusnap run -- CMD` (an IPC namespace of "
+     "its own, dumped and restored with its segments)"),
     (r"file locks are hold|--file-locks", "the job took a file lock while it was being dumped; dump again "
      "(gpusnap adds --file-locks when the job holds locks or leases)"),
     (r"Can't dump ghost file .* increase limit", "the job holds open a deleted file larger than CRIU keeps "
@@ -214,6 +220,9 @@ RESTORE_RULES = [
      "free the address, then restore again"),
     ("Can't connect inet socket back",
      "the job had TCP connections whose peer is gone; the connections cannot be re-established"),
+    ("unix: Can't connect",
+     "the job's unix datagram socket could not be connected again to the daemon outside the job it was "
+     "talking to (dumped with --ext-unix-sk): start that daemon at the same address, then restore again"),
     ("Cannot allocate memory",
      "out of memory: the restored job needs as much memory as it had at the dump (huge pages: "
      "vm.nr_hugepages); free some memory, or restore with --via stream, which holds no image files in memory"),

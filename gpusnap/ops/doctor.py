@@ -247,8 +247,9 @@ def _check_pid(r: DoctorReport, pid: int, probe: gdriver.DriverProbe) -> None:
 
 # ---------------------------------------------------------------- entry point
 
-def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport:
-    """All system checks, plus what would stop a dump of `pid` when one is given."""
+def run_doctor(pid: int | None = None, repo: Path | None = None, unlock_network: bool = False) -> DoctorReport:
+    """All system checks, plus what would stop a dump of `pid` when one is given; with
+    `unlock_network`, first lift CRIU network-lock rules no snapshot of `repo` needs."""
     r = DoctorReport(pid=pid)
     criu = _check_criu(r)
     root_like = _check_privileges(r)
@@ -269,7 +270,40 @@ def run_doctor(pid: int | None = None, repo: Path | None = None) -> DoctorReport
     if repo is not None:
         _check_repository(r, repo)
         _check_repository_fs(r, repo)
+    _check_network_locks(r, repo, unlock_network)
     return r
+
+
+def _check_network_locks(r: DoctorReport, repo: Path | None, unlock: bool) -> None:
+    """CRIU's per-connection lock rules: held for a `dump --exit` snapshot (a restore needs
+    them), or stale (they blackhole a connection; gpusnap/ops/netlock_sweep.py)."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops import netlock_sweep
+    from gpusnap.repo.repository import Repository
+
+    try:
+        repository = Repository.open(repo) if repo is not None and os.path.isdir(repo) else None
+    except GpusnapError:
+        repository = None
+    if unlock:
+        lifted, failed = netlock_sweep.unlock_stale(repository)
+        if lifted:
+            r.add("network lock", "fail" if failed else "ok",
+                  f"lifted CRIU's network lock on {len(lifted) - len(failed)} connection(s)"
+                  + (f"; could not on {', '.join(failed)}" if failed else ""))
+    held, stale, busy = netlock_sweep.survey(repository)
+    for c, snap in held:
+        r.add("network lock", "info", f"{netlock_sweep.describe(c)} is locked for snapshot {snap} (`dump --exit`): "
+              "its restore brings the connection back", "forget the snapshot, or restore it with --tcp-close, "
+              "to lift it")
+    for c in busy:
+        r.add("network lock", "info", f"{netlock_sweep.describe(c)} is locked by a dump in progress (its "
+              "process is stopped or traced)")
+    where = f"no snapshot in {repo}" if repository is not None else "no snapshot of this repository"
+    for c in stale:     # one line each: every one of them cuts a connection
+        r.add("network lock", "warn", f"CRIU's network lock blackholes {netlock_sweep.describe(c)}, which "
+              f"{where} needs", "`gpusnap doctor --unlock-network` lifts it (unless a snapshot in another "
+              "repository still needs it: then restore or forget it there)")
 
 
 def _check_repository(r: DoctorReport, repo: Path) -> None:

@@ -48,6 +48,7 @@ class DumpRequest:
     compress: str = "auto"
     lock_timeout_ms: int | None = None
     tcp_established: bool = False
+    tcp_close: bool = False  # CRIU's --tcp-close: connections not dumped, restored closed
     keep_last: int | None = None  # retention for this name, applied right after the commit
     staging_budget: int | None = None  # bytes of memory staging may use (None: staging.default_budget())
     lock_wait: float | None = None  # seconds to wait for the repository's locks (None: repo/lockwait.py's default)
@@ -98,9 +99,9 @@ def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
     """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock;
     prune.retain takes the rest through prune's one lock policy). Returns (snapshot ids
     deleted, warnings: unreadable entries skipped, data kept because of them). Raises on failure."""
-    from gpusnap.repo.maint import prune as prune_mod
+    from gpusnap.ops import forget
 
-    return prune_mod.retain(repo, name, keep_last)
+    return forget.retain(repo, name, keep_last)
 
 
 def retention_error(result: "DumpResult") -> GpusnapError | None:
@@ -195,7 +196,7 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: session.Ear
 def _look(req: DumpRequest):
     """The preflight, and what the snapshot records of the job: (plan, meta, gpu facts). Again
     after a wait for the repository's writer lock: the tree may have changed meanwhile."""
-    plan = preflight.check(req.pid, tcp_established=req.tcp_established).require()
+    plan = preflight.check(req.pid, tcp_established=req.tcp_established, tcp_close=req.tcp_close).require()
     pids = plan.pids
     from gpusnap.gpu import procs as gpu_procs
 
@@ -214,11 +215,11 @@ def _look(req: DumpRequest):
         "compress": req.compress,
         # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
         "hugetlb_bytes": restore_needs.hugetlb_bytes(pids),
-        # what restore needs to judge the connections (peer still there?) and name the locks
+        # what restore needs to judge the connections (peer still there?), name the locks and daemons
         "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
         "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
-        # restored into a new PID namespace: its PIDs never clash with running processes
-        "own_pid_namespace": plan.own_pid_namespace,
+        # own PID namespace: restored into a new one, its PIDs never clash with running processes
+        "unix_peers": plan.unix_peers, "own_pid_namespace": plan.own_pid_namespace,
     }
     gpu = session.gpu_facts(pids)
     if gpu:
@@ -280,7 +281,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
                     from gpusnap.ops.guardian import Guardian
 
                     guardian = Guardian(pids, workdir / "cuda-report", session.gpu_candidates(gpu),
-                                        log=Path(repo.path) / "logs" / "guardian.log")
+                                        log=Path(repo.path) / "logs" / "guardian.log", tcp=plan.tcp, criu_log=log)
                 phase("preflight")
                 spill_dir = repo.path / "tmp"
                 staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
@@ -375,8 +376,8 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
             finally:
                 if snap is None:
                     writer.abort()
-                if stopped:  # CRIU succeeded but storing failed: give the job back
-                    session.resume_tree(pids)
+                if stopped:  # CRIU succeeded but storing failed: give the job back, its network too
+                    session.resume_tree(pids, plan.tcp, log, sys.exc_info()[1])
                 if snap is None and criu is not None and criu.returncode is not None:
                     # CRIU does not tell the plugin of every failure (a failed post-dump gate
                     # reaches it as success): whatever the plugin says, settle the GPU side here

@@ -213,14 +213,26 @@ def kill_tree(pids: list[int]) -> None:
             pass
 
 
-def resume_tree(pids: list[int]) -> None:
-    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report."""
+def resume_tree(pids: list[int], tcp: list[dict] | None = None, criu_log: Path | None = None,
+                error: BaseException | None = None) -> None:
+    """SIGCONT the tree CRIU left stopped; the GPU side is settled from the plugin's report.
+    CRIU's network lock on the tree's connections goes first (a stopped dump keeps it for a
+    restore; a job that runs on needs its connections); what it could not free is added to
+    `error`, the dump's failure."""
+    if tcp:
+        from gpusnap.criu import netlock_rules
+
+        failed = netlock_rules.lift(tcp)
+        netlock_rules.lift_table(netlock_rules.run_id(criu_log) if criu_log else None)
+        netlock_rules.repair_off(pids)
+        if failed and isinstance(error, GpusnapError):
+            error.message += (f"; CRIU's network lock on {', '.join(failed)} could not be lifted "
+                              "(`gpusnap doctor --unlock-network`)")
     for pid in pids:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-
 
 
 def finish_with_progress(server: CaptureServer, progress: Progress) -> None:

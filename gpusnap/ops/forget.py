@@ -29,10 +29,11 @@ class ForgetResult:
     forgotten: list[dict] = field(default_factory=list)   # {"dir", "id", "name", "created"}
     kept: list[str] = field(default_factory=list)          # snapshot directory names
     prune: dict | None = None                              # prune's result with --prune
+    notes: list[str] = field(default_factory=list)         # network locks lifted (netlock_sweep.py)
 
     def to_dict(self) -> dict:
         return {"dry_run": self.dry_run, "snapshots_forgotten": self.forgotten,
-                "snapshots_kept": self.kept, "prune": self.prune}
+                "snapshots_kept": self.kept, "prune": self.prune, "notes": self.notes}
 
 
 def check_retention(keep_last: int | None, name: str | None, all_: bool, what: str) -> None:
@@ -136,7 +137,39 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
             for s in doomed:
                 repo.remove_snapshot(s)
             sweep_logs(repo)
+        if not dry_run:   # CRIU's network lock held only for a forgotten `--exit` snapshot
+            from gpusnap.ops import netlock_sweep
+
+            res.notes = netlock_sweep.after_removal([*doomed, *kept], kept)
     return res
+
+
+def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
+    """A dump's --keep-last (gpusnap/repo/maint/prune.py retain), then the network locks only
+    the deleted snapshots needed: (snapshot ids deleted, warnings and notes)."""
+    from gpusnap.ops import netlock_sweep
+    from gpusnap.repo.maint import prune as prune_mod
+
+    before = repo.snapshots()
+    deleted, warnings = prune_mod.retain(repo, name, keep_last)
+    if deleted:
+        warnings += netlock_sweep.after_removal(before, repo.snapshots())
+    return deleted, warnings
+
+
+def prune(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False):
+    """`gpusnap prune` (gpusnap/repo/maint/prune.py), then the network locks that only the
+    deleted snapshots needed (gpusnap/ops/netlock_sweep.py): a PruneResult, with "notes"."""
+    from gpusnap.ops import netlock_sweep
+    from gpusnap.repo.maint import prune as prune_mod
+
+    before = repo.snapshots() if not dry_run else []
+    result = prune_mod.run(repo, keep_last=keep_last, name=name, dry_run=dry_run)
+    if not dry_run:
+        notes = netlock_sweep.after_removal(before, repo.snapshots())
+        if notes:
+            result["notes"] = notes
+    return result
 
 
 def sweep_logs(repo) -> int:

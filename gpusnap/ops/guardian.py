@@ -12,7 +12,9 @@ terminal or process group reaches it) and keeps the write end of a pipe to it:
 
 End of file without "C" or "D" means gpusnap died: the guardian waits until CRIU is gone
 (or no process of the tree is traced any more), then SIGCONTs the tree and brings its CUDA
-processes back to RUNNING (restore and unlock). Processes are recognised by their start
+processes back to RUNNING (restore and unlock), after lifting CRIU's network lock on the
+tree's TCP connections (gpusnap/criu/netlock_rules.py), which a stopped dump leaves in place
+for a restore and which would blackhole a job that runs on. Processes are recognised by their start
 time, so a recycled PID is never signalled.
 """
 
@@ -42,7 +44,8 @@ def _start_time(pid: int) -> int | None:
 class Guardian:
     """gpusnap's end: start() before CRIU, tell it CRIU's pid, then committed() or done()."""
 
-    def __init__(self, pids: list[int], report: Path, cuda: list[int], log: Path | None = None):
+    def __init__(self, pids: list[int], report: Path, cuda: list[int], log: Path | None = None,
+                 tcp: list[dict] | None = None, criu_log: Path | None = None):
         r, self._w = os.pipe()
         os.set_inheritable(r, True)
         args = [sys.executable, "-m", "gpusnap.ops.guardian", "--fd", str(r), "--report", str(report),
@@ -50,6 +53,10 @@ class Guardian:
                 "--cuda", ",".join(map(str, cuda)) or "-"]
         if log:
             args += ["--log", str(log)]
+        if tcp:
+            args += ["--tcp", ",".join(f"{c['local']}>{c['remote']}" for c in tcp)]
+        if criu_log:
+            args += ["--criu-log", str(criu_log)]
         try:
             mid = subprocess.Popen(args, pass_fds=(r,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)
@@ -153,6 +160,14 @@ def _run(a) -> int:
                     pass
         _log(a.log, "snapshot committed; job killed as --exit asked")
         return 0
+    unfreed: list[str] = []
+    conns = [dict(zip(("local", "remote"), x.split(">", 1))) for x in (a.tcp or "").split(",") if ">" in x]
+    if conns and any(_alive_same(pid, start) for pid, start in pids.items()):
+        from gpusnap.criu import netlock_rules
+
+        unfreed = netlock_rules.lift(conns)
+        netlock_rules.lift_table(netlock_rules.run_id(a.criu_log) if a.criu_log else None)
+        netlock_rules.repair_off([p for p, s in pids.items() if _alive_same(p, s)])
     resumed = []
     for pid, start in pids.items():
         if _alive_same(pid, start):
@@ -167,6 +182,8 @@ def _run(a) -> int:
 
         problems = report.settle_after_failed_dump(report.read(a.report), [p for p in cuda if p in resumed])
     _log(a.log, f"gpusnap ended before the commit; job resumed (PIDs {resumed})"
+         + (f"; network lock lifted from {len(conns)} connection(s)" if conns and not unfreed else "")
+         + (f"; network lock NOT lifted from {', '.join(unfreed)}" if unfreed else "")
          + (f"; GPU problems: {'; '.join(problems)}" if problems else ""))
     try:
         os.unlink(a.report)
@@ -182,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda", default="-")
     ap.add_argument("--report", default="")
     ap.add_argument("--log")
+    ap.add_argument("--tcp", default="")       # LOCAL>REMOTE,...: the tree's TCP connections
+    ap.add_argument("--criu-log")
     a = ap.parse_args(argv)
     if os.fork() > 0:  # the middle process: gpusnap reaps it at once
         os._exit(0)

@@ -1,10 +1,13 @@
 """`gpusnap run [--name N] -- CMD ...`: start a job the way that snapshots best.
 
-The job gets a PID namespace and a session of its own: a minimal init (PID 1 of the new
-namespace) starts CMD, forwards signals to it, reaps orphans and exits with CMD's status.
-CRIU then dumps the whole namespace from its init, and a restore recreates it, so a
-snapshot restores beside a still-running original (a fork) and its PIDs never clash with
-processes in use. stdin is /dev/null and stdout/stderr go to files in the job directory
+The job gets a PID namespace, an IPC namespace and a session of its own: a minimal init (PID
+1 of the new namespace) starts CMD, forwards signals to it, reaps orphans and exits with
+CMD's status. CRIU then dumps the whole namespace from its init, and a restore recreates it,
+so a snapshot restores beside a still-running original (a fork) and its PIDs never clash with
+processes in use. The IPC namespace holds the job's SysV shared memory, semaphores and
+message queues: CRIU dumps it with the tree and recreates it, which it cannot do for the
+host's (gpusnap/system/sysvipc.py); the price is that the job cannot reach SysV objects of
+programs outside it. stdin is /dev/null and stdout/stderr go to files in the job directory
 REPO/jobs/N/ (not a terminal, so no --shell-job). job.json there records the name, so
 `gpusnap dump --name N`, `gpusnap schedule add --name N` and `gpusnap restore N` find it
 (gpusnap/ops/identity.py: the name follows the job through restores). The init shows as
@@ -147,9 +150,10 @@ def start(cmd: list[str], repo: Path, name: str | None = None, cwd: str | None =
     fds = [str(ready_w)] + [str(f.fileno()) for f in files]
     try:
         # --fork: unshare's child is PID 1 of the new namespace (our init); unshare waits for it.
+        # --ipc: SysV IPC the job makes is then in the snapshot (CRIU dumps a root's own IPC ns).
         # unshare's own stderr is a pipe read only if the start fails (never the job's log).
         launcher = subprocess.Popen(
-            [unshare, "--pid", "--fork", _system_python(), "-I", "-S", "-c", BOOT, name, *fds, *cmd],
+            [unshare, "--pid", "--ipc", "--fork", _system_python(), "-I", "-S", "-c", BOOT, name, *fds, *cmd],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=cwd,
             env=dict(os.environ, GPUSNAP_RUN_INIT=INIT),
             start_new_session=True, pass_fds=[ready_w, *(f.fileno() for f in files)])

@@ -115,10 +115,15 @@ def _check_pids_free(pids: list[int]) -> None:
         return
     busy = proc.wait_gone(busy, PID_WAIT_SECONDS)
     if busy:
-        desc = ", ".join(f"{p} ({proc.cmdline(p)[:60] or proc.read_stat(p).comm})" for p in busy[:5]
-                         if proc.read_stat(p))
-        raise PidsInUse(f"PID(s) needed by the snapshot are in use: {desc}",
-                        hint=pids_hint(busy))
+        from gpusnap.system import zombies
+
+        dead = {st.pid for st in zombies.zombies(busy)}
+        desc = ", ".join(f"{p} ({'zombie ' + st.comm if p in dead else proc.cmdline(p)[:60] or st.comm})"
+                         for p in busy[:5] if (st := proc.read_stat(p)))
+        live = [p for p in busy if p not in dead]
+        # a zombie is gone already: "stop the job" is no advice for it, reaping is
+        hint = "; ".join(filter(None, [zombies.describe(sorted(dead)), pids_hint(live) if live else None]))
+        raise PidsInUse(f"PID(s) needed by the snapshot are in use: {desc}", hint=hint)
 
 
 def pids_hint(busy: list[int]) -> str:
@@ -269,13 +274,17 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
         _check_pids_free(pids)
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
-    allowed = {"--shell-job", "--tcp-established", "--file-locks"}
+    allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk", "--tcp-close"}
     if not set(flags) <= allowed:  # the manifest is data, not a command line
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
     conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]
-    closed, why = netlock.restore_tcp_close(conns, tcp_close)
-    if closed:
-        flags.append("--tcp-close")
+    dumped_closed = "--tcp-close" in flags    # `dump --tcp-close`: CRIU saved no connection state
+    if dumped_closed:
+        closed, why = True, ("dumped with --tcp-close" if conns else None)
+    else:
+        closed, why = netlock.restore_tcp_close(conns, tcp_close)
+        if closed:
+            flags.append("--tcp-close")
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
@@ -324,7 +333,7 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
         pids = proc.tree(pid)
     elif pid is None:
         pid = pids[0]
-    if closed:
+    if closed and not dumped_closed:   # such a dump locked nothing
         netlock.unlock_closed(conns)
     notes = fixes.notes()
     _, unrecorded = claim.commit(pid)

@@ -144,8 +144,12 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         lines = runner.log_errors(log)
         if pids:
             _pids_taken_meanwhile(pids, kept, lines)
+        hint = runner.explain_restore(lines)
+        peers = [p for p in snap.manifest.get("meta", {}).get("unix_peers") or [] if isinstance(p, str)]
+        if peers and any("unix: Can't connect" in ln for ln in lines):
+            hint += f" (the job's daemon socket{'s' if len(peers) > 1 else ''}: {', '.join(peers[:5])})"
         raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
-                         last_lines=lines, hint=runner.explain_restore(lines))
+                         last_lines=lines, hint=hint)
     if server is not None:
         if cut:
             server.abort()     # the job runs; what the cut stream recorded is no error of the restore

@@ -103,6 +103,8 @@ def prune(result, o) -> None:
         o.warn(f"left alone: {why}")
     if data.get("data_kept"):
         o.warn(f"{data['data_kept']} (`gpusnap forget DIR` drops a snapshot beyond repair)")
+    for note in data.get("notes", []):
+        o.out.print(note, markup=False)
 
 
 def forget_lines(result) -> list[str]:
@@ -117,7 +119,7 @@ def forget_lines(result) -> list[str]:
                    f"({p.get('packs_deleted', 0)} packs deleted, {p.get('packs_rewritten', 0)} rewritten)")
     elif result.forgotten and not result.dry_run:
         out.append("their data stays until `gpusnap prune` (or use `forget --prune`)")
-    return out
+    return out + list(result.notes)
 
 
 def forget(result, o) -> None:

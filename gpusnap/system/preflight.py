@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.criu import netlock
-from gpusnap.system import filelocks, proc, sockets
+from gpusnap.system import filelocks, proc, sockets, sysvipc
 # re-exported: doctor and its tests read these here
 from gpusnap.system.sockets import decode_addr, parse_proc_net_tcp, parse_ss_unix  # noqa: F401
 from gpusnap.errors import CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound, UsageError
@@ -53,6 +53,7 @@ class Plan:
     tcp: list[dict[str, Any]] = field(default_factory=list)        # connections (not LISTEN)
     own_pid_namespace: bool = False  # the root is PID 1 of a namespace of its own (`gpusnap run`)
     listening: list[dict[str, Any]] = field(default_factory=list)
+    unix_peers: list[str] = field(default_factory=list)  # daemons' addresses the restore reconnects to
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
             error: type[GpusnapError] | None = None) -> Finding:
@@ -153,14 +154,21 @@ def _criu_sockets(plan: Plan, pids: list[int]) -> None:
                  runner.install_hint(info.path), CriuUnavailable)
 
 
-def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Plan:
+def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_close: bool = False) -> Plan:
     """Everything that decides whether `criu dump -t pid` can work, and with which options.
-    system: include the machine checks (privileges, CRIU); doctor shows those on its own."""
+    system: include the machine checks (privileges, CRIU); doctor shows those on its own.
+    tcp_close: CRIU's --tcp-close at dump (connections not dumped; the restore has them closed)."""
     plan = Plan(pid=pid)
     if system:
         for f in (privileges(), criu()):
             plan.findings.append(f)
     st = proc.read_stat(pid) if pid > 0 else None
+    if st is not None and st.state == "Z":
+        from gpusnap.system import zombies
+
+        plan.add("process", "fail", f"PID {pid} ({st.comm}) is a zombie: the job has exited, nothing is left to "
+                 "snapshot", zombies.describe([pid]), ProcessNotFound)
+        return plan
     if st is None or st.state in ("Z", "X"):
         plan.add("process", "fail", f"no running process with PID {pid}",
                  "check the PID with `ps` or `gpusnap ps`; the job may have finished", ProcessNotFound)
@@ -194,8 +202,10 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
                  "start the job in a session of its own (`setsid CMD`, `gpusnap run`, or "
                  "start_new_session=True in Python); the job was not touched")
     _check_terminal(plan, pids)
-    _check_sockets(plan, pids, tcp_established)
+    _check_sockets(plan, pids, tcp_established, tcp_close)
     _check_locks(plan, pids)
+    for status, detail, fix in sysvipc.check(pids):
+        plan.add("SysV IPC", status, detail, fix)
     return plan
 
 
@@ -257,10 +267,12 @@ def _check_terminal(plan: Plan, pids: list[int]) -> None:
                  "`gpusnap run -- CMD` starts jobs in a session of their own")
 
 
-def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
+def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool, close: bool = False) -> None:
+    if close:   # CRIU records it in the inventory, and its restore then insists on it too
+        plan.option("--tcp-close")
     inodes = set().union(*(sockets.socket_inodes(p) for p in pids)) if pids else set()
     if not inodes:
-        if force_tcp:
+        if force_tcp and not close:
             plan.option("--tcp-established")
         return
     seen_ns: set[str | None] = set()
@@ -276,13 +288,19 @@ def _check_sockets(plan: Plan, pids: list[int], force_tcp: bool) -> None:
     if plan.listening:
         plan.add("TCP listen", "ok", "listening on " + ", ".join(s["local"] for s in plan.listening[:5])
                  + " (restored; the port must be free at restore time)")
-    if plan.tcp or force_tcp:
+    if plan.tcp and close:
+        plan.add("TCP", "info", f"{len(plan.tcp)} open TCP connection(s): " + ", ".join(
+                 f"{s['local']}→{s['remote']} {s['state']}" for s in plan.tcp[:5]) + "; not dumped (--tcp-close): "
+                 "no network lock, a job left running keeps them, and the restored job finds them closed",
+                 "the program must reconnect when it sees the reset")
+    elif (plan.tcp or force_tcp) and not close:
         opts, how = netlock.network_lock()
         conns = ", ".join(f"{s['local']}→{s['remote']} {s['state']}" for s in plan.tcp[:5])
         if opts is None:
             plan.add("TCP", "fail", f"{len(plan.tcp)} open TCP connection(s): {conns}; dumping them needs "
                      f"CRIU's network lock, but {how}",
-                     "install iptables (apt-get install iptables), or close the connections before the dump")
+                     "install iptables (apt-get install iptables), close the connections before the dump, or "
+                     "dump with --tcp-close (not dumped; the restored job finds them closed)")
         else:
             plan.option("--tcp-established")
             plan.option(*opts, restore=False)  # CRIU records the lock method in its inventory
@@ -308,20 +326,23 @@ def _check_unix(plan: Plan, pids: list[int], inodes: set[int]) -> None:
     if rc != 0:
         plan.add("unix sockets", "info", f"ss failed: {out.strip()[:200]}")
         return
-    rows = [s for s in parse_ss_unix(out) if s["inode"] in inodes]
-    ext = [s for s in rows if s["peer"] and s["peer"] not in inodes]
-    if not ext:
+    from gpusnap.system import unixpeers
+
+    ext = unixpeers.external(parse_ss_unix(out), inodes)
+    refused = [e for e in ext if e.reason]
+    if refused:
+        plan.add("unix sockets", "fail", f"{len(refused)} unix socket(s) connected to a process outside the tree: "
+                 + "; ".join(f"{e.describe()}: {e.reason}" for e in refused[:5]) + "; the job was not touched",
+                 "close them before the dump (e.g. don't log to journald/syslog via a stream socket; redirect "
+                 "stdout to a file), or dump the tree that holds both ends")
         return
-    holders = sockets.who_holds({s["peer"] for s in ext})
-    items = []
-    for s in ext[:5]:
-        h = holders.get(s["peer"])
-        who = f"{h[1]} (pid {h[0]})" if h else "a process outside the tree"
-        items.append(f"{s['type']} {s['path'] or '(unnamed)'} → {who}")
-    plan.add("unix sockets", "fail", f"{len(ext)} unix socket(s) connected to a process outside the tree: "
-             + "; ".join(items) + "; CRIU cannot restore the other end, so it refuses them",
-             "close them before the dump (e.g. don't log to journald/syslog via a socket; redirect stdout "
-             "to a file), or dump the tree that holds both ends")
+    if ext:
+        plan.option(unixpeers.EXT_OPTION)
+        plan.unix_peers = sorted({e.peer_path for e in ext})
+        plan.add("unix sockets", "info", f"{len(ext)} datagram socket(s) connected to a daemon outside the tree: "
+                 + "; ".join(e.describe() for e in ext[:5]) + f": dumped with {unixpeers.EXT_OPTION}, and the "
+                 "restore connects them to the same address again",
+                 "the daemon must be listening at that address when the job is restored")
 
 
 def _check_locks(plan: Plan, pids: list[int]) -> None:

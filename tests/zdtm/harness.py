@@ -57,6 +57,14 @@ def read_list(path: Path = LIST) -> tuple[list[str], dict[str, str]]:
     return run, skip
 
 
+def read_ipcns(path: Path = LIST) -> set[str]:
+    """Tests started in an IPC namespace of their own (`NAME ipcns`), as zdtm's ns flavour
+    starts them and as `gpusnap run` starts a job: CRIU dumps and recreates that namespace
+    with its SysV objects (in the host's namespace it cannot)."""
+    return {ln.split()[0] for ln in path.read_text().splitlines()
+            if ln.strip() and not ln.startswith("#") and "ipcns" in ln.split()[1:2]}
+
+
 def read_xfail(path: Path = LIST) -> dict[str, str]:
     """{test known to fail through gpusnap: why} (they are run all the same)."""
     out = {}
@@ -90,10 +98,11 @@ def desc(static: Path, name: str) -> dict:
         return {}
 
 
-def _make(static: Path, target: str, log: Path, timeout: float = 120) -> int:
+def _make(static: Path, target: str, log: Path, timeout: float = 120, ipcns: bool = False) -> int:
     with open(log, "ab") as f:
         # close_fds: the test must not inherit our descriptors (CRIU would dump them as its own)
-        return subprocess.run(["make", "-s", "--no-print-directory", "-C", str(static), target],
+        return subprocess.run([*(["unshare", "--ipc"] if ipcns else []),
+                               "make", "-s", "--no-print-directory", "-C", str(static), target],
                               stdin=subprocess.DEVNULL, stdout=f, stderr=f, close_fds=True,
                               timeout=timeout).returncode
 
@@ -152,13 +161,15 @@ def run_one(static: Path, name: str, mode: str, work: Path) -> Outcome:
     _clean(static, name)
     if not (static / name).is_file():
         return fail("start", f"{name} did not build (see the zdtm build log)")
-    if _make(static, f"{name}.pid", log) != 0:
+    if _make(static, f"{name}.pid", log, ipcns=name in read_ipcns()) != 0:
         return fail("start", log.read_text(errors="replace"))
     pid = int((static / f"{name}.pid").read_text().split()[0])
     opts = str(desc(static, name).get("opts", "")).split()
     try:
         if mode == "gpusnap":
             repo = work / "repo"
+            if not repo.exists():    # (a dump makes none outside the default location)
+                _gpusnap("init", "--repo", str(repo))
             r = _gpusnap("dump", str(pid), "--exit", "--repo", str(repo), "--name", name.replace("_", "-"))
             if r.returncode != 0:
                 _kill(pid)

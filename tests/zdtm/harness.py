@@ -39,6 +39,7 @@ class Outcome:
     stage: str        # start | dump | restore | stop | verdict | done
     detail: str = ""
     seconds: float = 0.0
+    doctor: str | None = None   # gpusnap mode: doctor PID's verdict before the dump (ok | fail: CHECK)
 
 
 def read_list(path: Path = LIST) -> tuple[list[str], dict[str, str]]:
@@ -142,6 +143,17 @@ def _gpusnap(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           cwd=ROOT, stdin=subprocess.DEVNULL, timeout=timeout)
 
 
+def _doctor(pid: int) -> str:
+    """`gpusnap doctor PID`'s verdict: "ok", or "fail: " and the failing checks' names."""
+    r = _gpusnap("doctor", str(pid))
+    try:
+        rep = json.loads(r.stdout)
+    except ValueError:
+        return f"fail: doctor printed no report ({r.stderr.strip()[-200:]})"
+    bad = [c["name"] for c in rep.get("checks", []) if c.get("status") == "fail"]
+    return "fail: " + ", ".join(bad) if bad else "ok"
+
+
 def _criu() -> str:
     sys.path.insert(0, str(ROOT))
     from gpusnap.criu import runner
@@ -170,6 +182,7 @@ def run_one(static: Path, name: str, mode: str, work: Path) -> Outcome:
             repo = work / "repo"
             if not repo.exists():    # (a dump makes none outside the default location)
                 _gpusnap("init", "--repo", str(repo))
+            out.doctor = _doctor(pid)
             r = _gpusnap("dump", str(pid), "--exit", "--repo", str(repo), "--name", name.replace("_", "-"))
             if r.returncode != 0:
                 _kill(pid)
@@ -237,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(o)
                 if not a.json:
                     print(f"{mode:8} {name:16} {'PASS' if o.passed else 'FAIL at ' + o.stage:16} {o.seconds:6.1f}s"
+                          + (f" doctor {o.doctor}" if o.doctor else "")
                           + ("" if o.passed else "  " + o.detail.replace(chr(10), ' | ')[:300]), flush=True)
     counts = {m: sum(o.passed for o in results if o.mode == m) for m in modes}
     if a.json:

@@ -1,5 +1,7 @@
 """CRIU's own zdtm static tests, each dumped with `gpusnap dump --exit` and restored with
 `gpusnap restore`, judged by the test's own PASS/FAIL (tests/zdtm/harness.py says how).
+Before each dump, `gpusnap doctor PID` gives its verdict: it must say "ready" (no failing
+check) exactly when the dump then succeeds.
 
 A test that fails through gpusnap is run through plain CRIU with the same mechanics: if plain
 CRIU passes it, gpusnap broke something and the test fails; if plain CRIU fails it too, the
@@ -76,6 +78,10 @@ def test_zdtm(name, static, huge_pages, tmp_path):
         # shared copy-on-write come back as two copies, which these tests check for
         pytest.skip("CRIU's own suite does not restore it lazily (nolazy)")
     o = harness.run_one(static, name, "gpusnap", tmp_path)
+    if o.doctor is not None:   # `doctor PID` predicts the dump (issue 32): ready iff it succeeds
+        dumped = o.stage not in ("start", "dump")
+        assert (o.doctor == "ok") == dumped, (f"{name}: doctor said {o.doctor!r} before a dump that "
+                                              f"{'succeeded' if dumped else 'failed: ' + o.detail}")
     if o.passed:
         return
     ref = harness.run_one(static, name, "criu", tmp_path)

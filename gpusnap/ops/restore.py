@@ -22,7 +22,7 @@ from typing import Callable
 
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
-from gpusnap.system import hostlock, proc
+from gpusnap.system import hostlock, linkremap, proc
 from gpusnap.ops import identity, restore_files, restore_interrupt, restore_needs, restore_paths
 from gpusnap.repo.faults import fault
 from gpusnap.criu import runner
@@ -284,9 +284,12 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     running = lazy = None
     # the name the restored tree will carry (the snapshot's, or a fork's: gpusnap/ops/identity.py)
     claim = identity.claim(repository.path, snap)
+    remaps = linkremap.PutBack()
     try:
+        remaps = linkremap.put_back(snap)   # CRIU's link_remap files first: the file checks see them
         fixes = restore_files.prepare(snap, inherited=claim.paths)
     except BaseException:
+        remaps.undo()
         claim.abandon()
         raise
     try:    # from here every way out before the job runs puts the files set aside back
@@ -315,6 +318,7 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
             pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp,
                                                  tty=tty)
     except BaseException as e:
+        remaps.undo()
         fixes.undo()
         claim.abandon(e)
         raise

@@ -53,6 +53,7 @@ class Plan:
     tcp: list[dict[str, Any]] = field(default_factory=list)        # connections (not LISTEN)
     own_pid_namespace: bool = False  # the root is PID 1 of a namespace of its own (`gpusnap run`)
     listening: list[dict[str, Any]] = field(default_factory=list)
+    linked: list[Any] = field(default_factory=list)   # files dumped through CRIU's link remap (ghosts.py)
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
             error: type[GpusnapError] | None = None) -> Finding:
@@ -196,7 +197,20 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False) -> Pl
     _check_terminal(plan, pids)
     _check_sockets(plan, pids, tcp_established)
     _check_locks(plan, pids)
+    _check_deleted(plan, pids)
     return plan
+
+
+def _check_deleted(plan: Plan, pids: list[int]) -> None:
+    """Open deleted files: --ghost-limit and --link-remap as they need (gpusnap/system/ghosts.py)."""
+    from gpusnap.system import ghosts
+
+    found = ghosts.scan(pids)
+    plan.linked = [d for d in found if not d.ghost]
+    opts, findings = ghosts.plan(found)
+    plan.option(*opts, restore=False)     # dump options only: a restore needs neither
+    for name, detail, fix in findings:
+        plan.add(name, "info", detail, fix)
 
 
 def _nspid(pid: int) -> list[int]:

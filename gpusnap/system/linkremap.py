@@ -21,7 +21,8 @@ restored memory expects them as they were at the freeze. So:
   once the restore succeeded; a failed restore removes what was made here.
 
 Contents are read inside the freeze: semaphores are 32 bytes each; other link-remapped files
-(rare: a file renamed away with another hard link open) are read whole too.
+(rare: a file renamed away with another hard link open) are read whole too, up to KEEP_MAX
+bytes in all; one beyond that is not kept, and its restore needs CRIU's link as without this.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from gpusnap.errors import CorruptSnapshot, FilesChanged
 
 PREFIX = "link_remap."
 IMAGE = "gpusnap-link-remap-{}.img"
+KEEP_MAX = 256 << 20     # bytes read inside the freeze, at most
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Keeper:
         try:
             with open(e.path, "rb") as f:
                 st = os.fstat(f.fileno())
+                if st.st_size + sum(len(k.data) for k in self.kept) > KEEP_MAX:
+                    return
                 data = f.read()
         except OSError:
             return          # restore then fails as CRIU alone would, naming the file

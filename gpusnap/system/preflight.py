@@ -3,8 +3,8 @@
 `check(pid)` reads the tree from /proc exactly as CRIU will take it (task/*/children) and
 returns a Plan: findings (ok/info/warn/fail, each with what to do) and the CRIU dump options
 and restore flags the tree needs (--shell-job, --tcp-established, --file-locks, the network
-lock method). `gpusnap dump` raises the first failure (Plan.require); `gpusnap doctor PID`
-shows every finding. Both read the same Plan, so doctor never says "ready" where dump refuses.
+lock method, --ghost-limit and --link-remap for open deleted files: system/ghosts.py).
+`gpusnap dump` raises the first failure (Plan.require); `gpusnap doctor PID` shows every finding. Both read the same Plan, so doctor never says "ready" where dump refuses.
 """
 
 from __future__ import annotations

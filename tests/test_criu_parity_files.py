@@ -195,3 +195,28 @@ def test_multiprocessing_pool_with_named_semaphores_finishes_its_work(tmp_path, 
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+def test_forkserver_pool_restored_after_it_finished_does_its_work_again(tmp_path, repo):
+    """A scheduled dump's use: the job went on and ended (its semaphores unlinked, the
+    forkserver's socket directory /tmp/pymp-* removed); restoring the snapshot brings back
+    the semaphores and that directory, and the job ends as the uninterrupted run did."""
+    expected = _reference(tmp_path, POOL_JOB, "forkserver", 100, 0)
+    out = tmp_path / "job"
+    job = _start(out, POOL_JOB, "forkserver", 100, 30)
+    restored = None
+    try:
+        _wait(lambda: _progress(out) >= 20, "step 20")
+        snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
+        assert job.wait(timeout=60) == 0 and (out / "result").read_text() == expected
+        (out / "result").unlink()
+        meta = json.loads(run_gpusnap("inspect", snap, "--repo", repo, "--json").stdout)["meta"]
+        assert not [n for e in meta["link_remaps"] for n in e["names"] if os.path.lexists(n)]
+        restored = run_json("restore", snap, "--repo", repo)
+        _wait(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
+        assert (out / "result").read_text() == expected
+    finally:
+        kill_pids(restored["pids"] if restored else [])
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()

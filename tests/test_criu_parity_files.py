@@ -159,6 +159,10 @@ def test_open_deleted_4mib_file_comes_back_with_its_contents(tmp_path, repo, lea
         assert "1 deleted open file(s), 4.0 MiB" in detail and "--ghost-limit" in detail, detail
         restored = _dump_kill_restore(job, out, repo, leave_running, at=20)
         assert "--ghost-limit" in restored["dump"]["criu_options"]
+        # the file's 4 MiB went through gpusnap's image stream into the repository
+        shown = json.loads(run_gpusnap("inspect", restored["dump"]["snapshot"], "--repo", repo, "--json").stdout)
+        ghosts = [i for i in shown["images"] if i["name"].startswith("ghost-file-")]
+        assert len(ghosts) == 1 and ghosts[0]["size"] >= 4 << 20, shown["images"]
         _wait(lambda: (out / "result").exists(), "the restored job's result", timeout=60)
         assert (out / "result").read_text() == expected
     finally:

@@ -10,9 +10,9 @@ restored memory expects them as they were at the freeze. So:
 
 - dump, at the post-dump gate (everything dumped, the job still frozen, CRIU's links still
   there): `Keeper.at_freeze` finds, in the directory of each such name, the `link_remap.*`
-  entries that are one of the scanned inodes, and reads their contents, mode, owner, and the
+  entries that are one of the scanned inodes, and reads their contents, mode and owner; the
   other names the inode has there (a semaphore's `sem.NAME`, which the job's other processes
-  map by that name). The contents are stored after CRIU finishes as one blob image each,
+  map by that name) were looked up before the freeze. The contents are stored after CRIU finishes as one blob image each,
   `gpusnap-link-remap-N.img`, the names in the manifest's `meta.link_remaps` (docs/format.md);
 - restore, before CRIU runs (`put_back`): for each, the inode is the one still reachable by
   one of its names (a job killed after the dump leaves its semaphores), else a new file made
@@ -49,31 +49,27 @@ class Kept:
 
 
 class Keeper:
-    """What the gate keeps: scanned (dev, ino) of the link-remapped files, found at the freeze."""
+    """What the gate keeps: scanned (dev, ino) of the link-remapped files, found at the freeze.
+    Their other names are looked up here, before the freeze; inside it only `link_remap.*`
+    entries are stat'ed."""
 
     def __init__(self, linked: list) -> None:
         self.inodes = {(d.dev, d.ino) for d in linked}
         self.dirs = sorted({os.path.dirname(d.path) or "/" for d in linked})
+        self.names: dict[tuple[int, int], list[str]] = {}
+        for d in self.dirs:
+            for e in _scan(d, lambda n: not n.startswith(PREFIX)):
+                st = e.stat(follow_symlinks=False)
+                if (st.st_dev, st.st_ino) in self.inodes:
+                    self.names.setdefault((st.st_dev, st.st_ino), []).append(e.path)
         self.kept: list[Kept] = []
 
     def at_freeze(self) -> None:
         for d in self.dirs:
-            try:
-                entries = list(os.scandir(d))
-            except OSError:
-                continue
-            by_inode: dict[tuple[int, int], list[os.DirEntry]] = {}
-            for e in entries:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in self.inodes:
-                    by_inode.setdefault((st.st_dev, st.st_ino), []).append(e)
-            for group in by_inode.values():
-                for e in group:
-                    if e.name.startswith(PREFIX):
-                        self._keep(e, [o.path for o in group if not o.name.startswith(PREFIX)])
+            for e in _scan(d, lambda n: n.startswith(PREFIX)):
+                st = e.stat(follow_symlinks=False)
+                if (st.st_dev, st.st_ino) in self.inodes:
+                    self._keep(e, self.names.get((st.st_dev, st.st_ino), []))
 
     def _keep(self, e: os.DirEntry, names: list[str]) -> None:
         try:
@@ -98,6 +94,24 @@ class Keeper:
             out.append({"path": k.path, "names": k.names, "mode": k.mode, "uid": k.uid, "gid": k.gid,
                         "size": len(k.data), "image": name})
         return out
+
+
+def _scan(d: str, want) -> list[os.DirEntry]:
+    """The regular files of directory d whose names `want` accepts (stat cached)."""
+    out = []
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                if not want(e.name):
+                    continue
+                try:
+                    if stat.S_ISREG(e.stat(follow_symlinks=False).st_mode):
+                        out.append(e)
+                except OSError:
+                    continue
+    except OSError:
+        pass
+    return out
 
 
 # ---------------------------------------------------------------- restore

@@ -224,3 +224,33 @@ def test_forkserver_pool_restored_after_it_finished_does_its_work_again(tmp_path
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
+
+
+def test_pool_restored_beside_its_running_original_is_refused_then_restores_once_it_is_gone(tmp_path, repo):
+    """A job started with `gpusnap run` may be restored beside its running original, but a Pool's
+    named semaphores are found by name: the copy would share the original's locks. Refused
+    (exit 25, naming the process), nothing restored; once the original is gone it restores."""
+    expected = _reference(tmp_path, POOL_JOB, "forkserver", 150, 0)
+    out = tmp_path / "job"
+    out.mkdir()
+    (out / "job.py").write_text(POOL_JOB)
+    res = run_gpusnap("run", "--json", "--name", "pool", "--repo", repo, "--",
+                      sys.executable, out / "job.py", out, "forkserver", 150, 40)
+    assert res.returncode == 0, res.stdout + res.stderr
+    pid = json.loads(res.stdout)["pid"]
+    restored = None
+    try:
+        _wait(lambda: _progress(out) >= 20, "step 20")
+        snap = run_json("dump", pid, "--repo", repo)["snapshot"]
+        r = run_gpusnap("restore", snap, "--repo", repo, "--json")
+        assert r.returncode == 25, r.stdout + r.stderr
+        err = json.loads(r.stdout)
+        assert "/dev/shm/sem." in err["message"] and "in use by PID" in err["message"], err
+        assert _state(pid) in ("R", "S")        # the original runs on, untouched
+        os.kill(pid, signal.SIGKILL)            # the namespace's init: the whole job goes
+        _wait(lambda: not Path(f"/proc/{pid}").exists(), "the original job to go")
+        restored = run_json("restore", snap, "--repo", repo)
+        _wait(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
+        assert (out / "result").read_text() == expected
+    finally:
+        kill_pids(restored["pids"] if restored else [pid])

@@ -16,8 +16,9 @@ restored memory expects them as they were at the freeze. So:
   `gpusnap-link-remap-N.img`, the names in the manifest's `meta.link_remaps` (docs/format.md);
 - restore, before CRIU runs (`put_back`): for each, the inode is the one still reachable by
   one of its names (a job killed after the dump leaves its semaphores), else a new file made
-  under those names; the contents at the freeze are written back into it unless a running
-  process holds it, and `link_remap.N` is linked to it. CRIU removes `link_remap.N` itself
+  under those names; the contents at the freeze are written back into it, and `link_remap.N`
+  is linked to it. Held by a running process (the original job, restored beside itself in a
+  PID namespace of its own), it would be shared with it: refused, naming the process. CRIU removes `link_remap.N` itself
   once the restore succeeded; a failed restore removes what was made here.
 
 Contents are read inside the freeze: semaphores are 32 bytes each; other link-remapped files
@@ -130,8 +131,8 @@ def _entries(snap) -> list[dict]:
     return raw
 
 
-def _held(dev: int, ino: int) -> bool:
-    """Whether a running process has this inode open or mapped."""
+def _holder(dev: int, ino: int) -> int | None:
+    """A running process that has this inode open or mapped, or None."""
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -147,8 +148,8 @@ def _held(dev: int, ino: int) -> bool:
                 except OSError:
                     continue
                 if (st.st_dev, st.st_ino) == (dev, ino):
-                    return True
-    return False
+                    return int(pid)
+    return None
 
 
 @dataclass
@@ -162,6 +163,14 @@ class PutBack:
             except OSError:
                 pass
         self.made.clear()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _existing(paths: list[str]) -> str | None:
@@ -205,13 +214,20 @@ def _one(e: dict, data: bytes, done: PutBack) -> None:
             os.close(fd)
     else:
         st = os.lstat(target)
-        if not _held(st.st_dev, st.st_ino):   # a running process's file is left as it is
-            fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
-            try:
-                os.ftruncate(fd, len(data))
-                os.pwrite(fd, data, 0)
-            finally:
-                os.close(fd)
+        pid = _holder(st.st_dev, st.st_ino)
+        if pid is not None:     # the restored job would share it (a semaphore: its locks) with pid
+            comm = (_read(f"/proc/{pid}/comm") or "?").strip()
+            raise FilesChanged(f"{target}, which the snapshot's job shares by name (a named semaphore or a "
+                               f"file linked through a removed name), is in use by PID {pid} ({comm}): the "
+                               "restored job would share it with that process; nothing was restored",
+                               hint="stop that process (the original job, or an earlier restore of it), "
+                                    "then restore again")
+        fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            os.ftruncate(fd, len(data))
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
     for p in [remap, *names]:
         if p == target:
             continue

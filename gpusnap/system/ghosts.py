@@ -35,6 +35,8 @@ DELETED = " (deleted)"
 MiB = 1 << 20
 # CRIU's default ghost limit: below it nothing needs to be passed
 CRIU_DEFAULT_GHOST_LIMIT = MiB
+# deleted files this big in all are worth a warning: each snapshot stores them
+BIG_GHOSTS = 1 << 30
 # kernel names that end in " (deleted)" but are no file CRIU treats as a ghost: shared
 # anonymous memory, SysV shm, memfd (CRIU dumps those as memory), anon inodes
 _NOT_FILES = ("/dev/zero", "/SYSV", "/memfd:", "anon_inode:", "/anon_hugepage")
@@ -108,10 +110,10 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB" if n >= MiB // 10 else f"{n} bytes"
 
 
-def plan(found: list[Deleted]) -> tuple[list[str], list[tuple[str, str, str]]]:
-    """(CRIU options, findings as (name, detail, fix)) for what scan() found."""
+def plan(found: list[Deleted]) -> tuple[list[str], list[tuple[str, str, str, str]]]:
+    """(CRIU options, findings as (name, status, detail, fix)) for what scan() found."""
     opts: list[str] = []
-    findings: list[tuple[str, str, str]] = []
+    findings: list[tuple[str, str, str, str]] = []
     ghosts = [d for d in found if d.ghost]
     linked = [d for d in found if not d.ghost]
     if ghosts:
@@ -121,13 +123,16 @@ def plan(found: list[Deleted]) -> tuple[list[str], list[tuple[str, str, str]]]:
         how = f"--ghost-limit {limit // MiB}M" if limit else "within CRIU's default ghost limit"
         if limit:
             opts += ["--ghost-limit", f"{limit // MiB}M"]
-        findings.append(("deleted files", f"{len(ghosts)} deleted open file(s), {_mib(total)}: stored in the "
-                         f"snapshot ({how}): {names}",
+        big = total >= BIG_GHOSTS
+        findings.append(("deleted files", "warn" if big else "info",
+                         f"{len(ghosts)} deleted open file(s), {_mib(total)}: stored in the snapshot ({how}): {names}",
+                         "every snapshot stores them (deduplicated): truncate or close a big deleted file the job "
+                         "no longer needs" if big else
                          "their contents are in the snapshot; restore recreates them as the job saw them"))
     if linked:
         opts.append("--link-remap")
         names = ", ".join(d.path for d in linked[:3]) + (" ..." if len(linked) > 3 else "")
-        findings.append(("link remap", f"{len(linked)} file(s) open through a removed name but linked "
+        findings.append(("link remap", "info", f"{len(linked)} file(s) open through a removed name but linked "
                          f"elsewhere (named semaphores, files renamed or relinked): {names}; dumped with "
                          "--link-remap, their remap links kept in the snapshot",
                          "restore puts the links back before CRIU runs, in both dump modes"))

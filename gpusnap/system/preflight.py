@@ -209,8 +209,8 @@ def _check_deleted(plan: Plan, pids: list[int]) -> None:
     plan.linked = [d for d in found if not d.ghost]
     opts, findings = ghosts.plan(found)
     plan.option(*opts, restore=False)     # dump options only: a restore needs neither
-    for name, detail, fix in findings:
-        plan.add(name, "info", detail, fix)
+    for name, status, detail, fix in findings:
+        plan.add(name, status, detail, fix)
 
 
 def _nspid(pid: int) -> list[int]:

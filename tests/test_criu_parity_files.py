@@ -245,7 +245,7 @@ def test_pool_restored_beside_its_running_original_is_refused_then_restores_once
         r = run_gpusnap("restore", snap, "--repo", repo, "--json")
         assert r.returncode == 25, r.stdout + r.stderr
         err = json.loads(r.stdout)
-        assert "/dev/shm/sem." in err["message"] and "in use by PID" in err["message"], err
+        assert "/dev/shm/sem." in err["message"] and "in use by process" in err["message"], err
         assert _state(pid) in ("R", "S")        # the original runs on, untouched
         os.kill(pid, signal.SIGKILL)            # the namespace's init: the whole job goes
         _wait(lambda: not Path(f"/proc/{pid}").exists(), "the original job to go")

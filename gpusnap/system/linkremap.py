@@ -131,27 +131,6 @@ def _entries(snap) -> list[dict]:
     return raw
 
 
-def _holder(dev: int, ino: int) -> int | None:
-    """A running process that has this inode open or mapped, or None."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        for kind in ("fd", "map_files"):
-            d = f"/proc/{pid}/{kind}"
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue
-            for n in names:
-                try:
-                    st = os.stat(f"{d}/{n}")
-                except OSError:
-                    continue
-                if (st.st_dev, st.st_ino) == (dev, ino):
-                    return int(pid)
-    return None
-
-
 @dataclass
 class PutBack:
     made: list[str] = field(default_factory=list)     # paths created here (removed on undo)
@@ -163,14 +142,6 @@ class PutBack:
             except OSError:
                 pass
         self.made.clear()
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def _existing(paths: list[str]) -> str | None:
@@ -185,24 +156,41 @@ def _existing(paths: list[str]) -> str | None:
 
 def put_back(snap) -> PutBack:
     """Before CRIU's restore: every link_remap file of the snapshot, at its path, linked to the
-    inode its names reach, with the contents it had at the freeze."""
+    inode its names reach, with the contents it had at the freeze. Refused (FilesChanged),
+    before anything is made, when a running process holds one of those inodes."""
+    from gpusnap.system import fileusers
+
+    todo = []
+    for e in _entries(snap):
+        data = b"".join(snap.read_image(e["image"]))
+        if len(data) != e["size"]:
+            raise CorruptSnapshot(f"snapshot {snap.path}: image {e['image']} is {len(data)} bytes, "
+                                  f"its meta.link_remaps entry says {e['size']}")
+        todo.append((e, data, _existing(e["names"]) or _existing([e["path"]])))
+    there = {}
+    for _, _, target in todo:
+        if target is not None:
+            st = os.lstat(target)
+            there[(st.st_dev, st.st_ino)] = target
+    for inode, users in fileusers.users(set(there)).items():
+        if users:   # the restored job would share it (a semaphore: its locks) with them
+            raise FilesChanged(f"{there[inode]}, which the snapshot's job shares by name (a named semaphore "
+                               f"or a file linked through a removed name), is in use by {users[0]}: the "
+                               "restored job would share it with that process; nothing was restored",
+                               hint="stop that process (the original job, or an earlier restore of it), "
+                                    "then restore again")
     done = PutBack()
     try:
-        for e in _entries(snap):
-            data = b"".join(snap.read_image(e["image"]))
-            if len(data) != e["size"]:
-                raise CorruptSnapshot(f"snapshot {snap.path}: image {e['image']} is {len(data)} bytes, "
-                                      f"its meta.link_remaps entry says {e['size']}")
-            _one(e, data, done)
+        for e, data, target in todo:
+            _one(e, data, target, done)
     except BaseException:
         done.undo()
         raise
     return done
 
 
-def _one(e: dict, data: bytes, done: PutBack) -> None:
+def _one(e: dict, data: bytes, target: str | None, done: PutBack) -> None:
     remap, names = e["path"], e["names"]
-    target = _existing(names) or _existing([remap])
     if target is None:          # nothing left of it: make it, under its first name
         target = names[0] if names else remap
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, e["mode"])
@@ -212,16 +200,7 @@ def _one(e: dict, data: bytes, done: PutBack) -> None:
             os.fchown(fd, e["uid"], e["gid"])
         finally:
             os.close(fd)
-    else:
-        st = os.lstat(target)
-        pid = _holder(st.st_dev, st.st_ino)
-        if pid is not None:     # the restored job would share it (a semaphore: its locks) with pid
-            comm = (_read(f"/proc/{pid}/comm") or "?").strip()
-            raise FilesChanged(f"{target}, which the snapshot's job shares by name (a named semaphore or a "
-                               f"file linked through a removed name), is in use by PID {pid} ({comm}): the "
-                               "restored job would share it with that process; nothing was restored",
-                               hint="stop that process (the original job, or an earlier restore of it), "
-                                    "then restore again")
+    else:                       # back to its contents at the freeze
         fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
         try:
             os.ftruncate(fd, len(data))

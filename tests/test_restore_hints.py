@@ -41,6 +41,8 @@ CASES = [
     ("Error (criu/sk-inet.c:1059): Can't bind inet socket (id 7): Address already in use", "port"),
     ("Error (criu/mem.c:964): Unable to map ANON_VMA: Cannot allocate memory", "out of memory"),
     ("Error (criu/files-reg.c:2050): Can't open file tmp/in.dat on restore: No such file or directory", "gone"),
+    ("Error (criu/files-reg.c:2050): Can't open file dev/shm/link_remap.26 on restore: No such file or directory",
+     "named semaphore"),
     ("Error (criu/uffd.c:314): Unable to open an userfaultfd descriptor: Operation not permitted", "--via stream"),
     ("Error (criu/sk-unix.c:1406): unix: Can't connect 1075328 socket: No such file or directory", "daemon"),
     ("Error (criu/sk-unix.c:1406): unix: Can't connect 1075328 socket: Connection refused", "same address"),

@@ -152,8 +152,15 @@ DUMP_ADVICE: list[tuple[str, str]] = [
      "its own, dumped and restored with its segments)"),
     (r"file locks are hold|--file-locks", "the job took a file lock while it was being dumped; dump again "
      "(gpusnap adds --file-locks when the job holds locks or leases)"),
-    (r"Can't dump ghost file .* increase limit", "the job holds open a deleted file larger than CRIU keeps "
-     "(1 MiB): close it, or keep the file on disk while the job uses it"),
+    (r"Can't dump ghost file .* increase limit", "the job holds open a deleted file larger than the ghost "
+     "limit gpusnap chose from the deleted files its preflight saw: the file grew, or was opened, after it "
+     "looked; dump again (`gpusnap doctor PID` lists the deleted files and their sizes)"),
+    (r"Can't create link remap|Use link-remap option", "the job holds a file through a removed name that is "
+     "still linked elsewhere (a named POSIX semaphore, as Python multiprocessing's forkserver and spawn "
+     "make) opened after gpusnap's preflight looked; dump again: gpusnap adds --link-remap when it sees one"),
+    (r"Can't link remap to", "CRIU could not make its link_remap hard link beside a file the job holds through "
+     "a removed name (a read-only or full filesystem, or the directory is gone); make that directory "
+     "writable, then dump again"),
     (r"Cannot allocate memory|Can't allocate memory|ENOMEM|[Oo]ut of memory|\(-12\)",
      "the machine ran out of memory while CRIU dumped the job; free memory (or add swap) and dump again"),
     (r"No space left on device|ENOSPC", "a disk filled up during the dump; free space (`gpusnap prune`) "
@@ -207,6 +214,10 @@ RESTORE_RULES = [
     ("Can't fork for",
      "CRIU could not recreate a process under its original PID: the PID is probably taken (is the original "
      "job still running? stop it first), or this kernel refuses clone3 with set_tid"),
+    ("link_remap.",
+     "a link_remap file CRIU needs for a file the job held through a removed name (a named semaphore) is "
+     "gone: gpusnap puts them back from the snapshot; a snapshot made before it kept them cannot bring "
+     "that file back, so restore a newer snapshot"),
     ("has bad size",
      "a file the job had open changed size since the dump (gpusnap sets aside output files that grew; an "
      "input file must be put back as it was)"),

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap.system import appendfiles, hostlock, preflight, proc, tmpdirs
+from gpusnap.system import hostlock, preflight, proc, tmpdirs
 from gpusnap.ops import dump_session as session, identity, restore_needs, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
@@ -289,9 +289,9 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
                 if overlap:
                     staging.go.set()
                 server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
-                # sizes of the files the job appends to, as of the freeze (gpusnap/system/appendfiles.py)
-                appending = appendfiles.Recorder(appendfiles.scan(pids))
-                gate = PostDumpGate(workdir, server, at_freeze=appending.at_freeze)
+                # append sizes and link-remap files, as of the freeze (gpusnap/system/appendfiles.py, linkremap.py)
+                freeze = session.AtFreeze(pids, plan.linked)
+                gate = PostDumpGate(workdir, server, at_freeze=freeze.at_freeze)
                 # the repository's index loaded while the staging was set up (writer.py): its
                 # errors stop the dump before the job freezes, and its load never competes
                 # with CRIU for a core
@@ -335,7 +335,7 @@ def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: sessio
                     server.finish(timeout=30)
                 phase("storing")
                 cuda_pids = session.cuda_report_pids(workdir / "cuda-report")
-                extra = {"append_files": appending.files} if appending.files is not None else {}
+                extra = freeze.meta(writer)
                 snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
                                                  "frozen_seconds": frozen, **extra})
                 kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")

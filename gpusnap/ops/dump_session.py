@@ -311,3 +311,30 @@ class WaitingNotice:
             from gpusnap.repo.recovery import warn
 
             warn("gpusnap: %s", text)
+
+
+class AtFreeze:
+    """What gpusnap records itself at the post-dump gate, inside the freeze: the sizes of the
+    files the job appends to (system/appendfiles.py) and CRIU's link-remap files
+    (system/linkremap.py, for the files the preflight found linked through a removed name)."""
+
+    def __init__(self, pids: list[int], linked: list):
+        from gpusnap.system import appendfiles, linkremap
+
+        self.appending = appendfiles.Recorder(appendfiles.scan(pids))
+        self.remaps = linkremap.Keeper(linked) if linked else None
+
+    def at_freeze(self) -> None:
+        self.appending.at_freeze()
+        if self.remaps is not None:
+            self.remaps.at_freeze()
+
+    def meta(self, writer) -> dict:
+        """The manifest's meta keys from the freeze; the kept link-remap files are stored as
+        images of the snapshot now (the caller commits next)."""
+        out: dict = {}
+        if self.appending.files is not None:
+            out["append_files"] = self.appending.files
+        if self.remaps is not None and self.remaps.kept:
+            out["link_remaps"] = self.remaps.store(writer)
+        return out

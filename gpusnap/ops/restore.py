@@ -22,8 +22,8 @@ from typing import Callable
 
 from gpusnap.repo import locate
 from gpusnap.criu import netlock
-from gpusnap.system import hostlock, proc
-from gpusnap.ops import identity, restore_files, restore_interrupt, restore_needs, restore_paths
+from gpusnap.system import hostlock, linkremap, proc
+from gpusnap.ops import identity, restore_files, restore_interrupt, restore_needs, restore_paths, restore_sockdirs
 from gpusnap.repo.faults import fault
 from gpusnap.criu import runner
 from gpusnap.criu import pbwire, sparse
@@ -293,9 +293,14 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
     running = lazy = None
     # the name the restored tree will carry (the snapshot's, or a fork's: gpusnap/ops/identity.py)
     claim = identity.claim(repository.path, snap)
+    remaps, sockdirs = linkremap.PutBack(), restore_sockdirs.Made()
     try:
+        remaps = linkremap.put_back(snap)   # CRIU's link_remap files first: the file checks see them
+        sockdirs = restore_sockdirs.make(snap)
         fixes = restore_files.prepare(snap, inherited=claim.paths)
     except BaseException:
+        sockdirs.undo()
+        remaps.undo()
         claim.abandon()
         raise
     try:    # from here every way out before the job runs puts the files set aside back
@@ -324,6 +329,8 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
             pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp,
                                                  tty=tty)
     except BaseException as e:
+        sockdirs.undo()
+        remaps.undo()
         fixes.undo()
         claim.abandon(e)
         raise

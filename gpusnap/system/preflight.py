@@ -3,8 +3,8 @@
 `check(pid)` reads the tree from /proc exactly as CRIU will take it (task/*/children) and
 returns a Plan: findings (ok/info/warn/fail, each with what to do) and the CRIU dump options
 and restore flags the tree needs (--shell-job, --tcp-established, --file-locks, the network
-lock method). `gpusnap dump` raises the first failure (Plan.require); `gpusnap doctor PID`
-shows every finding. Both read the same Plan, so doctor never says "ready" where dump refuses.
+lock method, --ghost-limit and --link-remap for open deleted files: system/ghosts.py).
+`gpusnap dump` raises the first failure (Plan.require); `gpusnap doctor PID` shows every finding. Both read the same Plan, so doctor never says "ready" where dump refuses.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class Plan:
     own_pid_namespace: bool = False  # the root is PID 1 of a namespace of its own (`gpusnap run`)
     listening: list[dict[str, Any]] = field(default_factory=list)
     unix_peers: list[str] = field(default_factory=list)  # daemons' addresses the restore reconnects to
+    linked: list[Any] = field(default_factory=list)   # files dumped through CRIU's link remap (ghosts.py)
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
             error: type[GpusnapError] | None = None) -> Finding:
@@ -206,7 +207,20 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_c
     _check_locks(plan, pids)
     for status, detail, fix in sysvipc.check(pids):
         plan.add("SysV IPC", status, detail, fix)
+    _check_deleted(plan, pids)
     return plan
+
+
+def _check_deleted(plan: Plan, pids: list[int]) -> None:
+    """Open deleted files: --ghost-limit and --link-remap as they need (gpusnap/system/ghosts.py)."""
+    from gpusnap.system import ghosts
+
+    found = ghosts.scan(pids)
+    plan.linked = [d for d in found if not d.ghost]
+    opts, findings = ghosts.plan(found)
+    plan.option(*opts, restore=False)     # dump options only: a restore needs neither
+    for name, status, detail, fix in findings:
+        plan.add(name, status, detail, fix)
 
 
 def _nspid(pid: int) -> list[int]:

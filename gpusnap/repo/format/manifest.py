@@ -92,6 +92,7 @@ META_TYPES = {
     "tcp": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "file_locks": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
     "append_files": lambda v: isinstance(v, list),
+    "link_remaps": lambda v: isinstance(v, list),
     "gpu": _gpu_ok,
     "imported_from": lambda v: isinstance(v, dict) and isinstance(v.get("id"), str),
 }

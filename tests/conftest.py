@@ -221,6 +221,14 @@ def reference(tmp_path_factory):
     return lambda **kw: reference_result(root, **kw)
 
 
+def wait_for(pred, what: str, timeout: float = 60) -> None:
+    """Until pred() is true; a test failure naming `what` after `timeout` s (a safety net)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def kill_pids(pids) -> None:
     """Kill restored processes by PID (they are not our children: nothing to reap). Never by
     process group: a job started from a shell shares the shell's group."""

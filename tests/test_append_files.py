@@ -14,12 +14,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
+from conftest import kill_pids, run_gpusnap, run_json, wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -59,21 +58,14 @@ def _lines(out: Path) -> int:
         return 0
 
 
-def _wait(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _dump_then_kill(job: subprocess.Popen, out: Path, repo: Path, more_lines: int) -> str:
-    _wait(lambda: _lines(out) >= 5, "the job's first lines")
+    wait_for(lambda: _lines(out) >= 5, "the job's first lines")
     snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
     n = _lines(out)
-    _wait(lambda: _lines(out) >= n + more_lines, "the job to log on after the dump")
+    wait_for(lambda: _lines(out) >= n + more_lines, "the job to log on after the dump")
     os.kill(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
-    _wait(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
+    wait_for(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
     return snap
 
 
@@ -108,7 +100,7 @@ def test_appended_log_that_grew_after_the_dump_has_every_line_once(tmp_path, rep
         assert _meta(repo, snap)["append_files"] == [
             {"path": str(log), "size": at_dump, "dev": st.st_dev, "ino": st.st_ino}]
         try:
-            _wait(lambda: (out / "result").exists(), "the restored job's result", timeout=120)
+            wait_for(lambda: (out / "result").exists(), "the restored job's result", timeout=120)
             assert (out / "result").read_text() == (ref / "result").read_text()
             # every step exactly once, in order: what an uninterrupted run writes
             assert log.read_bytes() == expected

@@ -18,12 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
+from conftest import kill_pids, run_gpusnap, run_json, wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -94,13 +93,6 @@ def _progress(out: Path) -> int:
         return 0
 
 
-def _wait(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _tree(pid: int) -> list[int]:
     from gpusnap.system import proc
 
@@ -109,7 +101,7 @@ def _tree(pid: int) -> list[int]:
 
 def _kill(pids: list[int]) -> None:
     kill_pids(pids)
-    _wait(lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids),
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids),
           "the killed job's processes to go")
 
 
@@ -132,15 +124,15 @@ def _doctor(pid: int, name: str) -> dict:
 
 def _dump_kill_restore(job: subprocess.Popen, out: Path, repo: Path, leave_running: bool, at: int) -> dict:
     """Dump at step `at` (left running: let it go on, then kill it), restore, return restore's JSON."""
-    _wait(lambda: _progress(out) >= at, f"step {at}")
+    wait_for(lambda: _progress(out) >= at, f"step {at}")
     pids = _tree(job.pid)
     res = run_json("dump", job.pid, "--repo", repo, *([] if leave_running else ["--exit"]))
     if leave_running:
         n = _progress(out)
-        _wait(lambda: _progress(out) >= n + 5, "the job to go on after the dump")
+        wait_for(lambda: _progress(out) >= n + 5, "the job to go on after the dump")
         _kill(pids)
     job.wait(timeout=30)
-    _wait(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), "the job's PIDs to be free")
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in pids), "the job's PIDs to be free")
     restored = run_json("restore", res["snapshot"], "--repo", repo)
     restored["dump"] = res
     return restored
@@ -153,7 +145,7 @@ def test_open_deleted_4mib_file_comes_back_with_its_contents(tmp_path, repo, lea
     job = _start(out, GHOST_JOB, 200, 30)
     restored = None
     try:
-        _wait(lambda: _progress(out) >= 3, "the job's first steps")
+        wait_for(lambda: _progress(out) >= 3, "the job's first steps")
         report = _doctor(job.pid, "deleted files")
         detail = next(c["detail"] for c in report["checks"] if c["name"] == "deleted files")
         assert "1 deleted open file(s), 4.0 MiB" in detail and "--ghost-limit" in detail, detail
@@ -163,7 +155,7 @@ def test_open_deleted_4mib_file_comes_back_with_its_contents(tmp_path, repo, lea
         shown = json.loads(run_gpusnap("inspect", restored["dump"]["snapshot"], "--repo", repo, "--json").stdout)
         ghosts = [i for i in shown["images"] if i["name"].startswith("ghost-file-")]
         assert len(ghosts) == 1 and ghosts[0]["size"] >= 4 << 20, shown["images"]
-        _wait(lambda: (out / "result").exists(), "the restored job's result", timeout=60)
+        wait_for(lambda: (out / "result").exists(), "the restored job's result", timeout=60)
         assert (out / "result").read_text() == expected
     finally:
         kill_pids(restored["pids"] if restored else [])
@@ -180,7 +172,7 @@ def test_multiprocessing_pool_with_named_semaphores_finishes_its_work(tmp_path, 
     job = _start(out, POOL_JOB, method, 150, 40)
     restored = None
     try:
-        _wait(lambda: _progress(out) >= 3, "the pool's first steps")
+        wait_for(lambda: _progress(out) >= 3, "the pool's first steps")
         report = _doctor(job.pid, "link remap")
         assert "--link-remap" in report["plan"]["dump_options"]
         restored = _dump_kill_restore(job, out, repo, leave_running, at=30)
@@ -192,7 +184,7 @@ def test_multiprocessing_pool_with_named_semaphores_finishes_its_work(tmp_path, 
         # CRIU removes them once the job is restored
         assert kept and all(os.path.basename(p).startswith("link_remap.") for p in kept)
         assert not [p for p in kept if os.path.lexists(p)]
-        _wait(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
+        wait_for(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
         assert (out / "result").read_text() == expected
     finally:
         kill_pids(restored["pids"] if restored else [])
@@ -210,14 +202,14 @@ def test_forkserver_pool_restored_after_it_finished_does_its_work_again(tmp_path
     job = _start(out, POOL_JOB, "forkserver", 100, 30)
     restored = None
     try:
-        _wait(lambda: _progress(out) >= 20, "step 20")
+        wait_for(lambda: _progress(out) >= 20, "step 20")
         snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
         assert job.wait(timeout=60) == 0 and (out / "result").read_text() == expected
         (out / "result").unlink()
         meta = json.loads(run_gpusnap("inspect", snap, "--repo", repo, "--json").stdout)["meta"]
         assert not [n for e in meta["link_remaps"] for n in e["names"] if os.path.lexists(n)]
         restored = run_json("restore", snap, "--repo", repo)
-        _wait(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
+        wait_for(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
         assert (out / "result").read_text() == expected
     finally:
         kill_pids(restored["pids"] if restored else [])
@@ -240,7 +232,7 @@ def test_pool_restored_beside_its_running_original_is_refused_then_restores_once
     pid = json.loads(res.stdout)["pid"]
     restored = None
     try:
-        _wait(lambda: _progress(out) >= 20, "step 20")
+        wait_for(lambda: _progress(out) >= 20, "step 20")
         snap = run_json("dump", pid, "--repo", repo)["snapshot"]
         r = run_gpusnap("restore", snap, "--repo", repo, "--json")
         assert r.returncode == 25, r.stdout + r.stderr
@@ -248,9 +240,9 @@ def test_pool_restored_beside_its_running_original_is_refused_then_restores_once
         assert "/dev/shm/sem." in err["message"] and "in use by process" in err["message"], err
         assert _state(pid) in ("R", "S")        # the original runs on, untouched
         os.kill(pid, signal.SIGKILL)            # the namespace's init: the whole job goes
-        _wait(lambda: not Path(f"/proc/{pid}").exists(), "the original job to go")
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), "the original job to go")
         restored = run_json("restore", snap, "--repo", repo)
-        _wait(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
+        wait_for(lambda: (out / "result").exists(), "the restored pool's result", timeout=60)
         assert (out / "result").read_text() == expected
     finally:
         kill_pids(restored["pids"] if restored else [pid])

@@ -14,12 +14,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
+from conftest import kill_pids, run_gpusnap, run_json, wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -60,22 +59,15 @@ def _lines(out: Path) -> int:
         return 0
 
 
-def _wait(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _dump_then_kill(job: subprocess.Popen, out: Path, repo: Path, more_lines: int = 0) -> str:
-    _wait(lambda: _lines(out) >= 5, "the job's first lines")
+    wait_for(lambda: _lines(out) >= 5, "the job's first lines")
     snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
     if more_lines:
         n = _lines(out)
-        _wait(lambda: _lines(out) >= n + more_lines, "the job to log on after the dump")
+        wait_for(lambda: _lines(out) >= n + more_lines, "the job to log on after the dump")
     os.kill(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
-    _wait(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
+    wait_for(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
     return snap
 
 
@@ -99,7 +91,7 @@ def test_log_that_grew_after_the_dump_is_set_aside_and_the_job_finishes_identica
         assert kept and grown.endswith(kept)
         at_dump = len(grown) - len(kept)
         try:
-            _wait(lambda: (out / "result").exists(), "the restored job's result", timeout=120)
+            wait_for(lambda: (out / "result").exists(), "the restored job's result", timeout=120)
             assert (out / "result").read_text() == (ref / "result").read_text()
             # the log is what an uninterrupted run writes; the crashed run's extra lines are kept aside
             assert log.read_bytes() == (ref / "train.log").read_bytes()

@@ -13,12 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
+from conftest import kill_pids, run_gpusnap, run_json, wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -92,13 +91,6 @@ def _steps(out: Path) -> int:
     return int(lines[-1].split()[1].split("/")[0]) if lines else 0
 
 
-def _wait(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("via", ["auto", "lazy"])
 def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_path, repo, via):
@@ -109,14 +101,14 @@ def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_pa
     out = tmp_path / "job"
     job = _start(out, 400, 20)
     try:
-        _wait(lambda: _steps(out) >= 20, "the job's first steps")
+        wait_for(lambda: _steps(out) >= 20, "the job's first steps")
         snap = run_json("dump", job.pid, "--repo", repo, "--name", "huge")["snapshot"]
         meta = json.loads((Path(snap) / "manifest").read_text().rsplit("\nblake3:", 1)[0])["meta"]
         assert meta["hugetlb_bytes"] >= HUGE_MB << 20
         assert not (out / "result").exists()
         os.kill(job.pid, signal.SIGKILL)
         job.wait(timeout=30)
-        _wait(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
+        wait_for(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
 
         # a stream cannot carry it: refused before CRIU runs, saying what to do
         r = run_gpusnap("restore", snap, "--repo", repo, "--via", "stream", "--json")
@@ -145,7 +137,7 @@ def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_pa
         if via == "lazy":
             assert restored["lazy"]["bytes"] > 0
         try:
-            _wait(lambda: (out / "result").exists(), "the restored job's result", timeout=120)
+            wait_for(lambda: (out / "result").exists(), "the restored job's result", timeout=120)
             assert (out / "result").read_text() == expected
         finally:
             kill_pids([job.pid])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_json
+from conftest import kill_pids, run_json, wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -30,13 +30,6 @@ for i in range(1, steps + 1):
 with open(os.path.join(out, "results"), "a") as r:     # one line per finished run
     r.write(h.hexdigest() + "\n")
 '''
-
-
-def _wait(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -67,7 +60,7 @@ def test_pid_namespace_init_restores_while_the_original_runs(tmp_path, repo, via
             job = int(kids[0]) if kids else None
             assert time.monotonic() < deadline, "unshare did not start its child"
             time.sleep(0.02)
-        _wait(lambda: (out / "job.log").exists() and len((out / "job.log").read_text().splitlines()) >= 10,
+        wait_for(lambda: (out / "job.log").exists() and len((out / "job.log").read_text().splitlines()) >= 10,
               "the job's first steps")
         snap = run_json("dump", job, "--repo", repo)["snapshot"]
         r = run_json("restore", snap, "--repo", repo, "--via", via)        # the original still runs
@@ -77,7 +70,7 @@ def test_pid_namespace_init_restores_while_the_original_runs(tmp_path, repo, via
         assert restored != job and Path(f"/proc/{job}").exists()
         assert "NSpid:" in (s := Path(f"/proc/{restored}/status").read_text()) and \
             [ln for ln in s.splitlines() if ln.startswith("NSpid:")][0].split()[-1] == "1"
-        _wait(lambda: (out / "results").exists() and len((out / "results").read_text().split()) == 2,
+        wait_for(lambda: (out / "results").exists() and len((out / "results").read_text().split()) == 2,
               "both runs to finish", timeout=120)
         assert (out / "results").read_text().split() == [expected, expected]
     finally:

@@ -20,12 +20,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import kill_pids, run_gpusnap, run_json
+from conftest import kill_pids, run_gpusnap, run_json, wait_for
 
 pytestmark = pytest.mark.criu
 
@@ -66,21 +65,14 @@ def _lines(path: Path, tag: str) -> int:
         return 0
 
 
-def _wait(pred, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _dump_then_kill(job: subprocess.Popen, log: Path, tag: str, repo: Path) -> str:
-    _wait(lambda: _lines(log, tag) >= 5, "the job's first lines")
+    wait_for(lambda: _lines(log, tag) >= 5, "the job's first lines")
     snap = run_json("dump", job.pid, "--repo", repo)["snapshot"]
     n = _lines(log, tag)
-    _wait(lambda: _lines(log, tag) >= n + 10, "the job to log on after the dump")
+    wait_for(lambda: _lines(log, tag) >= n + 10, "the job to log on after the dump")
     os.kill(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
-    _wait(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
+    wait_for(lambda: not Path(f"/proc/{job.pid}").exists(), "the killed job's PID to be free")
     return snap
 
 
@@ -109,7 +101,7 @@ def test_shared_append_log_keeps_the_other_jobs_lines_when_one_job_is_restored(t
     other = _start(tmp_path / "b", str(log), "B", 600, 30)
     job = _start(tmp_path / "a", str(log), "A", 150, 30)
     try:
-        _wait(lambda: _lines(log, "B") >= 5, "the other job's first lines")
+        wait_for(lambda: _lines(log, "B") >= 5, "the other job's first lines")
         snap = _dump_then_kill(job, log, "A", repo)
         assert other.poll() is None, "the other job must still be writing during the restore"
         rep, checks, text = _inspect(repo, snap)
@@ -121,7 +113,7 @@ def test_shared_append_log_keeps_the_other_jobs_lines_when_one_job_is_restored(t
         notes = [ln for ln in r.stderr.splitlines() if "note:" in ln]
         assert len(notes) == 1 and str(log) in notes[0] and "left as it is" in notes[0], r.stderr
         try:
-            _wait(lambda: (tmp_path / "a" / "result").exists(), "the restored job's result", timeout=120)
+            wait_for(lambda: (tmp_path / "a" / "result").exists(), "the restored job's result", timeout=120)
             assert other.wait(timeout=120) == 0
         finally:
             kill_pids([job.pid])
@@ -163,7 +155,7 @@ def test_grown_log_another_process_holds_open_is_refused_naming_it_until_it_is_c
         r = run_gpusnap("restore", snap, "--repo", repo)
         assert r.returncode == 0, r.stdout + r.stderr
         try:
-            _wait(lambda: (tmp_path / "a" / "result").exists(), "the restored job's result", timeout=120)
+            wait_for(lambda: (tmp_path / "a" / "result").exists(), "the restored job's result", timeout=120)
         finally:
             kill_pids([job.pid])
         assert (tmp_path / "a" / "result").read_text() == expected

@@ -73,12 +73,7 @@ def _is_local_ip(ip: str) -> bool:
 def _live_connections() -> set[tuple[str, str]]:
     from gpusnap.system import sockets
 
-    rows = []
-    for name in ("tcp", "tcp6"):
-        try:
-            rows += sockets.parse_proc_net_tcp(open(f"/proc/net/{name}").read())
-        except OSError:
-            continue
+    rows = sockets.host_tcp()
     # a peer that closed or died leaves an orphan (inode 0) in FIN_WAIT: that end is gone
     return {(r["local"], r["remote"]) for r in rows if r["state"] == "ESTABLISHED" and r["inode"]}
 

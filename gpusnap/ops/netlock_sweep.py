@@ -62,12 +62,7 @@ def _in_dump(conns: list[dict[str, str]]) -> set[tuple]:
     (CRIU working, or a `--exit` tree waiting for its commit) locked them rightly."""
     from gpusnap.system import proc, sockets
 
-    rows = []
-    for name in ("tcp", "tcp6"):
-        try:
-            rows += sockets.parse_proc_net_tcp(open(f"/proc/net/{name}").read())
-        except OSError:
-            continue
+    rows = sockets.host_tcp()
     want = {netlock_rules.key(c) for c in conns}
     inodes = {r["inode"]: k for r in rows if r["inode"] and (k := netlock_rules.key(r)) in want}
     busy = set()

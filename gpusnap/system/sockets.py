@@ -69,6 +69,14 @@ def parse_proc_net_tcp(text: str) -> list[dict[str, Any]]:
     return out
 
 
+def host_tcp() -> list[dict[str, Any]]:
+    """Rows of this network namespace's /proc/net/tcp and tcp6 (every TCP socket here)."""
+    rows: list[dict[str, Any]] = []
+    for name in ("tcp", "tcp6"):
+        rows += parse_proc_net_tcp(_read(PROC / "net" / name) or "")
+    return rows
+
+
 def tcp_sockets(pid: int, inodes: set[int] | None = None) -> list[dict[str, Any]]:
     """TCP sockets (among `inodes`, or all) in PID's network namespace."""
     out = []

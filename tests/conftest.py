@@ -221,6 +221,28 @@ def reference(tmp_path_factory):
     return lambda **kw: reference_result(root, **kw)
 
 
+_URING = ("import ctypes,time; libc=ctypes.CDLL(None, use_errno=True); p=ctypes.create_string_buffer(120); "
+          "fd=libc.syscall(425, 4, p); print('ready' if fd >= 0 else f'errno {ctypes.get_errno()}', "
+          "flush=True); time.sleep(120)")
+
+
+@pytest.fixture
+def undumpable():
+    """A running process that CRIU 4.2 fails to dump and gpusnap's preflight lets through: it
+    holds an io_uring instance (io_uring_setup). The one way tests make CRIU itself fail (a
+    big deleted file held open was, until the preflight chose --ghost-limit)."""
+    p = subprocess.Popen([sys.executable, "-c", _URING], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        said = p.stdout.readline().strip()
+        if said != "ready":
+            pytest.skip(f"io_uring_setup failed here ({said}): no io_uring to make CRIU fail with")
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
 def wait_for(pred, what: str, timeout: float = 60) -> None:
     """Until pred() is true; a test failure naming `what` after `timeout` s (a safety net)."""
     deadline = time.monotonic() + timeout

@@ -107,29 +107,18 @@ def test_pids_held_by_a_dying_process_are_waited_for(sample_job, repo, reference
         kill_pids(job.pids)
 
 
-def test_criu_failure_shows_its_errors_and_keeps_the_log(sample_job, repo, tmp_path):
-    """A job holding open a deleted file bigger than CRIU keeps cannot be dumped: CRIU fails,
-    the user sees CRIU's own error lines and where the full log is, and the job runs on.
-    (An external unix socket used to be the example; the preflight now refuses it first.)"""
-    big = tmp_path / "scratch"
-    holder = subprocess.Popen(
-        ["python3", "-c", f"import os,time; f=open({str(big)!r},'wb'); f.write(os.urandom(4<<20)); "
-                          f"f.flush(); os.unlink({str(big)!r}); print('ready',flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        proc = run_gpusnap("dump", holder.pid, "--repo", repo)
-        assert proc.returncode == CriuFailed.exit_code, proc.stderr
-        assert "criu dump failed" in proc.stderr
-        assert "Error" in proc.stderr  # CRIU's own lines
-        log = next(ln.split("full CRIU log: ")[1].strip() for ln in proc.stderr.splitlines()
-                   if "full CRIU log:" in ln)
-        assert Path(log).is_file() and "Dumping FAILED" in Path(log).read_text()
-        assert holder.poll() is None  # still running
-        assert snapshots_in(repo) == []
-    finally:
-        holder.kill()
-        holder.wait()
+def test_criu_failure_shows_its_errors_and_keeps_the_log(undumpable, repo):
+    """A job CRIU cannot dump (conftest's undumpable): CRIU fails, the user sees CRIU's own
+    error lines and where the full log is, and the job runs on."""
+    proc = run_gpusnap("dump", undumpable.pid, "--repo", repo)
+    assert proc.returncode == CriuFailed.exit_code, proc.stderr
+    assert "criu dump failed" in proc.stderr
+    assert "Error" in proc.stderr  # CRIU's own lines
+    log = next(ln.split("full CRIU log: ")[1].strip() for ln in proc.stderr.splitlines()
+               if "full CRIU log:" in ln)
+    assert Path(log).is_file() and "Dumping FAILED" in Path(log).read_text()
+    assert undumpable.poll() is None  # still running
+    assert snapshots_in(repo) == []
 
 
 def test_full_disk_loses_nothing(sample_job, tmp_path):

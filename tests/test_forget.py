@@ -138,31 +138,20 @@ def test_remove_snapshot_needs_the_writer_lock(tmp_path):
 
 
 @pytest.mark.criu
-def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sample_job, tmp_path):
+def test_real_logs_are_unique_kept_with_their_snapshot_and_removed_with_it(sample_job, tmp_path, undumpable):
     """Two failed dumps in a row keep two logs; a snapshot's dump and restore logs are named
     after it, never overwrite each other, and go when the snapshot goes."""
     import json
-    import subprocess
 
     from conftest import kill_pids
     repo = tmp_path / "repo"
-    # a deleted file bigger than CRIU keeps: CRIU itself fails (the preflight lets it through)
-    big = tmp_path / "scratch"
-    holder = subprocess.Popen(
-        ["python3", "-c", f"import os,time; f=open({str(big)!r},'wb'); f.write(os.urandom(4<<20)); "
-                          f"f.flush(); os.unlink({str(big)!r}); print('ready',flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert holder.stdout.readline().strip() == "ready"
-        logs = []
-        for _ in range(2):
-            proc = run_gpusnap("dump", holder.pid, "--repo", repo, "--json")
-            assert proc.returncode == 8, proc.stdout
-            logs.append(json.loads(proc.stdout)["criu_log"])
-        assert logs[0] != logs[1] and all(os.path.isfile(p) for p in logs)
-    finally:
-        holder.kill()
-        holder.wait()
+    # CRIU itself fails on it (the preflight lets it through)
+    logs = []
+    for _ in range(2):
+        proc = run_gpusnap("dump", undumpable.pid, "--repo", repo, "--json")
+        assert proc.returncode == 8, proc.stdout
+        logs.append(json.loads(proc.stdout)["criu_log"])
+    assert logs[0] != logs[1] and all(os.path.isfile(p) for p in logs)
 
     job = sample_job(steps=100000, mb=4, threads=1, step_ms=20)
     job.wait_steps(2)

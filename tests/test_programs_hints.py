@@ -1,11 +1,9 @@
 """Every failed dump says what to do: a `hint:` line, and a `hint` key in --json. A real CRIU
-failure (a big deleted file held open), and CRIU 4.2's own error lines for each class."""
+failure (an io_uring instance: conftest's undumpable), and CRIU 4.2's own error lines for each class."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -15,30 +13,16 @@ from gpusnap.criu import runner
 
 
 @pytest.mark.criu
-def test_real_dump_failure_has_a_hint(tmp_path, repo):
-    """An io_uring instance: nothing gpusnap's preflight refuses, and CRIU 4.2 cannot dump it.
-    (A big deleted file held open was the real failure here until the preflight chose
-    --ghost-limit: tests/test_criu_parity_files.py.)"""
-    code = ("import ctypes,time; libc=ctypes.CDLL(None, use_errno=True); p=ctypes.create_string_buffer(120); "
-            "fd=libc.syscall(425, 4, p); print('ready' if fd >= 0 else f'errno {ctypes.get_errno()}', "
-            "flush=True); time.sleep(120)")
-    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        said = p.stdout.readline().strip()
-        if said != "ready":
-            pytest.skip(f"io_uring_setup failed here ({said}): no io_uring to make CRIU fail with")
-        res = run_gpusnap("dump", p.pid, "--repo", repo, "--json")
-        assert res.returncode == 8, res.stdout + res.stderr
-        err = json.loads(res.stdout)
-        assert err["criu_errors"]
-        assert err["hint"] == runner.explain_dump(err["criu_errors"]) and "doctor" in err["hint"]
-        assert proc.read_stat(p.pid).state in ("S", "R")  # the job kept running
-        plain = run_gpusnap("dump", p.pid, "--repo", repo)
-        assert "hint:" in plain.stderr and "doctor" in plain.stderr
-    finally:
-        p.kill()
-        p.wait()
+def test_real_dump_failure_has_a_hint(undumpable, repo):
+    """A real CRIU failure (conftest's undumpable: an io_uring instance)."""
+    res = run_gpusnap("dump", undumpable.pid, "--repo", repo, "--json")
+    assert res.returncode == 8, res.stdout + res.stderr
+    err = json.loads(res.stdout)
+    assert err["criu_errors"]
+    assert err["hint"] == runner.explain_dump(err["criu_errors"]) and "doctor" in err["hint"]
+    assert proc.read_stat(undumpable.pid).state in ("S", "R")  # the job kept running
+    plain = run_gpusnap("dump", undumpable.pid, "--repo", repo)
+    assert "hint:" in plain.stderr and "doctor" in plain.stderr
 
 
 # Error lines as CRIU 4.2.1 prints them (criu/*.c), one per failure class users meet.

@@ -1,25 +1,24 @@
 """What a lazy restore fills: the lazy pieces of each restored process, and what is still pending.
 
-plan() reads the pagemaps (as the restore hands them to CRIU: criu/sparse.py may have
-rewritten them) and mm images of a snapshot: every PE_LAZY entry (private anonymous memory
-CRIU leaves to the lazy-pages daemon) becomes pieces [offset in the pages image, address,
-length], cut at mapping ends (one UFFDIO_COPY cannot span two mappings). Mm keeps, per
-restored process, the pieces not copied yet, and follows what the process does meanwhile
-(fork: a copy; mremap: moved; munmap, MADV_DONTNEED: dropped). Pure bookkeeping, no system
+plan() reads (criu/images.py) the pagemaps (as the restore hands them to CRIU:
+criu/sparse.py may have rewritten them) and mm images of a snapshot: every PE_LAZY entry
+(private anonymous memory CRIU leaves to the lazy-pages daemon) becomes pieces [offset in
+the pages image, address, length], cut at mapping ends (one UFFDIO_COPY cannot span two
+mappings). Mm keeps, per restored process, the pieces not copied yet, and follows what the
+process does meanwhile (fork: a copy; mremap: moved; munmap, MADV_DONTNEED: dropped). Pure bookkeeping, no system
 calls: criu/lazypages.py is the daemon that uses it.
 """
 
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass, field
 
-from gpusnap.criu import sparse
+from gpusnap.criu import images
+from gpusnap.criu.images import PE_LAZY, PE_PARENT, PE_PRESENT
 from gpusnap.errors import CorruptSnapshot, UsageError
 
 PAGE = 4096
-_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 
 
 @dataclass
@@ -37,16 +36,12 @@ def plan(snap, sp=None) -> LazyPlan:
     """The lazy pieces of every task of `snap`, read from its pagemaps (as restore hands them
     to CRIU: `sp`, criu/sparse.py, may have rewritten some) and mm images."""
     lp = LazyPlan()
-    for name in snap.image_names():
-        m = _PAGEMAP.fullmatch(name)
-        if not m:
-            continue
-        pid = int(m.group(1))
-        raw = sp.pagemaps[name] if sp is not None and name in sp.pagemaps else b"".join(snap.read_image(name))
+    for name, pid in images.pagemaps(snap):
+        raw = sp.pagemaps[name] if sp is not None and name in sp.pagemaps else images.read(snap, name)
         mm_name = f"mm-{pid}.img"
         try:
-            pages_id, entries = sparse._pagemap(raw)
-            vmas = sparse._vmas(b"".join(snap.read_image(mm_name))) if snap.has_image(mm_name) else []
+            pages_id, entries = images.pagemap(raw)
+            vmas = images.vmas(images.read(snap, mm_name)) if snap.has_image(mm_name) else []
         except (ValueError, KeyError, StopIteration) as e:
             raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable {name} or {mm_name}: {e}") from None
         pages = f"pages-{pages_id}.img"
@@ -56,12 +51,12 @@ def plan(snap, sp=None) -> LazyPlan:
         off = 0
         for e in entries:
             flags, va, n = e["flags"], e["vaddr"], e["nr_pages"]
-            if flags & sparse.PE_PARENT:
+            if flags & PE_PARENT:
                 raise UsageError(f"snapshot {snap.path} keeps pages in a parent image, which a lazy restore "
                                  "cannot serve", hint="restore it with --via files or --via stream")
-            if not flags & sparse.PE_PRESENT:
+            if not flags & PE_PRESENT:
                 continue
-            if flags & sparse.PE_LAZY:
+            if flags & PE_LAZY:
                 end = va + n * PAGE
                 i = max(0, bisect.bisect_right(starts, va) - 1)
                 while i < len(spans) and spans[i][0] < end:

@@ -1,8 +1,10 @@
-"""CRIU image files at the protobuf wire level: the magic words, the length-prefixed
-entries, their fields, and the pagemap entries restore writes back (criu/sparse.py).
+"""Protobuf at the wire level, the one decoder (and encoder) of gpusnap: varints, the fields
+of a message, and the framing of CRIU's image files (magic words, then length-prefixed
+entries). criu/images.py reads the images through it, criu/protocol.py the image-streamer
+messages.
 
-For the few images a restore reads itself: pycriu's import alone costs 0.06-0.1 s, more
-than reading these images. Everything here is read from a snapshot, so lengths are
+Hand-written because pycriu's import alone costs 0.06-0.1 s, more than reading the images a
+restore needs. Everything decoded here comes from a snapshot or a peer, so every length is
 checked and anything malformed raises ValueError.
 """
 
@@ -12,25 +14,36 @@ import struct
 
 IMG_COMMON_MAGIC = 0x54564319
 IMG_SERVICE_MAGIC = 0x55105940
+# a 64-bit value takes at most 10 bytes (7 bits each); a longer varint is malformed
+MAX_VARINT_BYTES = 10
 
 
 def varint(buf: bytes, pos: int) -> tuple[int, int]:
-    v = shift = 0
-    while True:
+    """(value, position after it) of the varint at `pos`."""
+    v = 0
+    for i in range(MAX_VARINT_BYTES):
         if pos >= len(buf):
             raise ValueError("truncated varint")
         b = buf[pos]
         pos += 1
-        v |= (b & 0x7F) << shift
+        v |= (b & 0x7F) << (7 * i)
         if not b & 0x80:
             return v, pos
-        shift += 7
-        if shift > 70:
-            raise ValueError("varint too long")
+    raise ValueError("varint too long")
 
 
-def fields(buf: bytes):
-    """(field number, value) of one message: ints for wire type 0, bytes otherwise."""
+def encode_varint(v: int) -> bytes:
+    out = bytearray()
+    while v > 0x7F:
+        out.append(v & 0x7F | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def wire_fields(buf: bytes):
+    """(field number, wire type, value) of one message: an int for wire type 0, bytes for the
+    others (2: the length-delimited bytes; 1 and 5: the 8 or 4 raw bytes)."""
     pos = 0
     while pos < len(buf):
         key, pos = varint(buf, pos)
@@ -39,21 +52,34 @@ def fields(buf: bytes):
             v, pos = varint(buf, pos)
         elif wt == 2:
             n, pos = varint(buf, pos)
-            v = buf[pos:pos + n]
-            if len(v) != n:
+            if n > len(buf) - pos:
                 raise ValueError("truncated field")
+            v = buf[pos:pos + n]
             pos += n
-        elif wt == 1:
-            v = buf[pos:pos + 8]
-            pos += 8
-        elif wt == 5:
-            v = buf[pos:pos + 4]
-            pos += 4
+        elif wt in (1, 5):
+            n = 8 if wt == 1 else 4
+            if n > len(buf) - pos:
+                raise ValueError("truncated field")
+            v = buf[pos:pos + n]
+            pos += n
         else:
             raise ValueError(f"unsupported wire type {wt}")
-        if pos > len(buf):
-            raise ValueError("truncated field")
+        yield num, wt, v
+
+
+def fields(buf: bytes):
+    """(field number, value) of one message: ints for wire type 0, bytes otherwise."""
+    for num, _, v in wire_fields(buf):
         yield num, v
+
+
+def packed(buf: bytes) -> list[int]:
+    """The values of a packed repeated varint field."""
+    out, pos = [], 0
+    while pos < len(buf):
+        v, pos = varint(buf, pos)
+        out.append(v)
+    return out
 
 
 def header_len(raw: bytes) -> int:
@@ -63,25 +89,21 @@ def header_len(raw: bytes) -> int:
     return 8 if struct.unpack_from("<I", raw, 0)[0] in (IMG_COMMON_MAGIC, IMG_SERVICE_MAGIC) else 4
 
 
-def entries(raw: bytes):
-    """The protobuf entries of a CRIU image (magic words, then u32 length + message each)."""
+def entries(raw: bytes, magic: int | None = None):
+    """The protobuf entries of a CRIU image (magic words, then u32 length + message each).
+    With `magic`, the image must be of that kind (images/magic.h); an empty image has none."""
     if len(raw) < 4:
         return
     pos = header_len(raw)
+    if magic is not None and (len(raw) < pos or struct.unpack_from("<I", raw, pos - 4)[0] != magic):
+        raise ValueError(f"not an image of magic {magic:#x}")
     while pos + 4 <= len(raw):
         (n,) = struct.unpack_from("<I", raw, pos)
         pos += 4
-        if pos + n > len(raw):
+        if n > len(raw) - pos:
             raise ValueError("truncated entry")
         yield raw[pos:pos + n]
         pos += n
-
-
-def _put_varint(out: bytearray, v: int) -> None:
-    while v > 0x7F:
-        out.append(v & 0x7F | 0x80)
-        v >>= 7
-    out.append(v)
 
 
 def pagemap_entry(vaddr: int, nr_pages: int, flags: int | None) -> bytes:
@@ -90,8 +112,7 @@ def pagemap_entry(vaddr: int, nr_pages: int, flags: int | None) -> bytes:
     out = bytearray()
     for num, v in ((1, vaddr), (2, 0), (4, flags), (5, nr_pages)):
         if v is not None:
-            _put_varint(out, num << 3)
-            _put_varint(out, v)
+            out += encode_varint(num << 3) + encode_varint(v)
     return bytes(out)
 
 

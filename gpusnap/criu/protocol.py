@@ -8,7 +8,8 @@ little-endian u32 length followed by a protobuf message:
 
 After each request (and, on restore, a ``true`` reply) CRIU sends one end of a pipe as
 SCM_RIGHTS with a single dummy data byte. The two messages are tiny, so they are encoded
-here by hand rather than through generated classes; everything read is bounds-checked.
+at the wire level (criu/pbwire.py) rather than through generated classes; everything read
+is bounds-checked.
 """
 
 from __future__ import annotations
@@ -17,83 +18,41 @@ import array
 import socket
 import struct
 
+from gpusnap.criu import pbwire
 from gpusnap.errors import StreamProtocolError
+from gpusnap.repo.format.names import MAX_IMAGE_NAME, image_name_problem
 
 # CRIU image names are short (e.g. "pages-12.img", "tmpfs-dev-123.tar.gz.img"); anything
 # longer than a file-name component could ever be is a broken or hostile peer.
-MAX_FILENAME = 255
+MAX_FILENAME = MAX_IMAGE_NAME
 MAX_MESSAGE = MAX_FILENAME + 16
 
 
-def is_pages_image(filename: str) -> bool:
-    """A pages image (pages-<n>.img): its bytes are memory pages, 4 KiB each."""
-    return filename.startswith("pages-") and filename.endswith(".img")
-
-
 def check_filename(name: str) -> str:
-    """Return `name` if it is a safe plain file name; raise StreamProtocolError otherwise."""
-    if not name or len(name.encode()) > MAX_FILENAME:
+    """Return `name` if it is a safe plain file name (repo/format/names.py, the one rule);
+    raise StreamProtocolError otherwise."""
+    problem = image_name_problem(name)
+    if problem == "length":
         raise StreamProtocolError(f"CRIU sent an image name of bad length ({len(name)})")
-    if "/" in name or "\0" in name or name in (".", ".."):
-        raise StreamProtocolError(f"CRIU sent an unsafe image name: {name!r}")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+    if problem == "control":
         raise StreamProtocolError(f"CRIU sent an image name with control characters: {name!r}")
+    if problem:
+        raise StreamProtocolError(f"CRIU sent an unsafe image name: {name!r}")
     return name
-
-
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise StreamProtocolError("truncated or oversized varint in a CRIU message")
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, pos
-        shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 def decode_request(msg: bytes) -> str:
     """Decode an img_streamer_request_entry and return its checked filename."""
-    pos = 0
     filename: str | None = None
-    while pos < len(msg):
-        key, pos = _read_varint(msg, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 2:
-            length, pos = _read_varint(msg, pos)
-            if length > len(msg) - pos:
-                raise StreamProtocolError("CRIU message field runs past its end")
-            value = msg[pos:pos + length]
-            pos += length
-            if field == 1:
+    try:
+        for field, wire, value in pbwire.wire_fields(msg):
+            if field == 1 and wire == 2:
                 try:
                     filename = value.decode("utf-8")
                 except UnicodeDecodeError:
                     raise StreamProtocolError("CRIU sent an image name that is not UTF-8") from None
-        elif wire == 0:
-            _, pos = _read_varint(msg, pos)
-        elif wire == 5:
-            pos += 4
-        elif wire == 1:
-            pos += 8
-        else:
-            raise StreamProtocolError(f"unsupported protobuf wire type {wire} from CRIU")
-        if pos > len(msg):
-            raise StreamProtocolError("CRIU message field runs past its end")
+    except ValueError as e:             # pbwire: truncated, oversized or of an unknown wire type
+        raise StreamProtocolError(f"malformed CRIU message: {e}") from None
     if filename is None:
         raise StreamProtocolError("CRIU request without a file name")
     return check_filename(filename)
@@ -101,7 +60,7 @@ def decode_request(msg: bytes) -> str:
 
 def encode_request(filename: str) -> bytes:
     raw = filename.encode()
-    return b"\x0a" + _encode_varint(len(raw)) + raw
+    return b"\x0a" + pbwire.encode_varint(len(raw)) + raw
 
 
 def encode_reply(exists: bool) -> bytes:

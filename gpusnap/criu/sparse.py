@@ -19,24 +19,21 @@ snapshot is untouched; export and inspect still see the images exactly as CRIU w
 from __future__ import annotations
 
 import bisect
-import re
 from dataclasses import dataclass, field
 
-from gpusnap.criu import pbwire
+from gpusnap.criu import images
+from gpusnap.criu.images import PE_LAZY, PE_PARENT, PE_PRESENT  # noqa: F401 - named here too (tests use sparse.PE_*)
 
 PAGE = 4096
 MIN_RUN = 16                     # pages (64 KiB): shorter zero runs stay in the image
 
-# criu/include/image.h (VmaEntry.status) and pagemap.h (PagemapEntry.flags)
+# criu/include/image.h (VmaEntry.status); pagemap.h (PagemapEntry.flags): criu/images.py
 VMA_AREA_REGULAR = 1 << 0
 VMA_AREA_STACK = 1 << 1
 VMA_AREA_HEAP = 1 << 5
 VMA_ANON_PRIVATE = 1 << 9
 _PLAIN = VMA_AREA_REGULAR | VMA_AREA_STACK | VMA_AREA_HEAP | VMA_ANON_PRIVATE
 MAP_HUGETLB = 0x40000
-PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
-
-_PAGEMAP = re.compile(r"pagemap-(\d+)\.img")
 
 
 @dataclass
@@ -143,44 +140,18 @@ def split_entries(entries: list[dict], drop: list[tuple[int, int]]) -> list[dict
     return out
 
 
-def _pagemap(raw: bytes) -> tuple[int, list[dict]]:
-    """pages_id and entries (vaddr, nr_pages, flags, has_flags) of a pagemap image."""
-    msgs = pbwire.entries(raw)
-    head = dict(pbwire.fields(next(msgs)))
-    out = []
-    for m in msgs:
-        f = dict(pbwire.fields(m))
-        if 3 in f and f[3]:               # in_parent: the pages are in a parent image
-            f[4] = f.get(4, 0) | PE_PARENT
-        out.append({"vaddr": f[1], "nr_pages": f.get(5, f.get(2, 0)),
-                    "flags": f.get(4, PE_PRESENT), "has_flags": 4 in f})
-    return head[1], out
-
-
-def _vmas(raw: bytes) -> list[dict]:
-    """start, end, flags, status of every VMA of an mm image (images/mm.proto, vma.proto)."""
-    out = []
-    for m in pbwire.entries(raw):
-        for num, v in pbwire.fields(m):
-            if num == 14:
-                f = dict(pbwire.fields(v))
-                out.append({"start": f[1], "end": f[2], "flags": f[6], "status": f[7]})
-    return out
-
-
 def plan(snap) -> Sparse:
     """The runs to leave out of each pages image of `snap`, and the pagemaps to match. An
     image whose pagemap or mm image does not read as expected is left whole."""
     sp = Sparse()
-    for name in snap.image_names():
-        m = _PAGEMAP.fullmatch(name)
-        mm_name = f"mm-{m.group(1)}.img" if m else ""
-        if not m or not snap.has_image(mm_name):
+    for name, pid in images.pagemaps(snap):
+        mm_name = f"mm-{pid}.img"
+        if not snap.has_image(mm_name):
             continue
-        raw = b"".join(snap.read_image(name))
+        raw = images.read(snap, name)
         try:
-            pages_id, entries = _pagemap(raw)
-            vmas = _vmas(b"".join(snap.read_image(mm_name)))
+            pages_id, entries = images.pagemap(raw)
+            vmas = images.vmas(images.read(snap, mm_name))
         except (ValueError, KeyError, StopIteration):
             continue                      # CRIU reports what is wrong with it, if anything
         pages = f"pages-{pages_id}.img"
@@ -191,13 +162,9 @@ def plan(snap) -> Sparse:
         drop = intersect(zeros, runs) if zeros else []
         if not drop:
             continue
-        head = raw[:pbwire.header_len(raw)]
-        first = next(pbwire.entries(raw))
-        msgs = [pbwire.pagemap_entry(e["vaddr"], e["nr_pages"], e["flags"] if e["has_flags"] else None)
-                for e in split_entries(entries, drop)]
         left_out = sum(c for _, c in drop)
         sp.drop[pages] = drop
-        sp.pagemaps[name] = pbwire.image(head, [first, *msgs])
+        sp.pagemaps[name] = images.rewrite_pagemap(raw, split_entries(entries, drop))
         sp.size[pages] = int(snap.image(pages)["size"]) - left_out * PAGE
         sp.pages_left_out += left_out
     return sp

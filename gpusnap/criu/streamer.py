@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from gpusnap.criu import protocol
+from gpusnap.repo.format import names
 from gpusnap.errors import GpusnapError, NoSpace, StreamProtocolError
 
 CAPTURE_SOCKET = "streamer-capture.sock"
@@ -291,9 +292,9 @@ class CaptureServer(_Server):
     def _stage(self, name: str, fd: int, image) -> None:
         from gpusnap.repo.pipeline.staging import StagingCancelled
 
-        _grow_pipe(fd, CAPTURE_PIPE_SIZE if protocol.is_pages_image(name) else PIPE_SIZE)
+        _grow_pipe(fd, CAPTURE_PIPE_SIZE if names.is_pages_image(name) else PIPE_SIZE)
         try:
-            self.staging.stage_pipe(fd, image, protocol.is_pages_image(name), lambda n: self._count(name, n))
+            self.staging.stage_pipe(fd, image, names.is_pages_image(name), lambda n: self._count(name, n))
         except StagingCancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - every failure must reach the dump
@@ -399,7 +400,7 @@ class ServeServer(_Server):
 
         _grow_pipe(fd)
         feeder = Feeder(fd, CHUNK)
-        feeder.splice = feeder.splice and protocol.is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
+        feeder.splice = feeder.splice and names.is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
         try:
             for chunk in chunks:
                 if self.failed:

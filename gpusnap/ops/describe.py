@@ -3,9 +3,9 @@ whether a restore will work. Processes with their command lines and working dire
 open files (size and mode at dump time, and whether the file on disk still matches), sockets,
 GPU facts recorded at dump, and the repository's page statistics and sizes.
 
-CRIU's images are decoded with pycriu from the snapshot itself, so nothing in them is trusted:
-a malformed image is reported as unreadable rather than crashing the command. The report is
-data (what `inspect --json` prints); render.snapshots.inspect makes the text.
+CRIU's images are decoded with pycriu (criu/images.py) from the snapshot itself, so nothing in
+them is trusted: a malformed image is reported as unreadable rather than crashing the command.
+The report is data (what `inspect --json` prints); render.snapshots.inspect makes the text.
 """
 
 from __future__ import annotations
@@ -14,21 +14,12 @@ import os
 import stat
 from typing import Any
 
+from gpusnap.criu import images
+
 PAGE = 4096
 PE_PRESENT = 1 << 2            # pagemap entry flag: its pages are in the pages image
 CMDLINE_READ_LIMIT = 256 << 20  # read a pages image for command lines only up to this size
 O_ACCMODE, O_APPEND = 0o3, 0o2000
-
-
-def _load(snap, name: str) -> list[dict] | None:
-    import pycriu.images
-
-    if not snap.has_image(name):
-        return None
-    try:
-        return pycriu.images.loads(b"".join(snap.read_image(name)))["entries"]
-    except Exception:  # noqa: BLE001 - data from disk; report, never crash
-        return None
 
 
 def _read_memory(snap, pagemap: list[dict], ranges: list[tuple[int, int]]) -> list[bytes | None]:
@@ -152,8 +143,8 @@ def _describe_file(e: dict) -> dict[str, Any]:
 def processes(snap) -> list[dict[str, Any]]:
     """One row per process: pid, ppid, command (name and line), cwd, threads, memory in the
     image, and its open file descriptors."""
-    tree = _load(snap, "pstree.img") or []
-    files = {int(e.get("id", -1)): e for e in (_load(snap, "files.img") or [])}
+    tree = images.decoded(snap, "pstree.img") or []
+    files = {int(e.get("id", -1)): e for e in (images.decoded(snap, "files.img") or [])}
     described: dict[int, dict] = {}
 
     def fdesc(fid: int) -> dict:
@@ -165,13 +156,13 @@ def processes(snap) -> list[dict[str, Any]]:
     rows = []
     for e in tree:
         pid = int(e.get("pid", 0))
-        core = _load(snap, f"core-{pid}.img") or [{}]
+        core = images.decoded(snap, f"core-{pid}.img") or [{}]
         comm = core[0].get("tc", {}).get("comm", "?")
-        pagemap = _load(snap, f"pagemap-{pid}.img") or []
+        pagemap = images.decoded(snap, f"pagemap-{pid}.img") or []
         pages = sum(int(x.get("nr_pages", 0)) for x in pagemap[1:])
-        ids = (_load(snap, f"ids-{pid}.img") or [{}])[0]
-        fs = (_load(snap, f"fs-{pid}.img") or [{}])[0]
-        mm = (_load(snap, f"mm-{pid}.img") or [{}])[0]
+        ids = (images.decoded(snap, f"ids-{pid}.img") or [{}])[0]
+        fs = (images.decoded(snap, f"fs-{pid}.img") or [{}])[0]
+        mm = (images.decoded(snap, f"mm-{pid}.img") or [{}])[0]
         cmdline, cmdline_from = None, None
         if mm.get("mm_arg_end", 0) > mm.get("mm_arg_start", 0):
             raw = _read_memory(snap, pagemap, [(int(mm["mm_arg_start"]), int(mm["mm_arg_end"]))])[0]
@@ -184,7 +175,7 @@ def processes(snap) -> list[dict[str, Any]]:
             # too big to read here (CMDLINE_READ_LIMIT): the line recorded at dump, one string
             cmdline, cmdline_from = [meta["cmdline"]], "dump"
         fds = []
-        fdinfo = _load(snap, f"fdinfo-{ids.get('files_id')}.img") if "files_id" in ids else None
+        fdinfo = images.decoded(snap, f"fdinfo-{ids.get('files_id')}.img") if "files_id" in ids else None
         for fd in fdinfo or []:
             fds.append({"fd": int(fd.get("fd", -1)), **fdesc(int(fd.get("id", -1)))})
         cwd = fdesc(int(fs["cwd_id"])).get("path") if "cwd_id" in fs else None

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from gpusnap.criu import config as criu_config
+from gpusnap.criu import images
 from gpusnap.criu import runner
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
 from gpusnap.repo.pipeline import staging as staging_mod
@@ -63,54 +64,14 @@ def cuda_report_pids(path: Path) -> list[int]:
     return sorted(set(pids))
 
 
-def _varint(b: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        n |= (c & 0x7F) << shift
-        shift += 7
-        if c < 0x80:
-            return n, i
-
-
 def criu_frozen_seconds(workdir: Path) -> float | None:
-    """frozen_time from CRIU's stats-dump (written locally even with --stream): microseconds
-    from the moment the tree was frozen to the moment it was resumed. The image is 8 bytes of
-    magic, a u32 length, then StatsEntry{dump = 1: DumpStatsEntry{frozen_time = 2}}."""
+    """frozen_time from CRIU's stats-dump (written locally even with --stream): seconds from
+    the moment the tree was frozen to the moment it was resumed (criu/images.py)."""
     try:
-        b = (workdir / "stats-dump").read_bytes()
-        size = int.from_bytes(b[8:12], "little")
-        msg = b[12:12 + size]
-        i = 0
-        while i < len(msg):
-            key, i = _varint(msg, i)
-            if key == (1 << 3 | 2):
-                ln, i = _varint(msg, i)
-                sub, j = msg[i:i + ln], 0
-                while j < len(sub):
-                    k, j = _varint(sub, j)
-                    if k & 7 == 0:
-                        v, j = _varint(sub, j)
-                        if k >> 3 == 2:
-                            return v / 1e6
-                    elif k & 7 == 2:
-                        ln2, j = _varint(sub, j)
-                        j += ln2
-                    else:
-                        return None
-                return None
-            if key & 7 == 0:
-                _, i = _varint(msg, i)
-            elif key & 7 == 2:
-                ln, i = _varint(msg, i)
-                i += ln
-            else:
-                return None
-    except (OSError, IndexError, ValueError):
+        raw = (workdir / "stats-dump").read_bytes()
+    except OSError:
         return None
-    return None
-
+    return images.frozen_seconds(raw)
 
 
 def test_hold(point: str, info: dict) -> None:

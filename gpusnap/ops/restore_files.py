@@ -25,7 +25,7 @@ crashes later, the log is longer than the snapshot expects. Here, before CRIU ru
 (gpusnap/ops/describe.py), so the two always agree.
 Nothing is changed unless every file passes; if the restore then fails, the moved bytes are
 put back (undo). The entries come from CRIU's files.img (or reg-files.img of older CRIUs),
-read at the wire level (criu/pbwire.py) instead of through pycriu (whose import alone costs 0.1 s).
+read at the wire level (criu/images.py) instead of through pycriu (whose import alone costs 0.1 s).
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from gpusnap.criu import pbwire
+from gpusnap.criu import images
 from gpusnap.errors import CorruptSnapshot, FilesChanged
 from gpusnap.system import fileusers, ownerfs
 
 O_ACCMODE = 0o3
 O_WRONLY = 0o1
 O_APPEND = 0o2000
-FD_TYPE_REG = 1
 REMAP_LINKED, REMAP_GHOST, REMAP_PROCFS = 0, 1, 2
 COPY_CHUNK = 1 << 20
 # kernel files that exist only while the job runs (e.g. its own /proc/PID/maps, which zdtm's
@@ -64,50 +63,20 @@ class RegFile:
         return self.flags & O_ACCMODE != 0
 
 
-def _reg(msg: bytes) -> RegFile:
-    d: dict = {}
-    for num, v in pbwire.fields(msg):
-        d[num] = v
-    return RegFile(id=d.get(1, 0), flags=d.get(2, 0), pos=d.get(3, 0),
-                   name=bytes(d.get(6, b"")).decode(errors="surrogateescape"),
-                   size=d.get(8), ext=bool(d.get(9, 0)), mode=d.get(10))
-
-
 def reg_files(snap) -> list[RegFile]:
     """Every regular-file entry of the snapshot (files.img, or reg-files.img)."""
-    out: list[RegFile] = []
     try:
-        if snap.has_image("files.img"):
-            for msg in pbwire.entries(b"".join(snap.read_image("files.img"))):
-                typ = None
-                reg = None
-                for num, v in pbwire.fields(msg):
-                    if num == 1:
-                        typ = v
-                    elif num == 3:
-                        reg = v
-                if typ == FD_TYPE_REG and reg is not None:
-                    out.append(_reg(reg))
-        if snap.has_image("reg-files.img"):
-            out.extend(_reg(m) for m in pbwire.entries(b"".join(snap.read_image("reg-files.img"))))
+        return [RegFile(**d) for d in images.reg_files(snap)]
     except ValueError as e:
         raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable files image: {e}") from None
-    return out
 
 
 def _remapped_ids(snap) -> set[int]:
     """Files CRIU restores itself (deleted-but-open ghosts, linked remaps): not checked here."""
-    ids: set[int] = set()
-    if not snap.has_image("remap-fpath.img"):
-        return ids
     try:
-        for msg in pbwire.entries(b"".join(snap.read_image("remap-fpath.img"))):
-            for num, v in pbwire.fields(msg):
-                if num == 1:
-                    ids.add(v)
+        return images.remapped_ids(snap)
     except ValueError as e:
         raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable remap image: {e}") from None
-    return ids
 
 
 # -- fixing, as the file's owner and through descriptors (gpusnap/system/ownerfs.py) -------------

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpusnap.criu import images
+
 MAP_HUGETLB = 0x40000
 
 
@@ -58,34 +60,20 @@ def _smaps_hugetlb(pid: int) -> int:
 
 def snapshot_hugetlb_bytes(snap) -> int:
     """Bytes of hugetlb mappings the snapshot restores: the dump's record, or else from its
-    mm images (pycriu)."""
+    mm images (criu/images.py)."""
     v = snap.manifest.get("meta", {}).get("hugetlb_bytes")
     if type(v) is int and v >= 0:
         return v
-    import pycriu.images
-
     total = 0
     for name in snap.image_names():
         if not (name.startswith("mm-") and name.endswith(".img")):
             continue
         try:
-            entries = pycriu.images.loads(b"".join(snap.read_image(name)))["entries"]
-        except Exception:  # noqa: BLE001 - unreadable: let CRIU report it
+            vmas = images.vmas(images.read(snap, name))
+        except ValueError:          # unreadable: let CRIU report it
             continue
-        for mm in entries:
-            for vma in mm.get("vmas", []):
-                flags = vma.get("flags", 0)
-                if isinstance(flags, str):   # pycriu may render flags symbolically
-                    big = "MAP_HUGETLB" in flags
-                else:
-                    big = bool(int(flags) & MAP_HUGETLB)
-                if big:
-                    total += _int(vma.get("end", 0)) - _int(vma.get("start", 0))
+        total += sum(vma["end"] - vma["start"] for vma in vmas if vma["flags"] & MAP_HUGETLB)
     return total
-
-
-def _int(v) -> int:
-    return int(v, 16) if isinstance(v, str) else int(v)
 
 
 def hugepage_pool() -> tuple[int, int, int] | None:

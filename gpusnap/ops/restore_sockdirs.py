@@ -16,6 +16,8 @@ import os
 import quopri
 from dataclasses import dataclass, field
 
+from gpusnap.criu import images
+
 
 def _name(raw) -> bytes:
     """A socket's address as pycriu gives it (its unix names are quoted-printable)."""
@@ -32,14 +34,7 @@ def _name(raw) -> bytes:
 
 def bound_dirs(snap) -> list[tuple[str, int, int]]:
     """(directory, uid, gid) of every absolute-path unix socket the snapshot binds."""
-    import pycriu.images
-
-    if not snap.has_image("files.img"):
-        return []
-    try:
-        entries = pycriu.images.loads(b"".join(snap.read_image("files.img")))["entries"]
-    except Exception:  # noqa: BLE001 - unreadable: CRIU reports it in its words
-        return []
+    entries = images.decoded(snap, "files.img") or []   # none, or unreadable: CRIU says so in its words
     out: dict[str, tuple[str, int, int]] = {}
     for e in entries:
         if e.get("type") != "UNIXSK":

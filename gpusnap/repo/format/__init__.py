@@ -10,4 +10,5 @@ from gpusnap.repo.format.pack import (BlobHeader, check_blob_fields, encode_blob
                                       parse_pack_header)
 from gpusnap.repo.format.index import IndexFile, encode_index, parse_index  # noqa: F401
 from gpusnap.repo.format.pagelist import MAX_PL_RUN, encode_pl_pages, encode_pl_tail, encode_pl_zero, iter_pagelist  # noqa: F401
-from gpusnap.repo.format.manifest import check_manifest, encode_manifest, parse_manifest, valid_image_name  # noqa: F401
+from gpusnap.repo.format.manifest import check_manifest, encode_manifest, parse_manifest  # noqa: F401
+from gpusnap.repo.format.names import image_name_problem, is_pages_image, valid_image_name  # noqa: F401

@@ -8,6 +8,7 @@ import blake3
 
 from gpusnap.repo.format.common import (FORMAT_VERSION, HEX64, MANIFEST_TRAILER_LEN, MANIFEST_TRAILER_PREFIX, MAX_MANIFEST, PAGELIST_NAME,
                                        SNAPSHOT_NAME, FormatError)
+from gpusnap.repo.format.names import valid_image_name
 
 
 def encode_manifest(body: dict) -> tuple[bytes, str]:
@@ -19,11 +20,6 @@ def encode_manifest(body: dict) -> tuple[bytes, str]:
 
 def _is_int(v, lo=0, hi=(1 << 63) - 1):
     return type(v) is int and lo <= v <= hi
-
-
-def valid_image_name(name) -> bool:
-    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\x00" not in name
-            and name not in (".", ".."))
 
 
 def parse_manifest(data: bytes) -> tuple[dict, str]:

@@ -18,7 +18,7 @@ from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
 from gpusnap.repo.index import write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
-from gpusnap.criu.protocol import is_pages_image
+from gpusnap.repo.format.names import is_pages_image
 from gpusnap.repo.pipeline.datasink import DataSink
 from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, ImageSink, PagesSink
 

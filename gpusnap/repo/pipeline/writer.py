@@ -14,6 +14,7 @@ from gpusnap.errors import NoSpace, RepositoryError
 from gpusnap.repo import fsutil, locations
 from gpusnap.repo.codec import codec_name
 from gpusnap.repo.faults import fault
+from gpusnap.system import interrupt
 from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
 from gpusnap.repo.index import write_index_file
 from gpusnap.repo.pipeline import pagetable
@@ -127,6 +128,7 @@ class SnapshotWriter:
             self.state = "committing"
         try:
             fault("commit:start")
+            interrupt.check()       # a signal whose exception a finalizer swallowed
             bad = [s.filename for s in self.sinks if not s.closed or s.failed]
             if bad:
                 raise RepositoryError(f"cannot commit: images not completed: {', '.join(sorted(bad))}")

@@ -12,7 +12,8 @@ import subprocess
 import blake3
 
 from conftest import GPUSNAP, ROOT
-from gpusnap.ops import exchange as X
+from gpusnap.ops.export import write_export
+from gpusnap.repo.format import export as X
 from gpusnap.repo import Repository
 from gpusnap.repo import format as F
 from repo_helpers import PAGE, dump, text_page
@@ -35,7 +36,7 @@ def sample(tmp_path, name="job"):
 def export_bytes(snap) -> bytes:
     import io
     buf = io.BytesIO()
-    X.write_export(snap, buf)
+    write_export(snap, buf)
     return buf.getvalue()
 
 

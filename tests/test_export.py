@@ -10,7 +10,9 @@ import subprocess
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
-from gpusnap.ops import exchange
+from gpusnap.ops.export import write_export
+from gpusnap.ops.import_ import read_import
+from gpusnap.repo.format.export import MAGIC
 from gpusnap.errors import BadExportFile
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
@@ -45,7 +47,7 @@ def test_roundtrip_keeps_every_byte_and_dedups(tmp_path):
     assert res["bytes"] == out.stat().st_size and oct(out.stat().st_mode & 0o777) == "0o600"
     # only what the snapshot needs: zero pages are not carried, the rest is compressed
     assert out.stat().st_size < sum(map(len, images.values()))
-    assert out.read_bytes()[:8] == exchange.MAGIC
+    assert out.read_bytes()[:8] == MAGIC
     b = Repository.open(tmp_path / "b", create=True)
     first = run_json("import", out, "--repo", b.path)
     assert first["name"] == "job" and first["source_id"] == snap.id
@@ -166,7 +168,7 @@ def test_every_flipped_byte_is_refused_in_process(tmp_path):
 
     repo, snap, _ = _sample(tmp_path)
     buf = io.BytesIO()
-    exchange.write_export(snap, buf)
+    write_export(snap, buf)
     good = buf.getvalue()
     target = Repository.open(tmp_path / "b", create=True)
     dump(target, {"pages-1.img": os.urandom(PAGE * 3)}, name="resident")
@@ -178,11 +180,11 @@ def test_every_flipped_byte_is_refused_in_process(tmp_path):
         bad = bytearray(good)
         bad[pos] ^= 1 << rnd.randrange(8)
         with pytest.raises(BadExportFile):
-            exchange.read_import(Repository.open(target.path), io.BytesIO(bytes(bad)))
+            read_import(Repository.open(target.path), io.BytesIO(bytes(bad)))
     for cut in (0, 1, 15, 16, 27, len(good) // 2, len(good) - 33, len(good) - 1):
         with pytest.raises(BadExportFile):
-            exchange.read_import(Repository.open(target.path), io.BytesIO(good[:cut]))
+            read_import(Repository.open(target.path), io.BytesIO(good[:cut]))
     after = _tree(target.path)
     assert {k: v for k, v in after.items() if not k.startswith("locks/")} == \
         {k: v for k, v in before.items() if not k.startswith("locks/")}
-    exchange.read_import(Repository.open(target.path), io.BytesIO(good))     # the intact file still imports
+    read_import(Repository.open(target.path), io.BytesIO(good))     # the intact file still imports

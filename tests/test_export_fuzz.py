@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from export_helpers import (TRAILER, craft, export_bytes, import_bounded, manifest_body, record, records, rehash,
                             retrailer, sample)
 from gpusnap.errors import BadExportFile
-from gpusnap.ops import exchange as X
+from gpusnap.ops.import_ import read_import
+from gpusnap.repo.format import export as X
 from gpusnap.repo import Repository
 from gpusnap.repo import format as F
 from repo_helpers import PAGE, read_all
@@ -52,7 +53,7 @@ def _state(path) -> dict:
 def _refused(target, data: bytes) -> None:
     before = _state(target)
     with pytest.raises(BadExportFile):
-        X.read_import(Repository.open(target), io.BytesIO(data))
+        read_import(Repository.open(target), io.BytesIO(data))
     assert _state(target) == before
 
 
@@ -61,7 +62,7 @@ def _refused_or_identical(world, data: bytes) -> None:
     exported snapshot (an equivalent encoding of the same bytes), nothing else."""
     _, snap, target = world
     try:
-        res = X.read_import(Repository.open(target), io.BytesIO(data))
+        res = read_import(Repository.open(target), io.BytesIO(data))
     except BadExportFile:
         return
     got = Repository.open(target).snapshot(res["snapshot"])
@@ -73,7 +74,7 @@ def _refused_or_identical(world, data: bytes) -> None:
 
 def test_the_valid_sample_imports(tmp_path, world):
     good, snap, _ = world
-    res = X.read_import(Repository.open(tmp_path / "r", create=True), io.BytesIO(good))
+    res = read_import(Repository.open(tmp_path / "r", create=True), io.BytesIO(good))
     got = Repository.open(tmp_path / "r").snapshot(res["snapshot"])
     for name in snap.image_names():
         assert read_all(got, name) == read_all(snap, name)

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import run_gpusnap, run_json
-from gpusnap.ops import forget as forget_mod
+from gpusnap.ops.prune import sweep_logs
 from gpusnap.errors import UsageError
 from gpusnap.render import human_bytes
 from gpusnap.repo import Repository
@@ -124,7 +124,7 @@ def test_logs_go_with_their_snapshot(tmp_path):
     run_json("prune", "--keep-last", "1", "--name", "b", "--repo", repo.path)
     assert kept(images[3][0]) == [] and len(kept(images[4][0])) == 2
     assert (logs / "failed-dump-a-1.log").exists()
-    assert forget_mod.sweep_logs(Repository.open(repo.path)) == 0
+    assert sweep_logs(Repository.open(repo.path)) == 0
 
 
 def test_remove_snapshot_needs_the_writer_lock(tmp_path):

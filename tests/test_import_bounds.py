@@ -21,7 +21,7 @@ from conftest import GPUSNAP, ROOT, run_gpusnap, run_json
 from export_helpers import (craft, export_bytes, import_bounded, manifest_body, record, sample,
                             zero_pages_export)
 from gpusnap.errors import BadExportFile, CorruptSnapshot, NoSpace, RepositoryLocked
-from gpusnap.ops import exchange as X
+from gpusnap.repo.format import export as X
 from gpusnap.ops import import_stream as S
 from gpusnap.repo import Repository
 from gpusnap.repo import format as F

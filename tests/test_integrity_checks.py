@@ -16,7 +16,8 @@ import pytest
 
 from export_helpers import TRAILER, export_bytes, records, rehash, retrailer, sample
 from gpusnap.errors import BadExportFile, CorruptSnapshot
-from gpusnap.ops import exchange as X
+from gpusnap.ops.import_ import read_import
+from gpusnap.repo.format import export as X
 from gpusnap.repo import Repository
 from gpusnap.repo import format as F
 from gpusnap.repo.codec import decompress
@@ -145,7 +146,7 @@ def exp(tmp_path):
 
 
 def _import(target, data: bytes):
-    return X.read_import(Repository.open(target, create=True), io.BytesIO(data))
+    return read_import(Repository.open(target, create=True), io.BytesIO(data))
 
 
 def _data_records_of(data: bytes) -> list[tuple]:

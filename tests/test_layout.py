@@ -52,3 +52,30 @@ def test_modules_stay_small_or_say_why(path):
         return
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     assert "400 lines" in doc, f"{path.relative_to(ROOT)} has {n} lines and its docstring gives no reason"
+
+
+# commands whose whole work is one call into a lower layer: no operation of their own
+_NO_OPERATION = {"init": "Repository.init (repo/repository.py) is the command",
+                 "ps": "gpu/procs.py gpu_processes() is the command"}
+
+
+def _commands() -> list[str]:
+    from gpusnap.cli import _COMMANDS
+
+    return sorted({group or name for group, name, _, _ in _COMMANDS})
+
+
+@pytest.mark.parametrize("command", _commands())
+def test_each_command_has_its_operation_module_named_after_it(command):
+    """ops/ has one naming rule (issue 34): the module of `gpusnap CMD` is ops/CMD.py, or the
+    package ops/CMD/ ('-' as '_'; `import` is a keyword, so import_.py as PEP 8 says)."""
+    if command in _NO_OPERATION:
+        assert not (ROOT / "ops" / f"{command}.py").exists()
+        return
+    stem = command.replace("-", "_") + ("_" if command == "import" else "")
+    assert (ROOT / "ops" / f"{stem}.py").is_file() or (ROOT / "ops" / stem / "__init__.py").is_file(), \
+        f"`gpusnap {command}` has no ops/{stem}.py"
+
+
+def test_one_materialize():
+    assert sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("materialize.py")) == ["repo/materialize.py"]

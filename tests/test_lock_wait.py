@@ -17,7 +17,7 @@ import pytest
 
 from conftest import GPUSNAP, ROOT, run_gpusnap, run_json
 from gpusnap.errors import RepositoryLocked
-from gpusnap.ops import exchange
+from gpusnap.ops.export import export_snapshot
 from gpusnap.repo import Repository
 from repo_helpers import PAGE, dump
 
@@ -70,7 +70,7 @@ def _synthetic_repo(tmp_path, n=3):
 def test_writers_wait_for_the_lock_say_so_then_succeed(tmp_path, command):
     repo, snaps = _synthetic_repo(tmp_path)
     export = tmp_path / "x.gsx"
-    exchange.export_snapshot(snaps[0], str(export))
+    export_snapshot(snaps[0], str(export))
     target = Repository.open(tmp_path / "target", create=True) if command == "import" else repo
     args, expected = {"prune": (("prune", "--keep-last", "1"), snaps[2:]),
                       "forget": (("forget", snaps[0].id), snaps[1:]),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from gpusnap.errors import CorruptSnapshot
-from gpusnap.repo import Repository, materialize, native
+from gpusnap.repo import Repository, native, parallel_read
 from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, CODEC_SHUF2_ZSTD, CODEC_SHUF4_ZSTD, CODEC_ZSTD, KIND_PAGES, FormatError
 from gpusnap.repo.store import BlobReader, pack_path
 from repo_helpers import PAGE, dump, read_all
@@ -54,9 +54,9 @@ def _read_every_way(snap, name, threads=2):
     seq = read_all(snap, name)
     out = snap.path.parent.parent / f"out-{snap.path.name}-{threads}"
     out.mkdir(mode=0o700)
-    materialize.write_images(snap, out, threads, threading.Event(), [0])
+    parallel_read.write_images(snap, out, threads, threading.Event(), [0])
     files = (out / name).read_bytes()
-    par = b"".join(materialize.iter_image_parallel(snap, name, threads))
+    par = b"".join(parallel_read.iter_image_parallel(snap, name, threads))
     return seq, files, par
 
 
@@ -64,7 +64,7 @@ def _read_every_way(snap, name, threads=2):
 def test_every_codec_reads_back_exactly(tmp_path, monkeypatch, codec):
     """Both snapshots read back exactly, also with jobs that cut blobs in two (5 pages: the
     writer's blobs are 16) and one worker, so the blob kept between two jobs is used."""
-    monkeypatch.setattr(materialize, "JOB_BYTES", 5 * PAGE)
+    monkeypatch.setattr(parallel_read, "JOB_BYTES", 5 * PAGE)
     repo = Repository.open(tmp_path / "repo", create=True)
     img2 = _variant(BASE)
     s1, _ = dump(repo, {IMG: BASE, "core-1.img": b"core" * 100}, name="one", compress=codec)
@@ -90,7 +90,7 @@ def test_jobs_over_many_packs_decode_in_parts(tmp_path, monkeypatch):
     from gpusnap.repo import reader
 
     monkeypatch.setattr(reader, "PAGE_FDS", 1)
-    monkeypatch.setattr(materialize, "JOB_BYTES", 64 * PAGE)
+    monkeypatch.setattr(parallel_read, "JOB_BYTES", 64 * PAGE)
     repo = Repository.open(tmp_path / "repo", create=True)
     img2 = _variant(BASE)
     dump(repo, {IMG: BASE}, name="one", compress="auto")
@@ -151,17 +151,17 @@ def _refused_alike(snap, pp, name, r, parallel_exact=True, fresh=True):
         out = snap.path.parent.parent / f"out-{threads}-{os.urandom(4).hex()}"
         out.mkdir(mode=0o700)
         with pytest.raises(CorruptSnapshot) as e:
-            materialize.write_images(s, out, threads, threading.Event(), [0])
+            parallel_read.write_images(s, out, threads, threading.Event(), [0])
         assert (want if parallel_exact else str(pp)) in str(e.value)
         with pytest.raises(CorruptSnapshot) as e:
-            b"".join(materialize.iter_image_parallel(s, IMG, threads))
+            b"".join(parallel_read.iter_image_parallel(s, IMG, threads))
         assert (want if parallel_exact else str(pp)) in str(e.value)
     return want
 
 
 @pytest.fixture
 def small_jobs(monkeypatch):
-    monkeypatch.setattr(materialize, "JOB_BYTES", 7 * PAGE)
+    monkeypatch.setattr(parallel_read, "JOB_BYTES", 7 * PAGE)
 
 
 def _snap(tmp_path, codec):
@@ -228,7 +228,7 @@ def test_missing_pack(tmp_path, small_jobs):
     assert s.reading_locations() is s.locations()
     pp, name, r = _runs(s)[0]
     os.unlink(pp)
-    for it in (lambda: read_all(s, IMG), lambda: b"".join(materialize.iter_image_parallel(s, IMG, 2))):
+    for it in (lambda: read_all(s, IMG), lambda: b"".join(parallel_read.iter_image_parallel(s, IMG, 2))):
         with pytest.raises(CorruptSnapshot, match=f"{IMG}: pack missing") as e:
             it()
         assert str(pp) in str(e.value)

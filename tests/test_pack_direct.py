@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from gpusnap.criu.materialize import _is_tmpfs
+from gpusnap.repo.materialize import _is_tmpfs
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
 from gpusnap.repo.pipeline import packout, packwriter

@@ -180,11 +180,11 @@ def test_one_read_path_names_image_and_pack(setup, tmp_path, monkeypatch, codec_
     by the parallel materializer alike: CorruptSnapshot naming the image and the pack."""
     import threading
 
-    from gpusnap.repo import materialize
+    from gpusnap.repo import parallel_read
 
-    monkeypatch.setattr(materialize, "JOB_BYTES", 16 * PAGE)     # small jobs: the parallel path
+    monkeypatch.setattr(parallel_read, "JOB_BYTES", 16 * PAGE)     # small jobs: the parallel path
     repo, s1, s2, img1, img2 = setup
-    assert materialize.parallel_ok(s1, "pages-1.img")
+    assert parallel_read.parallel_ok(s1, "pages-1.img")
     pp, b = _blob_of(repo, s1, codec_none)
     if not with_locations:
         os.unlink(s1.path / "locations")
@@ -197,7 +197,7 @@ def test_one_read_path_names_image_and_pack(setup, tmp_path, monkeypatch, codec_
     out = tmp_path / "images"
     out.mkdir(mode=0o700)
     with pytest.raises(CorruptSnapshot, match="pages-1.img") as e:
-        materialize.write_images(s, out, 2, threading.Event(), [0])
+        parallel_read.write_images(s, out, 2, threading.Event(), [0])
     assert pp.name in str(e.value)
     # the other snapshot shares no page with it and still reads
     assert read_all(Repository.open(repo.path).snapshot(s2.path.name), "pages-1.img") == img2
@@ -208,9 +208,9 @@ def test_read_through_the_index_equals_the_file(setup, tmp_path, monkeypatch):
     bytes through locations built from the index."""
     import threading
 
-    from gpusnap.repo import materialize
+    from gpusnap.repo import parallel_read
 
-    monkeypatch.setattr(materialize, "JOB_BYTES", 16 * PAGE)     # small jobs: the parallel path
+    monkeypatch.setattr(parallel_read, "JOB_BYTES", 16 * PAGE)     # small jobs: the parallel path
     repo, s1, s2, img1, img2 = setup
     os.unlink(s1.path / "locations")
     s = Repository.open(repo.path).snapshot(s1.path.name)
@@ -218,7 +218,7 @@ def test_read_through_the_index_equals_the_file(setup, tmp_path, monkeypatch):
     assert read_all(s, "pages-1.img") == img1
     out = tmp_path / "images"
     out.mkdir(mode=0o700)
-    materialize.write_images(s, out, 2, threading.Event(), [0])
+    parallel_read.write_images(s, out, 2, threading.Event(), [0])
     assert (out / "pages-1.img").read_bytes() == img1
-    assert b"".join(materialize.iter_image_parallel(s, "pages-1.img", 2)) == img1
+    assert b"".join(parallel_read.iter_image_parallel(s, "pages-1.img", 2)) == img1
     assert (out / "core-1.img").read_bytes() == b"core" * 300

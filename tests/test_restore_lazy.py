@@ -23,7 +23,7 @@ from conftest import PY, ROOT, kill_pids, run_gpusnap, run_json
 from gpusnap.criu.lazyplan import Mm, _cut
 from gpusnap.errors import UsageError
 from gpusnap.ops.restore import choose_via
-from gpusnap.repo.materialize import _inside
+from gpusnap.repo.parallel_read import _inside
 from gpusnap.system import proc
 
 JOB = dict(steps=120, mb=24, threads=2)

@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-from gpusnap.criu import materialize
+from gpusnap.repo import materialize
 from gpusnap.errors import CorruptSnapshot, Interrupted
 from gpusnap.repo import Repository
-from gpusnap.repo import materialize as repo_materialize
+from gpusnap.repo import parallel_read
 from repo_helpers import PAGE, dump, text_page
 
 
@@ -63,7 +63,7 @@ def test_images_are_byte_identical_and_zero_pages_are_holes(snap, tmp_path, thre
     repo, s, images = snap
     d = tmp_path / "out"
     d.mkdir()
-    written = repo_materialize.write_images(s, d, threads, threading.Event(), [0])
+    written = parallel_read.write_images(s, d, threads, threading.Event(), [0])
     assert sorted(os.listdir(d)) == sorted(images)
     for name, data in images.items():
         assert (d / name).read_bytes() == data, name
@@ -78,7 +78,7 @@ def test_without_locations_file_the_sequential_reader_writes_the_same(snap, tmp_
     s2 = repo.snapshot(s.path.name)
     d = tmp_path / "out"
     d.mkdir()
-    repo_materialize.write_images(s2, d, 2, threading.Event(), [0])
+    parallel_read.write_images(s2, d, 2, threading.Event(), [0])
     for name, data in images.items():
         assert (d / name).read_bytes() == data, name
 
@@ -150,9 +150,9 @@ def test_where_images_go_can_be_chosen(snap, monkeypatch):
 def test_parallel_stream_reader_yields_the_image_in_order(snap, threads):
     repo, s, images = snap
     for name in ("pages-1.img", "pages-2.img", "pages-3.img"):
-        assert b"".join(repo_materialize.iter_image_parallel(s, name, threads)) == images[name]
-    assert repo_materialize.parallel_ok(s, "pages-1.img")
-    assert not repo_materialize.parallel_ok(s, "core-1.img")      # a blob image: the plain reader
+        assert b"".join(parallel_read.iter_image_parallel(s, name, threads)) == images[name]
+    assert parallel_read.parallel_ok(s, "pages-1.img")
+    assert not parallel_read.parallel_ok(s, "core-1.img")      # a blob image: the plain reader
 
 
 def test_parallel_stream_reader_fails_on_a_damaged_page(snap):
@@ -164,4 +164,4 @@ def test_parallel_stream_reader_fails_on_a_damaged_page(snap):
         p.write_bytes(bytes(data))
     s = repo.snapshot(s.path.name)
     with pytest.raises(CorruptSnapshot):
-        b"".join(repo_materialize.iter_image_parallel(s, "pages-1.img", 2))
+        b"".join(parallel_read.iter_image_parallel(s, "pages-1.img", 2))

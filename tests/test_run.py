@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json
-from gpusnap.ops import jobrun
+from gpusnap.ops import run as run_op
 from test_job_identity import checkout_gpusnap
 from gpusnap.system import proc
 
@@ -161,4 +161,4 @@ def test_schedule_finds_the_job_by_its_name(tmp_path, repo):
         assert [r["name"] for r in listing["snapshots"]] == ["sched"]
     finally:
         kill_pids(proc.tree(job["pid"])[::-1])
-        assert jobrun.list_jobs(repo)
+        assert run_op.list_jobs(repo)

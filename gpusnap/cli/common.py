@@ -134,9 +134,9 @@ def resolve_pid(pid: Optional[int], match: Optional[str], pidfile: Optional[Path
     """The job's PID from exactly one of PID, --match, --pidfile (or --name of a `gpusnap run` job)."""
     given = [x is not None for x in (pid, match, pidfile)]
     if sum(given) == 0 and name:  # a job started with `gpusnap run --name NAME`
-        from gpusnap.ops import jobrun
+        from gpusnap.ops import run as run_op
 
-        return jobrun.find(name, repo_path(repo)).pid
+        return run_op.find(name, repo_path(repo)).pid
     if sum(given) != 1:
         raise UsageError("give exactly one of PID, --match PATTERN or --pidfile FILE "
                          "(or --name N of a job started with `gpusnap run`)")

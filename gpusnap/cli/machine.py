@@ -68,10 +68,10 @@ def schedule_add(
 
 def schedule_ls(json_: bool = JsonOpt) -> None:
     """List schedules: when, last run, result, next run; a job gone for runs in a row."""
-    from gpusnap.ops import listing
+    from gpusnap.ops import ls
     from gpusnap.render import machine as show
 
-    items = listing.schedules()
+    items = ls.schedules()
     OUTPUT.emit({"schedules": items}, lambda: show.schedules(items, OUTPUT))
 
 

@@ -37,10 +37,10 @@ def ls_cmd(
     json_: bool = JsonOpt,
 ) -> None:
     """List snapshots with their unique and shared sizes, and the repository's totals."""
-    from gpusnap.ops import listing
+    from gpusnap.ops import ls
     from gpusnap.render import snapshots as show
 
-    result = listing.snapshots(repo_root(repo), name=name)
+    result = ls.snapshots(repo_root(repo), name=name)
     OUTPUT.emit(result, lambda: show.snapshot_list(result, OUTPUT, name=name))
 
 
@@ -52,10 +52,10 @@ def inspect(
 ) -> None:
     """Show a snapshot: processes with command lines and cwd, open files (do they still match
     the disk?), sockets, memory, page statistics, sizes, GPU information."""
-    from gpusnap.ops import describe
+    from gpusnap.ops import inspect as inspect_op
     from gpusnap.render import snapshots as show
 
-    report = describe.describe(*open_snapshot(snapshot, repo))
+    report = inspect_op.describe(*open_snapshot(snapshot, repo))
     OUTPUT.emit(report, lambda: show.inspect(report, OUTPUT, images=images))
 
 
@@ -66,11 +66,11 @@ def verify(
     json_: bool = JsonOpt,
 ) -> None:
     """Check every checksum. Exit 0 only when all holds; otherwise name what is damaged."""
-    from gpusnap.ops import integrity
+    from gpusnap.ops import verify as verify_op
     from gpusnap.render import maint as show
 
-    report = integrity.verify(snapshot, repo, read_data=not structure_only)
-    OUTPUT.emit(report, lambda: show.verify(report, OUTPUT), failure=integrity.verify_failure(report))
+    report = verify_op.verify(snapshot, repo, read_data=not structure_only)
+    OUTPUT.emit(report, lambda: show.verify(report, OUTPUT), failure=verify_op.verify_failure(report))
 
 
 def repair(
@@ -86,11 +86,11 @@ def repair(
     or name data in no pack go to REPO/quarantine/. No pack is deleted. Exit 19 when some
     snapshot still needs data that no pack holds.
     """
-    from gpusnap.ops import integrity
+    from gpusnap.ops import repair as repair_op
     from gpusnap.render import maint as show
 
-    report = integrity.repair(repo, dry_run=dry_run, read_data=read_data)
-    OUTPUT.emit(report, lambda: show.repair(report, OUTPUT), failure=integrity.repair_failure(report))
+    report = repair_op.repair(repo, dry_run=dry_run, read_data=read_data)
+    OUTPUT.emit(report, lambda: show.repair(report, OUTPUT), failure=repair_op.repair_failure(report))
 
 
 def prune(
@@ -106,16 +106,11 @@ def prune(
 
     `gpusnap forget` drops chosen snapshots; prune then frees their data.
     """
-    from gpusnap.ops import forget as forget_mod
+    from gpusnap.ops import prune as prune_op
     from gpusnap.render import maint as show
 
-    forget_mod.check_retention(keep_last, name, all_, "prune")
-    if all_ and keep_last not in (None, 0):
-        raise UsageError("--all goes with --keep-last 0 (or without --keep-last): it deletes every snapshot of --name")
-    if all_ and keep_last is None:
-        keep_last = 0
-        forget_mod.check_retention(keep_last, name, all_, "prune")
-    result = forget_mod.prune(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
+    keep_last = prune_op.check_args(keep_last, name, all_)
+    result = prune_op.prune(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
     OUTPUT.emit(result, lambda: show.prune(result, OUTPUT))
 
 

@@ -126,13 +126,13 @@ def export_cmd(
     json_: bool = JsonOpt,
 ) -> None:
     """Write one snapshot as one self-contained, checksummed file (or to stdout with -o -)."""
-    from gpusnap.ops import exchange
+    from gpusnap.ops import export as export_op
     from gpusnap.render import snapshots as show
 
     if output == "-" and json_:
         raise UsageError("--json and -o - both want stdout", hint="write the export to a file, or drop --json")
     _, snap = open_snapshot(snapshot, repo)
-    result = exchange.export_snapshot(snap, output)
+    result = export_op.export_snapshot(snap, output)
     OUTPUT.emit(result, lambda: show.exported(result, OUTPUT, to_stdout=output == "-"))
 
 
@@ -144,10 +144,10 @@ def import_cmd(
 ) -> None:
     """Add an exported snapshot to this repository (deduplicated). Checks every checksum
     first: a damaged or truncated file is refused and nothing of it is kept."""
-    from gpusnap.ops import exchange
+    from gpusnap.ops import import_ as import_op
     from gpusnap.render import snapshots as show
 
-    result = exchange.import_file(file, repo_path(repo), lock_wait=lock_wait)
+    result = import_op.import_file(file, repo_path(repo), lock_wait=lock_wait)
     OUTPUT.emit(result, lambda: show.imported(result, OUTPUT))
 
 
@@ -164,10 +164,10 @@ def run(
     original, without PID clashes); stdout and stderr go to files in REPO/jobs/NAME/.
     Prints the job's PID.
     """
-    from gpusnap.ops import jobrun
+    from gpusnap.ops import run as run_op
     from gpusnap.render import machine as show
 
-    job = jobrun.start(command, repo_path(repo), name=name)
+    job = run_op.start(command, repo_path(repo), name=name)
     OUTPUT.emit(job, lambda: show.job_started(job, OUTPUT))
 
 
@@ -191,11 +191,11 @@ def slurm_run(
     Starts the job (or, after a requeue, restores its newest snapshot); on USR1/TERM (use
     `#SBATCH --signal=B:USR1@120`) takes a final snapshot and requeues. Exits with the job's status.
     """
-    from gpusnap.ops import slurm
+    from gpusnap.ops import slurm_run
 
     if resume not in ("auto", "always", "never"):
         raise UsageError(f"--resume {resume!r}: use auto, always or never")
-    opts = slurm.Options(name=name, repo=repo_path(repo), command=command,
-                         every_s=slurm.parse_interval(every) if every else None, keep_last=keep_last,
-                         resume=resume, requeue=requeue)
-    raise typer.Exit(slurm.Supervisor(opts).run())
+    opts = slurm_run.Options(name=name, repo=repo_path(repo), command=command,
+                             every_s=slurm_run.parse_interval(every) if every else None, keep_last=keep_last,
+                             resume=resume, requeue=requeue)
+    raise typer.Exit(slurm_run.Supervisor(opts).run())

@@ -99,9 +99,9 @@ def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
     """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock;
     prune.retain takes the rest through prune's one lock policy). Returns (snapshot ids
     deleted, warnings: unreadable entries skipped, data kept because of them). Raises on failure."""
-    from gpusnap.ops import forget
+    from gpusnap.ops import prune
 
-    return forget.retain(repo, name, keep_last)
+    return prune.retain(repo, name, keep_last)
 
 
 def retention_error(result: "DumpResult") -> GpusnapError | None:

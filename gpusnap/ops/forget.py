@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpusnap.errors import CorruptSnapshot, SnapshotNotFound, UsageError
+from gpusnap.ops.prune import check_retention, sweep_logs
 
 
 @dataclass
@@ -34,20 +35,6 @@ class ForgetResult:
     def to_dict(self) -> dict:
         return {"dry_run": self.dry_run, "snapshots_forgotten": self.forgotten,
                 "snapshots_kept": self.kept, "prune": self.prune, "notes": self.notes}
-
-
-def check_retention(keep_last: int | None, name: str | None, all_: bool, what: str) -> None:
-    """The guard shared by prune and forget: a retention that keeps nothing must say so."""
-    if keep_last is None:
-        return
-    if keep_last < 0:
-        raise UsageError(f"{what} --keep-last must be 0 or more")
-    if keep_last == 0 and name is None:
-        raise UsageError(f"{what} --keep-last 0 without --name would delete every snapshot in the repository",
-                         hint="name the snapshots to go (`gpusnap forget SNAP...`), or give --name NAME --all")
-    if keep_last == 0 and not all_:
-        raise UsageError(f"{what} --keep-last 0 --name {name} deletes every snapshot of {name!r}",
-                         hint="add --all if that is what you want")
 
 
 def _resolve(repo, ref: str):
@@ -142,39 +129,3 @@ def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None
 
             res.notes = netlock_sweep.after_removal([*doomed, *kept], kept)
     return res
-
-
-def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
-    """A dump's --keep-last (gpusnap/repo/maint/prune.py retain), then the network locks only
-    the deleted snapshots needed: (snapshot ids deleted, warnings and notes)."""
-    from gpusnap.ops import netlock_sweep
-    from gpusnap.repo.maint import prune as prune_mod
-
-    before = repo.snapshots()
-    deleted, warnings = prune_mod.retain(repo, name, keep_last)
-    if deleted:
-        warnings += netlock_sweep.after_removal(before, repo.snapshots())
-    return deleted, warnings
-
-
-def prune(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False):
-    """`gpusnap prune` (gpusnap/repo/maint/prune.py), then the network locks that only the
-    deleted snapshots needed (gpusnap/ops/netlock_sweep.py): a PruneResult, with "notes"."""
-    from gpusnap.ops import netlock_sweep
-    from gpusnap.repo.maint import prune as prune_mod
-
-    before = repo.snapshots() if not dry_run else []
-    result = prune_mod.run(repo, keep_last=keep_last, name=name, dry_run=dry_run)
-    if not dry_run:
-        notes = netlock_sweep.after_removal(before, repo.snapshots())
-        if notes:
-            result["notes"] = notes
-    return result
-
-
-def sweep_logs(repo) -> int:
-    """Remove the kept logs of snapshots that are gone (prune's rule, gpusnap/repo/maint/prune.py):
-    whoever deleted the snapshot, its logs go with it."""
-    from gpusnap.repo.maint import prune as prune_mod
-
-    return prune_mod.prune_logs(repo.path)

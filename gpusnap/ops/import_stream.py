@@ -1,6 +1,6 @@
 """Reading an export file (docs/format.md §11) strictly in order, every check and limit
 applied: the header and manifest (read_head), then every image against the manifest into
-a sink, the end record and the end of the file (read_images). ops/exchange.py runs it
+a sink, the end record and the end of the file (read_images). ops/import_.py runs it
 twice per import: once to check, once to store."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Before CRIU starts: the snapshot's structure, its PIDs (must be free), its GPUs,
 and the files the job had open (gpusnap/ops/restore_files.py: output files that grew are set
 aside and truncated back; anything else changed is refused). Then CRIU gets the images
 (gpusnap/ops/restore_paths.py) through `--stream` from the serve streamer, or as image files
-written into a private directory for a plain `criu restore -D` (gpusnap/criu/materialize.py):
+written into a private directory for a plain `criu restore -D` (gpusnap/repo/materialize.py):
 faster when they fit on tmpfs, and the only way for private huge-page mappings
 (gpusnap/ops/restore_needs.py). Either way every page is checked against its checksum before
 CRIU can use it, so a damaged snapshot fails before the restored tree ever runs. The third

@@ -22,7 +22,7 @@ crashes later, the log is longer than the snapshot expects. Here, before CRIU ru
   refused, naming the file.
 
 `check` decides all of this once; `prepare` (restore) acts on it and `inspect` reports it
-(gpusnap/ops/describe.py), so the two always agree.
+(gpusnap/ops/inspect.py), so the two always agree.
 Nothing is changed unless every file passes; if the restore then fails, the moved bytes are
 put back (undo). The entries come from CRIU's files.img (or reg-files.img of older CRIUs),
 read at the wire level (criu/images.py) instead of through pycriu (whose import alone costs 0.1 s).

@@ -92,7 +92,7 @@ def guard():
 
 def reinstall() -> None:
     """Take the signals back from a handler installed inside the restore (the image files'
-    directory, criu/materialize.py, whose SIGTERM would end the restore even while CRIU runs)."""
+    directory, repo/materialize.py, whose SIGTERM would end the restore even while CRIU runs)."""
     g = active()
     if g is not None and threading.current_thread() is threading.main_thread():
         for s in SIGNALS:

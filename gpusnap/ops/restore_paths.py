@@ -1,7 +1,7 @@
 """The three ways CRIU gets a snapshot's images on restore, and running `criu restore` itself.
 
 stream: `criu restore --stream`, fed by the serve streamer; files: image files written into a
-private directory for a plain `criu restore -D` (gpusnap/criu/materialize.py); lazy: those
+private directory for a plain `criu restore -D` (gpusnap/repo/materialize.py); lazy: those
 files less the lazy pages, `criu restore --lazy-pages`, and the lazy pages filled in while the
 job already runs (gpusnap/criu/lazypages.py). gpusnap/ops/restore.py checks everything
 first and chooses; each path here returns the restored root PID, or raises with nothing
@@ -25,7 +25,7 @@ from gpusnap.ops import restore_interrupt
 from gpusnap.repo.faults import fault
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.errors import CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
-from gpusnap.repo import materialize as repo_materialize
+from gpusnap.repo import parallel_read
 from gpusnap.system import paths, proc, tmpdirs
 from gpusnap.system.access import read_only_reason
 
@@ -203,8 +203,8 @@ def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp, t
         if sp is not None and name in sp.pagemaps:
             return (b for b in (sp.pagemaps[name],))
         drop = sp.drop.get(name) if sp is not None else None
-        if threads > 1 and repo_materialize.parallel_ok(snap, name):
-            return repo_materialize.iter_image_parallel(snap, name, threads, drop)
+        if threads > 1 and parallel_read.parallel_ok(snap, name):
+            return parallel_read.iter_image_parallel(snap, name, threads, drop)
         return snap.read_image(name, drop)
 
     server = ServeServer(workdir, source).start()
@@ -223,7 +223,7 @@ def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp, t
 
 def via_files(repository, snap, info, env, flags, progress, phases, pids, sp, tty=None) -> tuple[int | None, str]:
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    from gpusnap.criu import materialize
+    from gpusnap.repo import materialize
 
     with materialize.images_dir(snap, repository.path) as (images, plan):
         restore_interrupt.reinstall()     # its directory is removed on every exit all the same
@@ -249,7 +249,8 @@ def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0,
     pages filled in by criu/lazypages.py while the job already runs. Returns (root PID, where
     the files were, seconds until the tree ran, what the fill saw); returns once every page
     is in place."""
-    from gpusnap.criu import lazypages, lazyplan, materialize
+    from gpusnap.criu import lazypages, lazyplan
+    from gpusnap.repo import materialize
 
     lp = lazyplan.plan(snap, sp)
     total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))

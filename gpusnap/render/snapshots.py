@@ -61,7 +61,7 @@ def restore_ended(result, status: int | None, o, quiet: bool = False) -> None:
 
 
 def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
-    """`gpusnap ls` (ops.listing.snapshots): one row per snapshot on stdout, the totals on stderr."""
+    """`gpusnap ls` (ops.ls.snapshots): one row per snapshot on stdout, the totals on stderr."""
     rows, totals = listing["snapshots"], listing["totals"]
     if not rows:
         o.err.print(f"no snapshots{f' named {name!r}' if name else ''} in {listing['repository']}", markup=False)
@@ -155,7 +155,7 @@ def recorded_gpus(d: dict[str, Any] | None, console) -> None:
 
 
 def inspect(report: dict[str, Any], o, images: bool = False) -> None:
-    """`gpusnap inspect`: statistics, processes, open files, sockets, GPUs (ops.describe's report)."""
+    """`gpusnap inspect`: statistics, processes, open files, sockets, GPUs (ops.inspect.s report)."""
     from rich.table import Table
     from rich.text import Text
 

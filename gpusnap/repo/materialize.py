@@ -1,200 +1,203 @@
-"""A snapshot's images written out as files, decoded in parallel (for `criu restore -D`),
-and the parallel stream feed.
+"""Image files for a plain `criu restore -D DIR`: a snapshot written out of the repository.
 
-The same reading as Snapshot.read_image (repo/reader.py: reader.plan cuts an image into
-jobs, reader.assemble builds and checks one), with jobs of JOB_BYTES run by worker threads
-that pwrite() each at its offset. A job that is nothing but zero pages is not written (a
-hole). Blob images and small pages images are written sequentially through read_image.
+The second restore path (the first is `--stream`, fed by the serve streamer). CRIU restores
+from a directory faster than from a stream (its restorer preadv()s pages straight into place
+instead of copying them out of premapped memory), and only a directory lets it restore
+private huge-page mappings at all (gpusnap/ops/restore_needs.py).
+
+The directory is private (0700, created exclusively, named after this process so that a
+later run can remove what a SIGKILLed one left) and on tmpfs (/dev/shm) when the memory
+available leaves room for the images and for the restored job besides; else under the
+repository's own tmp/. Images are decoded in parallel (gpusnap/repo/parallel_read.py: big pages
+images in 4 MiB jobs across all cores, small images one per thread), every page checked against
+its checksum on the way, and zero pages are left as holes, so they cost neither memory on tmpfs
+nor disk writes. $GPUSNAP_RESTORE_IMAGES=tmpfs|disk overrides the choice of place.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import tempfile
 import threading
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from gpusnap.repo import reader
-from gpusnap.repo.format import ZERO_CHUNK
+from gpusnap.errors import GpusnapError, Interrupted, NoSpace
+from gpusnap.system import tmpdirs
+from gpusnap.system.access import read_only_reason
 
-JOB_BYTES = 4 << 20
-
-
-class _Readers(threading.local):
-    def __init__(self, root: Path, loc):
-        self.reader = reader.RunReader(root, loc)
-
-
-def _reader(readers, all_readers: list, lock: threading.Lock):
-    if not hasattr(readers, "registered"):
-        readers.registered = True
-        with lock:
-            all_readers.append(readers.reader)
-    return readers.reader
+PREFIX = tmpdirs.IMAGES
+SHM = Path("/dev/shm")
+TMPFS_MAGIC = 0x01021994
+PAGE = 4096
+# tmpfs only when MemAvailable covers the images, the restored job's own memory (about the
+# same size again) and this much besides.
+MEM_MARGIN = 256 << 20
 
 
-def _run_job(snap, name: str, fd: int, job: reader.Job, readers, all_readers: list, lock: threading.Lock,
-             done: list) -> int:
-    done[0] += job.size                             # progress only: an unlocked add is close enough
-    buf = reader.assemble(snap, name, job, _reader(readers, all_readers, lock))
-    if buf is None:
-        return 0                                    # all zero pages: a hole
-    mv = memoryview(buf)
-    off = 0
-    while off < job.size:
-        off += os.pwrite(fd, mv[off:], job.pos + off)
-    return job.size
+@dataclass
+class Plan:
+    where: str          # "tmpfs" or "disk"
+    parent: Path
+    need_bytes: int     # non-zero bytes to write (holes are free)
+    note: str | None = None     # a line to show: why not where it would go otherwise
 
 
-def parallel_ok(snap, name: str) -> bool:
-    """Whether iter_image_parallel is worth its threads for this image (a big pages image)."""
-    im = snap.image(name)
-    return im["type"] == "pages" and int(im.get("size", 0)) > JOB_BYTES
-
-
-def iter_image_parallel(snap, name: str, threads: int, drop: list | None = None):
-    """The image's bytes in order, like Snapshot.read_image (less the zero-page runs
-    `drop`), built by `threads` workers a bounded window ahead (2 jobs per worker). For the
-    stream path."""
-    from collections import deque
-
-    loc = snap.reading_locations()
-    readers = _Readers(snap.repo.path, loc)
-    lock = threading.Lock()
-    all_readers: list = []
-    zero = bytes(JOB_BYTES)
-
-    def build(job):
-        return job, reader.assemble(snap, name, job, _reader(readers, all_readers, lock))
-
-    ex = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-read")
-    window: deque = deque()
+def mem_available() -> int | None:
     try:
-        jobs = reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES, drop)
-        more = True
-        while more or window:
-            while more and len(window) < 2 * threads:
-                job = next(jobs, None)
-                if job is None:
-                    more = False
-                else:
-                    window.append(ex.submit(build, job))
-            if window:
-                job, buf = window.popleft().result()
-                if buf is None:
-                    yield zero if job.size == JOB_BYTES else bytes(job.size)
-                else:
-                    yield buf
-    finally:
-        for f in window:
-            f.cancel()
-        ex.shutdown(wait=True)
-        for r in all_readers:
-            r.close()
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
-def _create(d: Path, name: str) -> int:
-    from gpusnap.criu import protocol
-
-    protocol.check_filename(name)
-    return os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-
-
-def _write_sequential(snap, d: Path, name: str, stop: threading.Event, done: list, sparse=None) -> int:
-    fd = _create(d, name)
-    pos = written = 0
+def _is_tmpfs(path: Path) -> bool:
     try:
-        if sparse is not None and name in sparse.pagemaps:
-            it = (b for b in (sparse.pagemaps[name],))   # (a generator: closed below)
-        else:
-            it = snap.read_image(name, sparse.drop.get(name) if sparse is not None else None)
-        try:
-            for chunk in it:
-                if stop.is_set():
-                    return written
-                n = len(chunk)
-                if chunk is not ZERO_CHUNK:     # all-zero 1 MiB: a hole
-                    view = memoryview(chunk)
-                    off = 0
-                    while off < n:
-                        off += os.pwrite(fd, view[off:], pos + off)
-                    written += n
-                pos += n
-                done[0] += n                 # progress only: an unlocked add is close enough
-        finally:
-            it.close()
-        os.ftruncate(fd, pos)
-    finally:
-        os.close(fd)
-    return written
+        import ctypes
+        import ctypes.util
 
+        class StatFs(ctypes.Structure):
+            _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_long * 15)]
 
-def _inside(holes: list | None, lo: int, hi: int) -> bool:
-    """Whether bytes [lo, hi) lie within one of the sorted (start, end) ranges `holes`."""
-    if not holes:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = StatFs()
+        if libc.statfs(str(path).encode(), ctypes.byref(buf)) != 0:
+            return False
+        return buf.f_type == TMPFS_MAGIC
+    except (OSError, AttributeError):
         return False
-    import bisect
-
-    i = bisect.bisect_right(holes, lo, key=lambda h: h[0]) - 1
-    return i >= 0 and holes[i][1] >= hi
 
 
-def write_images(snap, d: Path, threads: int, stop: threading.Event, done: list, sparse=None,
-                 holes: dict | None = None) -> int:
-    """Write every image of `snap` into directory `d` (which must be empty and private);
-    returns the bytes written (holes excluded). Raises CorruptSnapshot on any bad byte, and
-    OSError on a write failure; `stop` set by the caller ends the work early. sparse: a
-    criu/sparse.py plan (zero-page runs left out, pagemaps to match). holes: pages image ->
-    sorted (start, end) byte ranges not to write (the lazy restore's pages, which CRIU does
-    not read: criu/lazypages.py); a job wholly inside one is left a hole."""
-    loc = snap.reading_locations()
-    names = sorted(snap.image_names(), key=lambda n: -int(snap.image(n).get("size", 0) or 0))
-    big = [n for n in names if parallel_ok(snap, n)]
-    small = [n for n in names if n not in big]
-    written = 0
-    lock = threading.Lock()
-    all_readers: list = []
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpusnap-images") as ex:
-        futs = [ex.submit(_write_sequential, snap, d, n, stop, done, sparse) for n in small]
-        readers = _Readers(snap.repo.path, loc) if big else None
+def snapshot_bytes(snap) -> int:
+    """Bytes the image files take, zero pages excepted."""
+    st = snap.manifest.get("stats", {})
+    raw = int(st.get("bytes_raw", 0) or 0)
+    zero = int(st.get("pages_zero", 0) or 0) * PAGE
+    return max(raw - zero, 0)
+
+
+def fits_tmpfs(need: int, mem_avail: int | None, shm_free: int) -> bool:
+    """Room on tmpfs for `need` bytes of images while the restored job (about as big again)
+    comes back, with a margin."""
+    return mem_avail is not None and mem_avail >= 2 * need + MEM_MARGIN and shm_free >= need + MEM_MARGIN
+
+
+def plan(snap, repo_path: Path) -> Plan:
+    """Where the image files go: $GPUSNAP_RESTORE_IMAGES (tmpfs|disk) when set, else tmpfs
+    (/dev/shm) when they fit in memory, else the repository's tmp/ directory."""
+    need = snapshot_bytes(snap)
+    disk = Plan("disk", Path(repo_path) / "tmp", need)
+    force = os.environ.get("GPUSNAP_RESTORE_IMAGES", "auto")
+    shm_ok = SHM.is_dir() and os.access(SHM, os.W_OK) and _is_tmpfs(SHM)
+    if read_only_reason(repo_path):
+        # a read-only repository (a backup copy, a read-only mount): its tmp/ takes nothing
+        where = SHM if shm_ok else Path(tempfile.gettempdir())
+        return Plan("tmpfs" if shm_ok else "disk", where, need,
+                    note=f"gpusnap: repository {repo_path} is read-only: image files go to {where} instead")
+    if force == "disk":
+        return disk
+    if force == "tmpfs" and shm_ok:
+        return Plan("tmpfs", SHM, need)
+    try:
+        free = shutil.disk_usage(SHM).free if shm_ok else 0
+    except OSError:
+        free = 0
+    if shm_ok and fits_tmpfs(need, mem_available(), free):
+        return Plan("tmpfs", SHM, need)
+    return disk
+
+
+def remove_stale(parent: Path) -> None:
+    """Remove image directories left by gpusnap processes that no longer exist (SIGKILL)."""
+    tmpdirs.remove_dead(parent, PREFIX)
+
+
+def remove_leftovers(repo_path: Path) -> None:
+    """Image directories of SIGKILLed restores, in both places they can be: every restore
+    calls this, whichever path it takes, so a tmpfs full of a dead run's images (memory)
+    does not wait for the next restore that happens to write images there."""
+    for parent in (SHM, Path(repo_path) / "tmp"):
+        remove_stale(parent)
+
+
+class _Term(BaseException):
+    pass
+
+
+def _on_term(signum, frame):  # noqa: ARG001
+    raise _Term()
+
+
+@contextmanager
+def images_dir(snap, repo_path: Path):
+    """A private directory holding the snapshot's image files; removed on every exit path
+    (SIGTERM and SIGHUP included; after a SIGKILL, by the next run). Yields (dir, Plan)."""
+    p = plan(snap, repo_path)
+    if p.note:
+        import logging
+
+        logging.getLogger("gpusnap").warning(p.note)
+    if p.where == "disk":
+        p.parent.mkdir(mode=0o700, exist_ok=True)
+    remove_leftovers(repo_path)
+    d = tmpdirs.make(PREFIX, p.parent)   # 0700, exclusive, named after this process
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield d, p
+    except _Term:
+        raise Interrupted("restore interrupted; nothing was restored") from None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def write_images(snap, d: Path, threads: int | None = None, progress=None, total: int = 0, sparse=None,
+                 holes=None) -> int:
+    """Write every image of the snapshot into d; returns the bytes written (holes excluded).
+    Any failure (a bad page, a full disk) stops the others and is raised. sparse: zero-page
+    runs to leave out (criu/sparse.py); holes: byte ranges of pages images not to write (the
+    lazy restore's, criu/lazypages.py)."""
+    import errno
+
+    from gpusnap.repo import parallel_read
+
+    threads = threads or max(2, min(8, os.cpu_count() or 2))
+    stop = threading.Event()
+    done = [0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-materialize") as ex:
         try:
-            for name in big:
-                im = snap.image(name)
-                fd = _create(d, name)
-                pending: set = set()
-                try:
-                    total = 0
-                    drop = sparse.drop.get(name) if sparse is not None else None
-                    size = sparse.size.get(name, im["size"]) if sparse is not None else im["size"]
-                    skip = holes.get(name) if holes else None
-                    for job in reader.plan(snap, name, loc, snap.image_no(name), JOB_BYTES, drop):
-                        if stop.is_set():
-                            break
-                        total = job.pos + job.size
-                        if _inside(skip, job.pos, total):
-                            done[0] += job.size
-                            continue
-                        pending.add(ex.submit(_run_job, snap, name, fd, job, readers, all_readers, lock, done))
-                        while len(pending) >= 2 * threads:     # bounded memory: jobs in flight
-                            fin, pending = wait(pending, return_when=FIRST_COMPLETED)
-                            for f in fin:
-                                written += f.result()
-                    fin, pending = wait(pending)
-                    for f in fin:
-                        written += f.result()
-                    if total != size:
-                        raise snap.corrupt(f"image {name} rebuilds to {total} bytes, not {size}")
-                    os.ftruncate(fd, total)
-                finally:
-                    # no job may still write through this fd once it is closed (or reused)
-                    wait(pending)
-                    os.close(fd)
+            futs = [ex.submit(parallel_read.write_images, snap, d, threads, stop, done, sparse, holes)]
+            if progress:
+                while wait(futs, timeout=0.1).not_done:
+                    progress(min(done[0], total), total)
+            first: BaseException | None = None
+            written = 0
             for f in futs:
-                written += f.result()
+                try:
+                    written += f.result()
+                except BaseException as e:  # noqa: BLE001 - the first failure wins, the rest stop
+                    stop.set()
+                    if first is None:
+                        first = e
+            if first is not None:
+                if isinstance(first, OSError) and first.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise NoSpace(f"no room to write the snapshot's images into {d.parent}",
+                                  hint="free some space (or memory, for /dev/shm), or restore with --via stream")
+                if isinstance(first, GpusnapError):
+                    raise first
+                raise first
         except BaseException:
+            # a SIGTERM (_Term) or a progress failure in the wait above: stop the writer
+            # before the executor's shutdown waits for it, or every image is written first
             stop.set()
             raise
-        finally:
-            for r in all_readers:
-                r.close()
     return written

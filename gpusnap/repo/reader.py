@@ -6,7 +6,7 @@ assemble() hands a job's pages blobs to one native call (native.decode_job, with
 GIL: each blob read, its header checked, decoded into place, then every page checked
 against its id from the page list), lays the tail out after them and checks every data
 blob against its blake3. Sequential reading (read_image: restore's stream
-feed, export, describe) and the parallel materializer (repo/materialize.py, worker
+feed, export, describe) and the parallel materializer (repo/parallel_read.py, worker
 threads) run exactly these two functions; they differ only in job size and scheduling.
 
 The runs come from the snapshot's locations file, or, when that is missing or unusable,

@@ -98,9 +98,9 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
 
 def _run_job_owner(name: str, repo: Path, user) -> int:
     """No --match: the job `gpusnap run --name NAME` started, which must run now; its owner."""
-    from gpusnap.ops import jobrun
+    from gpusnap.ops import run as run_op
 
-    job = jobrun.find(name, repo)
+    job = run_op.find(name, repo)
     uid = validate.process_uid(job.pid)
     if uid is None:
         raise UsageError(f"job {name} (PID {job.pid}) went away while the schedule was added")

@@ -65,9 +65,9 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     error: GpusnapError | None = None
     try:
         if s.match is None:
-            from gpusnap.ops import jobrun
+            from gpusnap.ops import run as run_op
 
-            pid = jobrun.find(s.name, Path(s.repo)).pid
+            pid = run_op.find(s.name, Path(s.repo)).pid
             if validate.process_uid(pid) != s.uid:
                 raise ProcessNotFound(f"job {s.name} (PID {pid}) no longer runs as {s.user}")
         else:

@@ -74,7 +74,7 @@ def _gpu_ok(g) -> bool:
         isinstance(p, dict) and (p.get("gpus") is None or isinstance(p["gpus"], list)) for p in procs)
 
 
-# The type of every meta key a reader uses (ops/describe, ops/restore*, render, exchange):
+# The type of every meta key a reader uses (ops/inspect, ops/restore*, render, ops/export, ops/import_):
 # a key may be absent or null, never of another type (a crafted manifest must not turn
 # `inspect` or `restore` into a traceback). Other keys are free.
 META_TYPES = {

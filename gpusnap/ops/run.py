@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from gpusnap.ops import identity
-from gpusnap.ops.identity import Job, jobs_dir  # noqa: F401 - callers use jobrun.Job, jobrun.jobs_dir
+from gpusnap.ops.identity import Job, jobs_dir  # noqa: F401 - callers use run_op.Job, run_op.jobs_dir
 from gpusnap.errors import NotRoot, UsageError
 from gpusnap.repo import fsutil
 

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpusnap.ops import jobrun
+from gpusnap.ops import run as run_op
 from gpusnap.system import proc
 from gpusnap.errors import RepositoryError, RepositoryLocked, UsageError
 from gpusnap.repo import fsutil
@@ -74,7 +74,7 @@ class Supervisor:
     def __init__(self, opts: Options, gpusnap_argv: list[str] | None = None):
         self.o = opts
         self.gpusnap = gpusnap_argv or [sys.executable, "-m", "gpusnap"]
-        self.job_dir = jobrun.jobs_dir(opts.repo) / opts.name
+        self.job_dir = run_op.jobs_dir(opts.repo) / opts.name
         self.pid: int | None = None           # the job's root (its namespace's init)
         self.runtime_base = 0.0                # job time before this segment (from the snapshot)
         self.segment_start = time.monotonic()
@@ -87,7 +87,7 @@ class Supervisor:
         rec = {"time": round(time.time(), 3), "event": kind, "name": self.o.name,
                "slurm_job": self.slurm_job, "restart": self.restarts, **fields}
         try:
-            dfd = jobrun.open_job_dir(self.o.repo, self.o.name)     # private whatever the umask, no link
+            dfd = run_op.open_job_dir(self.o.repo, self.o.name)     # private whatever the umask, no link
             try:
                 fd = fsutil.open_private_at(dfd, EVENTS, os.O_WRONLY | os.O_APPEND, self.job_dir / EVENTS)
             finally:
@@ -191,7 +191,7 @@ class Supervisor:
         return False
 
     def start_fresh(self, why: str) -> None:
-        job = jobrun.start(self.o.command, self.o.repo, name=self.o.name)
+        job = run_op.start(self.o.command, self.o.repo, name=self.o.name)
         self.pid = job.pid
         self.runtime_base = 0.0
         self.segment_start = time.monotonic()
@@ -249,7 +249,7 @@ class Supervisor:
     def _job_exit_code(self, reaped: int | None) -> int:
         if reaped is not None:
             return 128 - reaped if reaped < 0 else reaped
-        try:  # the namespace's init records CMD's status (jobrun.INIT)
+        try:  # the namespace's init records CMD's status (run_op.INIT)
             lines = (self.job_dir / "exit").read_text().split()
             return int(lines[-1]) if lines else 1
         except (OSError, ValueError):
@@ -261,7 +261,7 @@ class Supervisor:
     def run(self) -> int:
         from gpusnap.repo import locate
 
-        jobrun.require_root("slurm-run")
+        run_op.require_root("slurm-run")
         locate.open_repository(self.o.repo, create_at_default=True)   # a typo fails now, not at each dump
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:

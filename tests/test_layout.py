@@ -79,3 +79,15 @@ def test_each_command_has_its_operation_module_named_after_it(command):
 
 def test_one_materialize():
     assert sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("materialize.py")) == ["repo/materialize.py"]
+
+
+MAX_OPS_FUNCTION = 80
+
+
+@pytest.mark.parametrize("path", _modules("ops"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_operations_are_made_of_short_functions(path):
+    """No function in ops/ over about 80 lines (issue 34): a dump and a restore are objects
+    and plans whose steps are their own functions, not one long body with its own unwinding."""
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > MAX_OPS_FUNCTION]
+    assert not long, f"{path.relative_to(ROOT)}: {', '.join(long)}"

@@ -6,23 +6,25 @@ CRIU fails cleanly, removes its parasite and resumes the tree; the CUDA plugin u
 restores any GPU process on that path. Nothing becomes visible in the repository before the
 snapshot's atomic commit; a signal after it ends the dump saying the snapshot is kept (exit 28).
 
-Here: the request and result types and the order of a dump; the pieces of the CRIU session
-(command line, CRIU's figures, errors, handing the job back) are in dump_session.py.
+Here: the request and result types, and DumpSession, one dump as an object: what it holds is
+entered into one ExitStack as it is acquired, so it is released in the reverse order whatever
+ends the dump. The pieces it puts in order (the look at the job, CRIU's command line and
+figures, errors, handing the job back) are in dump_parts.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.system import hostlock, preflight, proc, tmpdirs
-from gpusnap.ops import dump_session as session, identity, restore_needs, validate
+from gpusnap.ops import dump_parts as parts, identity, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
@@ -89,12 +91,6 @@ class DumpResult:
         return asdict(self)
 
 
-def default_name(pid: int) -> str:
-    """The job's command name, made a valid snapshot name."""
-    st = proc.read_stat(pid)
-    return validate.default_name(st.comm if st else "job")
-
-
 def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
     """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock;
     prune.retain takes the rest through prune's one lock policy). Returns (snapshot ids
@@ -116,39 +112,6 @@ def retention_error(result: "DumpResult") -> GpusnapError | None:
              "then `gpusnap prune --keep-last N --name NAME`")
 
 
-def committed_snapshot(repo, writer):
-    """The snapshot `writer` committed, or None. The directory decides, not the writer's
-    state: a signal can land between the commit's rename and the writer's bookkeeping. We
-    hold the writer lock, so a directory of this name with this creation time is ours."""
-    snaps = Path(repo.path) / "snapshots"
-    try:
-        entries = sorted(d for d in snaps.iterdir() if d.name.startswith(writer.name + "-"))
-    except OSError:
-        return None
-    for d in entries:
-        try:
-            snap = repo.snapshot_at(d)
-        except (GpusnapError, OSError, ValueError, KeyError):
-            continue
-        if snap.created == writer.created and snap.name == writer.name:
-            return snap
-    return None
-
-
-def _interrupted_after_commit(req: DumpRequest, snap, retention_started: bool) -> GpusnapError:
-    """What a signal after the commit point ends the dump with: the truth (exit 28)."""
-    from gpusnap.errors import InterruptedAfterCommit
-
-    job = "the job keeps running" if req.leave_running else "the job was stopped, as --exit asked"
-    parts = [f"dump interrupted after the commit: snapshot {snap.path} is kept (listed and restorable)", job]
-    hint = f"restore it with `gpusnap restore {Path(snap.path).name}`"
-    if req.keep_last:
-        parts.append("--keep-last retention did not finish" if retention_started
-                     else "--keep-last retention did not run")
-        hint += f"; prune with `gpusnap prune --keep-last {req.keep_last} --name {snap.name}`"
-    return InterruptedAfterCommit("; ".join(parts), hint=hint, snapshot=str(snap.path))
-
-
 class _Terminate(BaseException):
     """Raised in the main thread by SIGTERM/SIGHUP so a dump unwinds like on Ctrl-C."""
 
@@ -157,7 +120,7 @@ def _on_term(signum, frame):  # noqa: ARG001
     raise _Terminate()
 
 
-def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResult:
+def dump(req: DumpRequest, progress: parts.Progress | None = None) -> DumpResult:
     """Snapshot the process tree rooted at req.pid into the repository at req.repo."""
     t0 = time.monotonic()
     from gpusnap.repo import lockwait
@@ -169,19 +132,19 @@ def dump(req: DumpRequest, progress: session.Progress | None = None) -> DumpResu
     budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
     # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
     # the staging takes it over, and whatever path this dump ends on, it is freed here
-    arena = session.EarlyArena(req.pid, budget)
+    arena = parts.EarlyArena(req.pid, budget)
     try:
         return _dump(req, progress, t0, budget, arena, wait)
     finally:
         arena.release(final=True)
 
 
-def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
+def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: parts.EarlyArena, wait: float) -> DumpResult:
     """One dump of a job at a time on this machine (another gpusnap may be dumping it into
     another repository): wait for it, then look at the job afresh. Without the privileges or
     a valid PID (the preflight says so, in its words) there is nothing to lock."""
     if req.pid <= 0 or preflight.privileges().status == "fail":
-        return _dump_held(req, progress, t0, budget, arena, wait)
+        return DumpSession(req, progress, t0, budget, arena, wait).run()
 
     def waiting() -> None:
         arena.release()
@@ -190,231 +153,242 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: session.Ear
 
     with hostlock.held(f"dump-pid-{req.pid}", waiting):
         arena.again()
-        return _dump_held(req, progress, t0, budget, arena, wait)
+        return DumpSession(req, progress, t0, budget, arena, wait).run()
 
 
-def _look(req: DumpRequest):
-    """The preflight, and what the snapshot records of the job: (plan, meta, gpu facts). Again
-    after a wait for the repository's writer lock: the tree may have changed meanwhile."""
-    plan = preflight.check(req.pid, tcp_established=req.tcp_established, tcp_close=req.tcp_close).require()
-    pids = plan.pids
-    from gpusnap.gpu import procs as gpu_procs
+class DumpSession:
+    """One dump, held. run() looks at the job, takes the repository's writer lock, acquires
+    what the dump needs (the snapshot writer, a work directory, the guardian, the staging, the
+    capture server, the post-dump gate, CRIU), each entered into one ExitStack as it is made,
+    then runs CRIU, commits and applies retention. Past the commit (self.snap) nothing is
+    aborted; before it, the job is handed back running and nothing stays visible."""
 
-    gpu_procs.refuse_devices_without_context(pids)
-    meta = {
-        "pid": req.pid,
-        "pids": pids,
-        # every thread id too, so restore can check they are free without decoding images
-        "tids": sorted({t for p in pids for t in proc.threads(p)}),
-        "cmdline": proc.cmdline(req.pid),
-        "hostname": os.uname().nodename,
-        "kernel": os.uname().release,
-        "criu_version": runner.criu_info().version_str,
-        "restore_flags": list(plan.restore_flags),
-        "leave_running": req.leave_running,
-        "compress": req.compress,
-        # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
-        "hugetlb_bytes": restore_needs.hugetlb_bytes(pids),
-        # what restore needs to judge the connections (peer still there?), name the locks and daemons
-        "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
-        "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
-        # own PID namespace: restored into a new one, its PIDs never clash with running processes
-        "unix_peers": plan.unix_peers, "own_pid_namespace": plan.own_pid_namespace,
-    }
-    gpu = session.gpu_facts(pids)
-    if gpu:
-        meta["gpu"] = gpu
-    return plan, meta, gpu
+    def __init__(self, req: DumpRequest, progress: parts.Progress | None, t0: float, budget: int,
+                 arena: parts.EarlyArena, wait: float):
+        self.req, self.progress, self.t0, self.budget, self.arena, self.wait = req, progress, t0, budget, arena, wait
+        self.phases: dict[str, float] = {}
+        self._mark = t0
+        self._old_handlers: dict = {}
+        self.snap = None                # the committed snapshot
+        self.stopped = False            # --exit: CRIU left the tree SIGSTOPped, ours to kill after the commit
+        self.retention_started = False
+        self.criu: subprocess.Popen | None = None
+        self.gpu_problems: list[str] = []
+        self.frozen: float | None = None
+        self.cuda_pids: list[int] = []
+        self.kept: str | None = None
+        self.pruned: list[str] = []
+        self.prune_error: str | None = None
+        self.prune_warnings: list[str] = []
 
-
-def _dump_held(req: DumpRequest, progress, t0: float, budget: int, arena: session.EarlyArena, wait: float) -> DumpResult:
-    from gpusnap.repo import locate
-
-    plan, meta, gpu = _look(req)
-    native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
-    # a named job's root is dumped under its name (identity.py), anything else under its command's
-    name = req.name or identity.name_of(req.repo, req.pid) or default_name(req.pid)
-    notice = session.WaitingNotice(progress, arena)
-    # the repository first: a typo or a directory that is none (/proc) is that error, not "no space"
-    repo = locate.open_repository(req.repo, create_at_default=True).wait_for_locks(wait, notice)
-    if session.free_bytes(repo.path) < MIN_FREE_BYTES:
-        raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
-                      hint="free some space or run `gpusnap prune`, then dump again")
-
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    phases: dict[str, float] = {}
-    mark = [t0]
-
-    def phase(name: str) -> None:
+    def phase(self, name: str) -> None:
         now = time.monotonic()
-        phases[name] = round(now - mark[0], 3)
-        mark[0] = now
+        self.phases[name] = round(now - self._mark, 3)
+        self._mark = now
 
-    env_overlap = os.environ.get("GPUSNAP_INGEST_OVERLAP", "")
-    overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
-
-    snap = None
-    retention_started = False
-    old_handlers: dict = {}
-    try:
-        with repo.writer_lock():
-            if notice.waited:   # another gpusnap wrote meanwhile: look at the job afresh
-                plan, meta, gpu = _look(req)
-                arena.again()   # (given back while this dump waited)
-            pids = plan.pids
-            estimate = proc.rss_bytes(pids)
-            writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
-            tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
-            workdir = tmpdirs.make(tmpdirs.DUMP)
-            log = workdir / "criu.log"
-            server: CaptureServer | None = None
-            gate: PostDumpGate | None = None
-            criu: subprocess.Popen | None = None
-            staging: staging_mod.Staging | None = None
-            stopped = False  # --exit: CRIU left the tree SIGSTOPped for us to kill after the commit
-            guardian = None
-            gpu_problems: list[str] = []
-            old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
-            try:
-                if not req.leave_running:
-                    # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
-                    from gpusnap.ops.guardian import Guardian
-
-                    guardian = Guardian(pids, workdir / "cuda-report", session.gpu_candidates(gpu),
-                                        log=Path(repo.path) / "logs" / "guardian.log", tcp=plan.tcp, criu_log=log)
-                phase("preflight")
-                spill_dir = repo.path / "tmp"
-                staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
-                staging = staging_mod.Staging(spill_dir, budget, arena=arena.take())
-                if overlap:
-                    staging.go.set()
-                server = CaptureServer(workdir, writer.image_sink, staging=staging).start()
-                # append sizes and link-remap files, as of the freeze (gpusnap/system/appendfiles.py, linkremap.py)
-                freeze = session.AtFreeze(pids, plan.linked)
-                gate = PostDumpGate(workdir, server, at_freeze=freeze.at_freeze)
-                # the repository's index loaded while the staging was set up (writer.py): its
-                # errors stop the dump before the job freezes, and its load never competes
-                # with CRIU for a core
-                writer.wait_index()
-                staging.ready()     # the arena faulted in: no page fault inside the freeze
-                phase("staging")
-
-                def criu_progress(done: int, total: int) -> None:
-                    if progress is None:
-                        return
-                    if gate.opened.is_set():
-                        progress(server.ingested, server.bytes, "storing")
-                    else:
-                        progress(done, total, "frozen")
-
-                t_criu = time.monotonic()
-                criu = subprocess.Popen(
-                    [runner.criu_info().path,
-                     *session.criu_args(req, workdir, log, plan.dump_options, len(session.gpu_candidates(gpu))),
-                     "--action-script", str(gate.script)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    env={**session.criu_env(req, workdir), **gate.env}, start_new_session=True)
-                if guardian:
-                    guardian.criu(criu.pid)
-                fault("dump:criu-running")      # (test hook: a signal while CRIU works)
-                runner.supervise(criu, server, criu_progress, estimate)
-                phase("criu")
-                if criu.returncode != 0 or server.failed:
-                    server.abort()
-                    raise session.failure(server.error(), criu.returncode, log,
-                                   runner.keep_log(repo.path, log, f"failed-dump-{name}-{stamp}-{os.getpid()}"))
-                stopped = not req.leave_running
-                frozen = session.criu_frozen_seconds(workdir)
-                if frozen is None and gate.opened_at is not None:
-                    frozen = gate.opened_at - t_criu
-                frozen = round(frozen, 3) if frozen is not None else None
-                session.test_hold("after-gate", {"pid": os.getpid(), "staging": staging.stats()})
-                if progress:
-                    session.finish_with_progress(server, progress)
-                else:
-                    server.finish(timeout=30)
-                phase("storing")
-                cuda_pids = session.cuda_report_pids(workdir / "cuda-report")
-                extra = freeze.meta(writer)
-                snap = writer.commit(extra_meta={"cuda_pids": cuda_pids, "dump_seconds": time.monotonic() - t0,
-                                                 "frozen_seconds": frozen, **extra})
-                kept = runner.keep_log(repo.path, log, f"{Path(snap.path).name}-dump")
-                phase("commit")
-                if stopped:
-                    if guardian:
-                        guardian.committed()
-                    session.test_hold("after-commit", {"pid": os.getpid()})
-                    session.kill_tree(pids)
-                    stopped = False
-                elif req.leave_running:
-                    # CRIU succeeded, but the plugin may have failed to hand a process back
-                    gpu_problems = session.settle_gpu(workdir, [], failed_only=True)
-                pruned: list[str] = []
-                prune_error = None
-                prune_warnings: list[str] = []
-                if req.keep_last:
-                    retention_started = True
-                    try:
-                        pruned, prune_warnings = _retain(repo, snap.name, req.keep_last)
-                    except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
-                        prune_error = e.message
-                    except OSError as e:
-                        prune_error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
-                    phase("retention")
-            except (KeyboardInterrupt, _Terminate):
-                if server is not None:
-                    server.abort()
-                if criu is not None:
-                    criu.wait()  # CRIU unwinds on the broken stream; never kill it mid-parasite
-                snap = snap or committed_snapshot(repo, writer)
-                if snap is not None:   # past the commit point: the snapshot stays; say so
-                    if stopped:        # it is safe: end the job as --exit asked (as the guardian would)
-                        session.kill_tree(pids)
-                        stopped = False
-                    raise _interrupted_after_commit(req, snap, retention_started) from None
+    def run(self) -> DumpResult:
+        self._open()
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(self.repo.writer_lock())
+                self._hold(stack)
+                try:
+                    self._run_criu()
+                    self._commit()
+                    self._retention()
+                except (KeyboardInterrupt, _Terminate):
+                    self._interrupted()
+            return self._result()
+        except (KeyboardInterrupt, _Terminate):
+            if self.snap is None:   # a second signal while unwinding a dump that never committed
                 raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
-            finally:
-                if snap is None:
-                    writer.abort()
-                if stopped:  # CRIU succeeded but storing failed: give the job back, its network too
-                    session.resume_tree(pids, plan.tcp, log, sys.exc_info()[1])
-                if snap is None and criu is not None and criu.returncode is not None:
-                    # CRIU does not tell the plugin of every failure (a failed post-dump gate
-                    # reaches it as success): whatever the plugin says, settle the GPU side here
-                    gpu_problems = session.settle_gpu(workdir, session.gpu_candidates(gpu), failed_only=False)
-                    exc = sys.exc_info()[1]
-                    if gpu_problems and isinstance(exc, GpusnapError):
-                        exc.message += "; but a GPU process could not be brought back: " + "; ".join(gpu_problems)
-                if guardian:
-                    guardian.done()
-                if gate is not None:
-                    gate.close()
-                if server is not None:
-                    server.abort()
-                if staging is not None:
-                    staging.close()
-                shutil.rmtree(workdir, ignore_errors=True)
+            # a signal while cleaning up or reporting, after the commit: the snapshot stays
+            raise parts.interrupted_after_commit(self.req, self.snap, self.retention_started) from None
+        finally:
+            for s, h in self._old_handlers.items():
+                signal.signal(s, h)
 
+    def _open(self) -> None:
+        """The preflight, the name, the repository (waiting for its locks), its free space."""
+        from gpusnap.repo import locate
+
+        req = self.req
+        self.plan, self.meta, self.gpu = parts.look(req)
+        native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
+        # a named job's root is dumped under its name (identity.py), anything else under its command's
+        self.name = req.name or identity.name_of(req.repo, req.pid) or parts.default_name(req.pid)
+        self.notice = parts.WaitingNotice(self.progress, self.arena)
+        # the repository first: a typo or a directory that is none (/proc) is that error, not "no space"
+        self.repo = locate.open_repository(req.repo, create_at_default=True).wait_for_locks(self.wait, self.notice)
+        if parts.free_bytes(self.repo.path) < MIN_FREE_BYTES:
+            raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
+                          hint="free some space or run `gpusnap prune`, then dump again")
+        self.stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        env_overlap = os.environ.get("GPUSNAP_INGEST_OVERLAP", "")
+        self.overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
+
+    def _hold(self, stack: contextlib.ExitStack) -> None:
+        """Under the writer lock: everything the dump holds, each released by `stack`."""
+        req, repo = self.req, self.repo
+        if self.notice.waited:   # another gpusnap wrote meanwhile: look at the job afresh
+            self.plan, self.meta, self.gpu = parts.look(req)
+            self.arena.again()   # (given back while this dump waited)
+        self.pids = self.plan.pids
+        self.estimate = proc.rss_bytes(self.pids)
+        self.writer = repo.new_snapshot(self.name, compress=req.compress, meta=self.meta)
+        stack.callback(self._abort_unless_committed)
+        tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
+        self.workdir = tmpdirs.make(tmpdirs.DUMP)
+        stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
+        self.log = self.workdir / "criu.log"
+        self._old_handlers = {s: signal.signal(s, _on_term) for s in (signal.SIGTERM, signal.SIGHUP)}
+        self.guardian = None
+        if not req.leave_running:
+            # resumes the job should gpusnap die between CRIU and the commit (SIGKILL, OOM)
+            from gpusnap.ops.guardian import Guardian
+
+            self.guardian = Guardian(self.pids, self.workdir / "cuda-report", parts.gpu_candidates(self.gpu),
+                                     log=Path(repo.path) / "logs" / "guardian.log", tcp=self.plan.tcp,
+                                     criu_log=self.log)
+            stack.callback(self.guardian.done)
+        self.phase("preflight")
+        spill_dir = repo.path / "tmp"
+        staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
+        self.staging = staging_mod.Staging(spill_dir, self.budget, arena=self.arena.take())
+        stack.callback(self.staging.close)
+        if self.overlap:
+            self.staging.go.set()
+        self.server = CaptureServer(self.workdir, self.writer.image_sink, staging=self.staging).start()
+        stack.callback(self.server.abort)
+        # append sizes and link-remap files, as of the freeze (gpusnap/system/appendfiles.py, linkremap.py)
+        self.freeze = parts.AtFreeze(self.pids, self.plan.linked)
+        self.gate = PostDumpGate(self.workdir, self.server, at_freeze=self.freeze.at_freeze)
+        stack.callback(self.gate.close)
+        # the repository's index loaded while the staging was set up (writer.py): its errors
+        # stop the dump before the job freezes, and its load never competes with CRIU for a core
+        self.writer.wait_index()
+        self.staging.ready()     # the arena faulted in: no page fault inside the freeze
+        self.phase("staging")
+        stack.push(self._hand_back)
+
+    def _run_criu(self) -> None:
+        """CRIU, through the capture server, until its pages are stored."""
+        req, server, gate = self.req, self.server, self.gate
+
+        def criu_progress(done: int, total: int) -> None:
+            if self.progress is None:
+                return
+            if gate.opened.is_set():
+                self.progress(server.ingested, server.bytes, "storing")
+            else:
+                self.progress(done, total, "frozen")
+
+        t_criu = time.monotonic()
+        n_gpu = len(parts.gpu_candidates(self.gpu))
+        self.criu = subprocess.Popen(
+            [runner.criu_info().path, *parts.criu_args(req, self.workdir, self.log, self.plan.dump_options, n_gpu),
+             "--action-script", str(gate.script)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**parts.criu_env(req, self.workdir), **gate.env}, start_new_session=True)
+        if self.guardian:
+            self.guardian.criu(self.criu.pid)
+        fault("dump:criu-running")      # (test hook: a signal while CRIU works)
+        runner.supervise(self.criu, server, criu_progress, self.estimate)
+        self.phase("criu")
+        if self.criu.returncode != 0 or server.failed:
+            server.abort()
+            raise parts.failure(server.error(), self.criu.returncode, self.log,
+                                runner.keep_log(self.repo.path, self.log,
+                                                f"failed-dump-{self.name}-{self.stamp}-{os.getpid()}"))
+        self.stopped = not req.leave_running
+        frozen = parts.criu_frozen_seconds(self.workdir)
+        if frozen is None and gate.opened_at is not None:
+            frozen = gate.opened_at - t_criu
+        self.frozen = round(frozen, 3) if frozen is not None else None
+        parts.test_hold("after-gate", {"pid": os.getpid(), "staging": self.staging.stats()})
+        if self.progress:
+            parts.finish_with_progress(server, self.progress)
+        else:
+            server.finish(timeout=30)
+        self.phase("storing")
+
+    def _commit(self) -> None:
+        """The commit point; then the job ended (--exit) or its GPU side checked (leave-running)."""
+        self.cuda_pids = parts.cuda_report_pids(self.workdir / "cuda-report")
+        extra = self.freeze.meta(self.writer)
+        self.snap = self.writer.commit(extra_meta={"cuda_pids": self.cuda_pids,
+                                                   "dump_seconds": time.monotonic() - self.t0,
+                                                   "frozen_seconds": self.frozen, **extra})
+        self.kept = runner.keep_log(self.repo.path, self.log, f"{Path(self.snap.path).name}-dump")
+        self.phase("commit")
+        if self.stopped:
+            if self.guardian:
+                self.guardian.committed()
+            parts.test_hold("after-commit", {"pid": os.getpid()})
+            parts.kill_tree(self.pids)
+            self.stopped = False
+        elif self.req.leave_running:
+            # CRIU succeeded, but the plugin may have failed to hand a process back
+            self.gpu_problems = parts.settle_gpu(self.workdir, [], failed_only=True)
+
+    def _retention(self) -> None:
+        """--keep-last, right after the commit; its failure is reported, the snapshot stays."""
+        if not self.req.keep_last:
+            return
+        self.retention_started = True
+        try:
+            self.pruned, self.prune_warnings = _retain(self.repo, self.snap.name, self.req.keep_last)
+        except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
+            self.prune_error = e.message
+        except OSError as e:
+            self.prune_error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        self.phase("retention")
+
+    def _interrupted(self) -> None:
+        """Ctrl-C, SIGTERM or SIGHUP while the dump held everything: what it ends with."""
+        self.server.abort()
+        if self.criu is not None:
+            self.criu.wait()  # CRIU unwinds on the broken stream; never kill it mid-parasite
+        self.snap = self.snap or parts.committed_snapshot(self.repo, self.writer)
+        if self.snap is not None:   # past the commit point: the snapshot stays; say so
+            if self.stopped:        # it is safe: end the job as --exit asked (as the guardian would)
+                parts.kill_tree(self.pids)
+                self.stopped = False
+            raise parts.interrupted_after_commit(self.req, self.snap, self.retention_started) from None
+        raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
+
+    def _abort_unless_committed(self) -> None:
+        if self.snap is None:
+            self.writer.abort()
+
+    def _hand_back(self, exc_type, exc, tb) -> bool:  # noqa: ARG002
+        """The first to unwind: the job given back if storing failed after CRIU stopped it (its
+        network too), and the GPU side settled if CRIU ran but nothing was committed."""
+        if self.stopped:
+            parts.resume_tree(self.pids, self.plan.tcp, self.log, exc)
+        if self.snap is None and self.criu is not None and self.criu.returncode is not None:
+            # CRIU does not tell the plugin of every failure (a failed post-dump gate reaches
+            # it as success): whatever the plugin says, settle the GPU side here
+            self.gpu_problems = parts.settle_gpu(self.workdir, parts.gpu_candidates(self.gpu), failed_only=False)
+            if self.gpu_problems and isinstance(exc, GpusnapError):
+                exc.message += "; but a GPU process could not be brought back: " + "; ".join(self.gpu_problems)
+        return False
+
+    def _result(self) -> DumpResult:
+        req, snap = self.req, self.snap
         if req.name and req.leave_running:   # `dump --name N PID`: N stands for this job from now on
             identity.note_dump(req.repo, req.name, req.pid)
-        if gpu_problems:
+        if self.gpu_problems:
             raise GpuCheckpointFailed(
                 f"snapshot {snap.path} was saved, but a GPU process could not be handed back: "
-                + "; ".join(gpu_problems), hint="see the CUDA plugin's lines in " + (kept or "the CRIU log"))
-        stats = writer.stats
+                + "; ".join(self.gpu_problems), hint="see the CUDA plugin's lines in " + (self.kept or "the CRIU log"))
+        stats = self.writer.stats
         return DumpResult(
             snapshot=str(snap.path), id=snap.id, name=snap.name, pid=req.pid,
             pages_total=stats["pages_total"], pages_zero=stats["pages_zero"], pages_dedup=stats["pages_dedup"],
             bytes_raw=stats["bytes_raw"], bytes_stored=stats["bytes_stored"],
-            seconds=round(time.monotonic() - t0, 3), job_running=req.leave_running and proc.exists(req.pid),
-            cuda_pids=cuda_pids, log=kept, pruned=pruned, prune_error=prune_error,
-            prune_warnings=prune_warnings, phases=phases, frozen_seconds=frozen, staging={**staging.stats(), "overlap": overlap}, peak_rss_bytes=proc.peak_rss_self(),
-            criu_options=list(plan.dump_options))
-    except (KeyboardInterrupt, _Terminate):
-        if snap is None:   # a second signal while unwinding a dump that never committed
-            raise Interrupted("dump interrupted; the job was left running and no snapshot was kept") from None
-        # a signal while cleaning up or reporting, after the commit: the snapshot stays
-        raise _interrupted_after_commit(req, snap, retention_started) from None
-    finally:
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
+            seconds=round(time.monotonic() - self.t0, 3), job_running=req.leave_running and proc.exists(req.pid),
+            cuda_pids=self.cuda_pids, log=self.kept, pruned=self.pruned, prune_error=self.prune_error,
+            prune_warnings=self.prune_warnings, phases=self.phases, frozen_seconds=self.frozen,
+            staging={**self.staging.stats(), "overlap": self.overlap}, peak_rss_bytes=proc.peak_rss_self(),
+            criu_options=list(self.plan.dump_options))

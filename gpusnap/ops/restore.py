@@ -15,6 +15,7 @@ job, which has run for a moment.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -153,9 +154,7 @@ def choose_via(via: str, snap, hugetlb: int) -> str:
     """stream or files. auto: files when the snapshot maps huge pages (only image files let
     CRIU restore them), stream otherwise: on the 2-core machines measured (docs/benchmark.md)
     both paths took the same time within the noise, and the stream needs no memory or disk
-    for a copy of the images."""
-    if via not in VIAS:
-        raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
+    for a copy of the images. `via` is one of VIAS (restore() checks it first)."""
     if via == "stream" and hugetlb:
         raise UsageError(f"snapshot {snap.path} maps {hugetlb >> 20} MiB of huge pages, which CRIU cannot "
                          "restore from a stream (its restorer reads them at an offset in the pages image)",
@@ -263,32 +262,53 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
     # but its copies still share its files.
     key = f"restore-{snap.id}" if own_pidns else f"restore-pid-{pids[0]}"
     with hostlock.held(key, (lambda: progress(0, 0, "waiting")) if progress else None):
-        return _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close, tty)
+        if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
+            _check_pids_free(pids)
+        plan, tcp = _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0)
+        return _run(plan, tcp, progress)
 
 
-def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, via, tcp_close, tty=None):
-    if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
-        _check_pids_free(pids)
+@dataclass(frozen=True)
+class _Tcp:
+    """The snapshot's TCP connections and whether they come back closed, and why."""
+    conns: tuple
+    closed: bool
+    why: str | None
+    dumped_closed: bool     # `dump --tcp-close`: CRIU saved no connection state, locked nothing
+
+
+def _tcp(snap, tcp_close: bool) -> _Tcp:
+    meta = snap.manifest.get("meta", {})
+    conns = tuple(c for c in meta.get("tcp") or [] if isinstance(c, dict))
+    if "--tcp-close" in (meta.get("restore_flags") or []):
+        return _Tcp(conns, True, "dumped with --tcp-close" if conns else None, True)
+    closed, why = netlock.restore_tcp_close(list(conns), tcp_close)
+    return _Tcp(conns, closed, why, False)
+
+
+def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0):
+    """The restore decided: CRIU's flags (the manifest's, checked: it is data, not a command
+    line), the connections, the path, the huge pages it needs. Returns (plan, connections)."""
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
     allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk", "--tcp-close"}
-    if not set(flags) <= allowed:  # the manifest is data, not a command line
+    if not set(flags) <= allowed:
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
-    conns = [c for c in snap.manifest.get("meta", {}).get("tcp") or [] if isinstance(c, dict)]
-    dumped_closed = "--tcp-close" in flags    # `dump --tcp-close`: CRIU saved no connection state
-    if dumped_closed:
-        closed, why = True, ("dumped with --tcp-close" if conns else None)
-    else:
-        closed, why = netlock.restore_tcp_close(conns, tcp_close)
-        if closed:
-            flags.append("--tcp-close")
+    tcp = _tcp(snap, tcp_close)
+    if tcp.closed and not tcp.dumped_closed:
+        flags.append("--tcp-close")
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
-    check = None if own_pidns else pids     # PIDs a failed CRIU may have lost a race for
-    where = None
-    running = lazy = None
+    return restore_paths.RestorePlan(repository, snap, info, env, tuple(flags), tuple(pids), own_pidns, mode, via,
+                                     tty=tty, t0=t0), tcp
+
+
+def _run(plan: restore_paths.RestorePlan, tcp: _Tcp, progress) -> RestoreResult:
+    """The files put in place, the plan run by its path, the name claimed; every way out
+    before the job runs puts back what was set aside."""
+    snap = plan.snap
     # the name the restored tree will carry (the snapshot's, or a fork's: gpusnap/ops/identity.py)
-    claim = identity.claim(repository.path, snap)
+    claim = identity.claim(plan.repository.path, snap)
     remaps, sockdirs = linkremap.PutBack(), restore_sockdirs.Made()
     try:
         remaps = linkremap.put_back(snap)   # CRIU's link_remap files first: the file checks see them
@@ -299,56 +319,64 @@ def _restore_held(repository, snap, info, env, pids, own_pidns, progress, t0, vi
         remaps.undo()
         claim.abandon()
         raise
-    try:    # from here every way out before the job runs puts the files set aside back
-        flags += claim.criu_flags()
+    try:
+        plan = dataclasses.replace(plan, flags=plan.flags + tuple(claim.criu_flags()))
         fault("restore:checked")
         sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
-        phases = {"preflight": round(time.monotonic() - t0, 3)}
-        if mode == "lazy":
-            pid, where, running, lazy = restore_paths.via_lazy(repository, snap, info, env, flags, progress, phases, check, sp,
-                                                  t0, tty=tty)
-        elif mode == "stream":
-            try:
-                pid = restore_paths.via_stream(repository, snap, info, env, flags, progress, phases, check, sp,
-                                               tty=tty)
-            except CriuFailed as e:
-                # A hugetlb mapping made after the dump's preflight looked: the stream cannot
-                # carry it, image files can (restore_needs.py).
-                if via != "auto" or not any("Can't read pages data" in ln for ln in e.last_lines):
-                    raise
-                mode = "files"
-                if not own_pidns:
-                    _check_pids_free(pids)
-                pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp,
-                                                     tty=tty)
-        else:
-            pid, where = restore_paths.via_files(repository, snap, info, env, flags, progress, phases, check, sp,
-                                                 tty=tty)
+        plan = dataclasses.replace(plan, sparse=sp)
+        preflight = round(time.monotonic() - plan.t0, 3)
+        plan, out = _run_path(plan, progress)
     except BaseException as e:
         sockdirs.undo()
         remaps.undo()
         fixes.undo()
         claim.abandon(e)
         raise
-    if own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
+    return _result(plan, out, {"preflight": preflight, **out.phases}, tcp, claim, fixes)
+
+
+def _run_path(plan: restore_paths.RestorePlan, progress):
+    """Run the plan's path: (the plan as run, what it did). An automatic stream restore
+    that meets a huge-page mapping made after the dump's preflight looked (the stream
+    cannot carry it) goes again through image files (restore_needs.py)."""
+    try:
+        return plan, restore_paths.PATHS[plan.via](plan, progress)
+    except CriuFailed as e:
+        if plan.via != "stream" or plan.via_asked != "auto" or not any("Can't read pages data" in ln
+                                                                       for ln in e.last_lines):
+            raise
+    plan = dataclasses.replace(plan, via="files")
+    if not plan.own_pidns:
+        _check_pids_free(list(plan.pids))
+    return plan, restore_paths.via_files(plan, progress)
+
+
+def _result(plan, out, phases: dict, tcp: _Tcp, claim, fixes) -> RestoreResult:
+    """The job runs: its PIDs, network locks no longer needed, the name committed."""
+    pid = out.pid
+    if plan.own_pidns:  # the recorded PIDs are the original's; the restored tree has new ones
         if pid is None:   # never hand back the original's PIDs as the restored ones
             raise CriuFailed("criu restore left no PID file; the restored job's PID is unknown")
         pids = proc.tree(pid)
-    elif pid is None:
-        pid = pids[0]
-    if closed and not dumped_closed:   # such a dump locked nothing
-        netlock.unlock_closed(conns)
+    else:
+        pids = list(plan.pids)
+        if pid is None:
+            pid = pids[0]
+    if tcp.closed and not tcp.dumped_closed:   # such a dump locked nothing
+        netlock.unlock_closed(list(tcp.conns))
     notes = fixes.notes()
     _, unrecorded = claim.commit(pid)
     if unrecorded:
         notes.append(unrecorded)
     fault("restore:job-running")
+    lazy = out.lazy
     if lazy and lazy.get("signals_deferred") and restore_interrupt.active() is None:   # else the guard says it
         notes.append("a signal to stop came while the job's memory was being filled; gpusnap finished the fill "
                      "first (stopping then would have killed the job), and the job runs")
-    return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - t0, 3), pids=pids,
-                         phases=phases, via=mode, images=where, notes=notes,
-                         tcp_closed=why if closed else None, running_seconds=running,
+    snap = plan.snap
+    return RestoreResult(pid=pid, snapshot=str(snap.path), seconds=round(time.monotonic() - plan.t0, 3), pids=pids,
+                         phases=phases, via=plan.via, images=out.where, notes=notes,
+                         tcp_closed=tcp.why if tcp.closed else None, running_seconds=out.running,
                          lazy=lazy, job=claim.job.name, fork_of=claim.fork_of,
                          job_dir=claim.job.dir if claim.job.kind == "run" else None,
                          bytes_raw=int(snap.manifest.get("stats", {}).get("bytes_raw", 0) or 0))

@@ -262,46 +262,54 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
         f["writable"] = True
         if f["size"] is None:
             f["size"] = e["size"]
-    out: list[FileCheck] = []
-    for name, f in files.items():
-        if name in inherited:        # a fork's own files, given to CRIU as open descriptors
-            continue
-        size, writable, mode = f["size"], f["writable"], f["mode"]
-        kind = "output file" if writable else "input file"
-        c = FileCheck(path=name, verdict=REFUSED, detail="", size=size, append_only=not f["sized"])
-        out.append(c)
-        try:
-            st = os.stat(name)
-        except FileNotFoundError:
-            c.detail = f"{kind} {name} is gone" + (f" (the snapshot expects {size} bytes there)" if size is not None else "")
-            continue
-        except OSError as e:
-            c.detail = f"{kind} {name} cannot be checked: {e.strerror}"
-            continue
-        c.now, c.dev, c.ino, c.uid, c.gid = st.st_size, st.st_dev, st.st_ino, st.st_uid, st.st_gid
-        real = _resolved(name)
-        if real != name:
-            # CRIU records resolved paths: a link there now was put in since (a directory swapped
-            # for a link to another user's): CRIU would reopen the file behind it for the job
-            c.detail = (f"{kind} {name} is reached through a symbolic link now ({real or 'changing while checked'}), "
-                        "not the file the job had open")
-        elif mode is not None and st.st_mode != mode:
-            c.detail = (f"{kind} {name} has mode {stat.filemode(st.st_mode)} now, {stat.filemode(mode)} at the "
-                        "dump (CRIU refuses a file whose mode changed: chmod it back)")
-        elif name in appended and not _same_file(st, appended[name], same_host):
-            c.detail = (f"output file {name} was rotated or replaced since the snapshot (another file "
-                        "is at that path now); the snapshot does not hold its contents")
-        elif size is None or st.st_size == size:
-            c.verdict = OK          # (size None: appended, with no size recorded: CRIU checks none)
-        elif writable and st.st_size > size:
-            c.verdict = SET_ASIDE
-        elif writable:
-            c.detail = (f"output file {name} shrank or was replaced since the snapshot "
-                        f"({st.st_size} bytes now, the snapshot expects {size}); the snapshot does "
-                        "not hold its contents")
-        else:
-            c.detail = f"input file {name} changed since the snapshot ({st.st_size} bytes now, {size} then)"
-    grown = [c for c in out if c.verdict == SET_ASIDE]
+    out = [_check_one(name, f, appended.get(name), same_host) for name, f in files.items() if name not in inherited]
+    _judge_grown(snap, [c for c in out if c.verdict == SET_ASIDE], meta)
+    return out
+
+
+def _check_one(name: str, f: dict, appended: dict | None, same_host: bool) -> FileCheck:
+    """One file against the snapshot's record of it (f: size, writable, sized, mode;
+    appended: its append-file entry)."""
+    size, writable, mode = f["size"], f["writable"], f["mode"]
+    kind = "output file" if writable else "input file"
+    c = FileCheck(path=name, verdict=REFUSED, detail="", size=size, append_only=not f["sized"])
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        c.detail = f"{kind} {name} is gone" + (f" (the snapshot expects {size} bytes there)" if size is not None else "")
+        return c
+    except OSError as e:
+        c.detail = f"{kind} {name} cannot be checked: {e.strerror}"
+        return c
+    c.now, c.dev, c.ino, c.uid, c.gid = st.st_size, st.st_dev, st.st_ino, st.st_uid, st.st_gid
+    real = _resolved(name)
+    if real != name:
+        # CRIU records resolved paths: a link there now was put in since (a directory swapped
+        # for a link to another user's): CRIU would reopen the file behind it for the job
+        c.detail = (f"{kind} {name} is reached through a symbolic link now ({real or 'changing while checked'}), "
+                    "not the file the job had open")
+    elif mode is not None and st.st_mode != mode:
+        c.detail = (f"{kind} {name} has mode {stat.filemode(st.st_mode)} now, {stat.filemode(mode)} at the "
+                    "dump (CRIU refuses a file whose mode changed: chmod it back)")
+    elif appended is not None and not _same_file(st, appended, same_host):
+        c.detail = (f"output file {name} was rotated or replaced since the snapshot (another file "
+                    "is at that path now); the snapshot does not hold its contents")
+    elif size is None or st.st_size == size:
+        c.verdict = OK          # (size None: appended, with no size recorded: CRIU checks none)
+    elif writable and st.st_size > size:
+        c.verdict = SET_ASIDE
+    elif writable:
+        c.detail = (f"output file {name} shrank or was replaced since the snapshot "
+                    f"({st.st_size} bytes now, the snapshot expects {size}); the snapshot does "
+                    "not hold its contents")
+    else:
+        c.detail = f"input file {name} changed since the snapshot ({st.st_size} bytes now, {size} then)"
+    return c
+
+
+def _judge_grown(snap, grown: list[FileCheck], meta: dict) -> None:
+    """Output files that grew: set aside when nothing else uses them, left when another
+    process appends to them too, else refused (cutting them would cut its data)."""
     dumped = {p for p in meta.get("pids") or [] if type(p) is int}     # the job's PIDs at the dump
     used = fileusers.users({(c.dev, c.ino) for c in grown})
     for c in grown:
@@ -319,7 +327,6 @@ def check(snap, inherited=frozenset()) -> list[FileCheck]:
                    if users[0].pid in dumped else "which is not part of the job being restored")
             c.detail = (f"output file {c.path} grew after the snapshot and is {users[0].how} by {users[0]}, "
                         f"{who}; cutting it back would cut that process's data")
-    return out
 
 
 def prepare(snap, inherited=frozenset()) -> FileFixes:

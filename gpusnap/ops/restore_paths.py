@@ -4,8 +4,8 @@ stream: `criu restore --stream`, fed by the serve streamer; files: image files w
 private directory for a plain `criu restore -D` (gpusnap/repo/materialize.py); lazy: those
 files less the lazy pages, `criu restore --lazy-pages`, and the lazy pages filled in while the
 job already runs (gpusnap/criu/lazypages.py). gpusnap/ops/restore.py checks everything
-first and chooses; each path here returns the restored root PID, or raises with nothing
-running. After CRIU, the CUDA plugin's report is read: CRIU ignores a failed GPU restore.
+first and decides (a RestorePlan); each path here runs that plan and returns what it did
+(the restored root PID, its phases), or raises with nothing running. After CRIU, the CUDA plugin's report is read: CRIU ignores a failed GPU restore.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import signal
 import subprocess
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from gpusnap.criu import config as criu_config
 from gpusnap.criu import runner
@@ -28,6 +30,46 @@ from gpusnap.errors import CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
 from gpusnap.repo import parallel_read
 from gpusnap.system import paths, proc, tmpdirs
 from gpusnap.system.access import read_only_reason
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """One restore, decided before CRIU starts (gpusnap/ops/restore.py makes it; each path
+    here runs it): what (the snapshot, its repository, this CRIU), where (the PIDs it
+    recreates, or a PID namespace of its own), and how (the path, CRIU's flags and
+    environment, the zero runs left out, the terminal to hand over)."""
+    repository: Any
+    snap: Any
+    criu: Any                       # runner.criu_info()
+    env: Mapping[str, str]
+    flags: tuple[str, ...]
+    pids: tuple[int, ...]           # as recorded: the original's, when own_pidns
+    own_pidns: bool
+    via: str                        # stream, files or lazy
+    via_asked: str                  # what the user asked for (auto may fall back to files)
+    sparse: Any = None              # criu/sparse.py's plan, or None
+    tty: int | None = None          # our terminal's fd, to be the job's
+    t0: float = 0.0
+
+    @property
+    def race_pids(self) -> list[int] | None:
+        """PIDs a failed CRIU may have lost a race for (none in a PID namespace of its own)."""
+        return None if self.own_pidns else list(self.pids)
+
+    @property
+    def total(self) -> int:
+        return int(self.snap.manifest.get("stats", {}).get("bytes_raw", 0))
+
+
+@dataclass
+class PathOutcome:
+    """What a path did: the restored root PID (None: CRIU wrote no PID file), where image
+    files were written, wall seconds per phase, and for lazy: until the tree ran, the fill."""
+    pid: int | None
+    where: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    running: float | None = None
+    lazy: dict | None = None
 
 
 # what CRIU's log says when it could not have a PID (criu/cr-restore.c)
@@ -84,16 +126,18 @@ def check_gpu_restore(workdir: Path, snap, root: int | None, pids: list[int], lo
 
 
 
-def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Path, server, progress,
-                  total: int, pids: list[int] | None, lazy=None, tty: int | None = None) -> int | None:
+def _criu_restore(plan: RestorePlan, images: Path, workdir: Path, server, progress: Callable | None,
+                  lazy=None) -> int | None:
     """Run `criu restore` on an images directory (with a serve streamer when `server`; with
     --lazy-pages, served by the criu/lazypages.py daemon `lazy`, when given); the restored
     root PID, or CriuFailed / the streamer's error. `tty`: our controlling terminal's fd, to
     be the job's terminal (ops/restore_terminal.py)."""
+    repository, snap, info, flags, tty, total = plan.repository, plan.snap, plan.criu, list(plan.flags), plan.tty, plan.total
+    pids = plan.race_pids
     log = workdir / "criu.log"
     pidfile = workdir / "restored.pid"
     stream = ["--stream"] if server is not None else []
-    env = {**env, **_gpu_report_env(workdir)}   # the CUDA plugin's report, read below
+    env = {**plan.env, **_gpu_report_env(workdir)}   # the CUDA plugin's report, read below
     if lazy is not None:
         stream = ["--lazy-pages"]
     # Its own session, so a Ctrl-C meant for gpusnap never reaches it; with a terminal to give
@@ -129,27 +173,7 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         restore_interrupt.job_running()
         fault("restore:criu-exited")
     else:
-        if server is not None:
-            server.abort()
-        if lazy is not None:
-            lazy.abort()
-        kept = runner.keep_log(repository.path, log, f"failed-restore-{Path(snap.path).name}-"
-                                                f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
-        if cut:
-            raise restore_interrupt.interrupted_error(kept)
-        err = server.error() if server is not None else None
-        if isinstance(err, GpusnapError):
-            err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
-            raise err
-        lines = runner.log_errors(log)
-        if pids:
-            _pids_taken_meanwhile(pids, kept, lines)
-        hint = runner.explain_restore(lines)
-        peers = [p for p in snap.manifest.get("meta", {}).get("unix_peers") or [] if isinstance(p, str)]
-        if peers and any("unix: Can't connect" in ln for ln in lines):
-            hint += f" (the job's daemon socket{'s' if len(peers) > 1 else ''}: {', '.join(peers[:5])})"
-        raise CriuFailed(f"criu restore failed (exit status {criu.returncode})", log_path=kept,
-                         last_lines=lines, hint=hint)
+        _failed(plan, criu.returncode, log, server, lazy, cut)
     if server is not None:
         if cut:
             server.abort()     # the job runs; what the cut stream recorded is no error of the restore
@@ -164,6 +188,31 @@ def _criu_restore(repository, snap, info, env, flags, images: Path, workdir: Pat
         pid = None
     check_gpu_restore(workdir, snap, pid, list(pids or []), kept, same_pids=pids is not None)
     return pid
+
+
+def _failed(plan: RestorePlan, rc: int, log: Path, server, lazy, cut: bool):
+    """CRIU failed (or its stream was cut for a signal): stop the feeders, keep the log, and
+    raise the most useful error (the streamer's, PIDs lost to a race, CRIU's own, explained)."""
+    if server is not None:
+        server.abort()
+    if lazy is not None:
+        lazy.abort()
+    kept = runner.keep_log(plan.repository.path, log, f"failed-restore-{Path(plan.snap.path).name}-"
+                                                     f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
+    if cut:
+        raise restore_interrupt.interrupted_error(kept)
+    err = server.error() if server is not None else None
+    if isinstance(err, GpusnapError):
+        err.hint = (err.hint + " " if err.hint else "") + f"(CRIU log kept at {kept})"
+        raise err
+    lines = runner.log_errors(log)
+    if plan.race_pids:
+        _pids_taken_meanwhile(plan.race_pids, kept, lines)
+    hint = runner.explain_restore(lines)
+    peers = [p for p in plan.snap.manifest.get("meta", {}).get("unix_peers") or [] if isinstance(p, str)]
+    if peers and any("unix: Can't connect" in ln for ln in lines):
+        hint += f" (the job's daemon socket{'s' if len(peers) > 1 else ''}: {', '.join(peers[:5])})"
+    raise CriuFailed(f"criu restore failed (exit status {rc})", log_path=kept, last_lines=lines, hint=hint)
 
 
 def inherited_fds(flags: list[str]) -> list[int]:
@@ -191,10 +240,9 @@ def restore_threads(stream: bool) -> int:
     return max(1, min(8, cores - 1 if stream else cores))
 
 
-def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp, tty=None) -> int | None:
-    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    workdir = _workdir(repository.path)
-
+def via_stream(plan: RestorePlan, progress: Callable | None) -> PathOutcome:
+    snap, sp, total = plan.snap, plan.sparse, plan.total
+    workdir = _workdir(plan.repository.path)
     threads = restore_threads(stream=True)
 
     def source(name: str):
@@ -210,58 +258,57 @@ def via_stream(repository, snap, info, env, flags, progress, phases, pids, sp, t
     server = ServeServer(workdir, source).start()
     t = time.monotonic()
     try:
-        pid = _criu_restore(repository, snap, info, env, flags, workdir, workdir, server, progress, total, pids,
-                             tty=tty)
+        pid = _criu_restore(plan, workdir, workdir, server, progress)
         if progress:
             progress(total, total)
     finally:
         server.abort()
         shutil.rmtree(workdir, ignore_errors=True)
-    phases["criu"] = round(time.monotonic() - t, 3)
-    return pid
+    return PathOutcome(pid, phases={"criu": round(time.monotonic() - t, 3)})
 
 
-def via_files(repository, snap, info, env, flags, progress, phases, pids, sp, tty=None) -> tuple[int | None, str]:
-    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
+def via_files(plan: RestorePlan, progress: Callable | None) -> PathOutcome:
     from gpusnap.repo import materialize
 
-    with materialize.images_dir(snap, repository.path) as (images, plan):
+    out = PathOutcome(None)
+    with materialize.images_dir(plan.snap, plan.repository.path) as (images, where):
         restore_interrupt.reinstall()     # its directory is removed on every exit all the same
         t = time.monotonic()
-        materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
-                                 progress=progress, total=total, sparse=sp)
-        phases["materialize"] = round(time.monotonic() - t, 3)
+        materialize.write_images(plan.snap, images, threads=max(2, restore_threads(stream=False)),
+                                 progress=progress, total=plan.total, sparse=plan.sparse)
+        out.phases["materialize"] = round(time.monotonic() - t, 3)
         fault("restore:images-written")
         t = time.monotonic()
-        workdir = _workdir(repository.path)
+        workdir = _workdir(plan.repository.path)
         try:
-            pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total, pids, tty=tty)
+            out.pid = _criu_restore(plan, images, workdir, None, None)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-        phases["criu"] = round(time.monotonic() - t, 3)
+        out.phases["criu"] = round(time.monotonic() - t, 3)
     if progress:
-        progress(total, total)
-    return pid, plan.where
+        progress(plan.total, plan.total)
+    out.where = where.where
+    return out
 
 
-def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0, tty=None) -> tuple:
+def via_lazy(plan: RestorePlan, progress: Callable | None) -> PathOutcome:
     """Image files without the lazy pages, `criu restore --lazy-pages` on them, and the lazy
-    pages filled in by criu/lazypages.py while the job already runs. Returns (root PID, where
-    the files were, seconds until the tree ran, what the fill saw); returns once every page
-    is in place."""
+    pages filled in by criu/lazypages.py while the job already runs; returns once every page
+    is in place, with the seconds until the tree ran and what the fill saw."""
     from gpusnap.criu import lazypages, lazyplan
     from gpusnap.repo import materialize
 
+    snap, sp = plan.snap, plan.sparse
     lp = lazyplan.plan(snap, sp)
-    total = int(snap.manifest.get("stats", {}).get("bytes_raw", 0))
-    with materialize.images_dir(snap, repository.path) as (images, plan):
+    out = PathOutcome(None)
+    with materialize.images_dir(snap, plan.repository.path) as (images, where):
         restore_interrupt.reinstall()     # its directory is removed on every exit all the same
         t = time.monotonic()
         materialize.write_images(snap, images, threads=max(2, restore_threads(stream=False)),
-                                 progress=progress, total=total, sparse=sp, holes=lp.holes)
-        phases["materialize"] = round(time.monotonic() - t, 3)
+                                 progress=progress, total=plan.total, sparse=sp, holes=lp.holes)
+        out.phases["materialize"] = round(time.monotonic() - t, 3)
         fault("restore:images-written")
-        workdir = _workdir(repository.path)
+        workdir = _workdir(plan.repository.path)
         daemon = lazypages.LazyDaemon(snap, lp, images, workdir / "restored.pid", restore_threads(stream=False),
                                       drop=sp.drop if sp is not None else None)
         # From here until the last page is in, a signal must not end gpusnap: the job would
@@ -274,25 +321,28 @@ def via_lazy(repository, snap, info, env, flags, progress, phases, pids, sp, t0,
             try:
                 daemon.start()
                 t = time.monotonic()
-                pid = _criu_restore(repository, snap, info, env, flags, images, workdir, None, None, total,
-                                    pids, lazy=daemon, tty=tty)
-                phases["criu"] = round(time.monotonic() - t, 3)
-                running = round(time.monotonic() - t0, 3)
+                out.pid = _criu_restore(plan, images, workdir, None, None, lazy=daemon)
+                out.phases["criu"] = round(time.monotonic() - t, 3)
+                out.running = round(time.monotonic() - plan.t0, 3)
                 t = time.monotonic()
                 daemon.wait(progress)
-                phases["fill"] = round(time.monotonic() - t, 3)
+                out.phases["fill"] = round(time.monotonic() - t, 3)
             except BaseException:
                 daemon.abort()
                 raise
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
     if progress:
-        progress(total, total)
-    seen = {"bytes": lp.bytes, **daemon.events}
+        progress(plan.total, plan.total)
+    out.where = where.where
+    out.lazy = {"bytes": lp.bytes, **daemon.events}
     deferred = len(caught) or (len(restore_interrupt.active().caught) if held else 0)
     if deferred:
-        seen["signals_deferred"] = deferred
-    return pid, plan.where, running, seen
+        out.lazy["signals_deferred"] = deferred
+    return out
+
+
+PATHS = {"stream": via_stream, "files": via_files, "lazy": via_lazy}
 
 
 @contextmanager

@@ -1,7 +1,8 @@
-"""The pieces of one CRIU dump session that gpusnap/ops/dump.py puts in order: CRIU's command
-line and environment, CRIU's own figures (the frozen time in its stats-dump), the CUDA plugin's
-report, the most useful error of a failed run, handing the job back (resume, kill, GPU
-processes settled), the storing phase's progress, the early staging arena (given back while
+"""The pieces of a dump that gpusnap/ops/dump.py's DumpSession puts in order: the look at the
+job (the preflight and what the snapshot records), CRIU's command line and environment, CRIU's own figures (the frozen time in its stats-dump), the CUDA plugin's
+report, the most useful error of a failed run, which snapshot a signal left committed and what
+the dump then says, handing the job back (resume, kill, GPU processes settled), the storing
+phase's progress, the early staging arena (given back while
 the dump waits for another gpusnap), and the test hold points.
 """
 
@@ -19,7 +20,8 @@ from gpusnap.criu import images
 from gpusnap.criu import runner
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
 from gpusnap.repo.pipeline import staging as staging_mod
-from gpusnap.system import paths, proc
+from gpusnap.ops import restore_needs, validate
+from gpusnap.system import paths, preflight, proc
 
 if TYPE_CHECKING:
     from gpusnap.criu.streamer import CaptureServer
@@ -299,3 +301,76 @@ class AtFreeze:
         if self.remaps is not None and self.remaps.kept:
             out["link_remaps"] = self.remaps.store(writer)
         return out
+
+
+def look(req: DumpRequest):
+    """The preflight, and what the snapshot records of the job: (plan, meta, gpu facts). Again
+    after a wait for the repository's writer lock: the tree may have changed meanwhile."""
+    plan = preflight.check(req.pid, tcp_established=req.tcp_established, tcp_close=req.tcp_close).require()
+    pids = plan.pids
+    from gpusnap.gpu import procs as gpu_procs
+
+    gpu_procs.refuse_devices_without_context(pids)
+    meta = {
+        "pid": req.pid,
+        "pids": pids,
+        # every thread id too, so restore can check they are free without decoding images
+        "tids": sorted({t for p in pids for t in proc.threads(p)}),
+        "cmdline": proc.cmdline(req.pid),
+        "hostname": os.uname().nodename,
+        "kernel": os.uname().release,
+        "criu_version": runner.criu_info().version_str,
+        "restore_flags": list(plan.restore_flags),
+        "leave_running": req.leave_running,
+        "compress": req.compress,
+        # restore needs image files, not a stream, for huge-page mappings (restore_needs.py)
+        "hugetlb_bytes": restore_needs.hugetlb_bytes(pids),
+        # what restore needs to judge the connections (peer still there?), name the locks and daemons
+        "tcp": [{"local": c["local"], "remote": c["remote"], "state": c["state"]} for c in plan.tcp],
+        "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
+        # own PID namespace: restored into a new one, its PIDs never clash with running processes
+        "unix_peers": plan.unix_peers, "own_pid_namespace": plan.own_pid_namespace,
+    }
+    gpu = gpu_facts(pids)
+    if gpu:
+        meta["gpu"] = gpu
+    return plan, meta, gpu
+
+
+def default_name(pid: int) -> str:
+    """The job's command name, made a valid snapshot name."""
+    st = proc.read_stat(pid)
+    return validate.default_name(st.comm if st else "job")
+
+
+def committed_snapshot(repo, writer):
+    """The snapshot `writer` committed, or None. The directory decides, not the writer's
+    state: a signal can land between the commit's rename and the writer's bookkeeping. We
+    hold the writer lock, so a directory of this name with this creation time is ours."""
+    snaps = Path(repo.path) / "snapshots"
+    try:
+        entries = sorted(d for d in snaps.iterdir() if d.name.startswith(writer.name + "-"))
+    except OSError:
+        return None
+    for d in entries:
+        try:
+            snap = repo.snapshot_at(d)
+        except (GpusnapError, OSError, ValueError, KeyError):
+            continue
+        if snap.created == writer.created and snap.name == writer.name:
+            return snap
+    return None
+
+
+def interrupted_after_commit(req: DumpRequest, snap, retention_started: bool) -> GpusnapError:
+    """What a signal after the commit point ends the dump with: the truth (exit 28)."""
+    from gpusnap.errors import InterruptedAfterCommit
+
+    job = "the job keeps running" if req.leave_running else "the job was stopped, as --exit asked"
+    parts = [f"dump interrupted after the commit: snapshot {snap.path} is kept (listed and restorable)", job]
+    hint = f"restore it with `gpusnap restore {Path(snap.path).name}`"
+    if req.keep_last:
+        parts.append("--keep-last retention did not finish" if retention_started
+                     else "--keep-last retention did not run")
+        hint += f"; prune with `gpusnap prune --keep-last {req.keep_last} --name {snap.name}`"
+    return InterruptedAfterCommit("; ".join(parts), hint=hint, snapshot=str(snap.path))

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpusnap.criu import runner
 from gpusnap.criu.streamer import CaptureServer, ServeServer
+from gpusnap.repo.format import names as image_names
 
 
 class _Drop:
@@ -60,10 +61,10 @@ def main() -> int:
     wd = Path(tempfile.mkdtemp(prefix="gpusnap-floor-"))
     try:
         if mode == "dump":
-            server = CaptureServer(wd, _Drop).start()
+            server = CaptureServer(wd, _Drop, image_names).start()
             cmd = ["dump", "-t", arg, "--leave-running"]
         else:
-            server = ServeServer(wd, _files(Path(arg))).start()
+            server = ServeServer(wd, _files(Path(arg)), image_names).start()
             cmd = ["restore", "--restore-detached"]
         t0 = time.monotonic()
         criu = subprocess.Popen([runner.criu_info().path, *cmd, "-D", str(wd), "--stream",

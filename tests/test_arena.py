@@ -1,4 +1,4 @@
-"""The staging arena (gpusnap/repo/pipeline/arena.py): faulted in by a thread of its own,
+"""The staging arena (gpusnap/staging/arena.py): faulted in by a thread of its own,
 every page resident once ready() returns, and gone (thread and mapping) once closed, also
 when a dump that began one is refused."""
 
@@ -13,9 +13,9 @@ import pytest
 
 from gpusnap.errors import GpusnapError
 from gpusnap.ops import dump as dump_mod
-from gpusnap.repo.pipeline import staging as st
-from gpusnap.repo.pipeline import arena as arena_mod
-from gpusnap.repo.pipeline.arena import SEG, Arena
+from gpusnap import staging as st
+from gpusnap.staging import arena as arena_mod
+from gpusnap.staging.arena import SEG, Arena
 
 
 def _addr(arena: Arena) -> int:

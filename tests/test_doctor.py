@@ -20,7 +20,8 @@ import pytest
 from conftest import GPUSNAP, PY, ROOT
 
 from gpusnap.ops import doctor
-from gpusnap.system import paths, preflight
+from gpusnap.ops import preflight
+from gpusnap.system import paths
 from gpusnap.system import proc as gsproc
 from gpusnap.criu import runner
 from gpusnap.ops.doctor import run_doctor
@@ -384,7 +385,7 @@ def test_own_ancestor_is_refused():
 
 
 # ---------------------------------------------------------------- doctor and dump agree
-# Each rule below is decided once (system.preflight, criu.runner) and read by both commands:
+# Each rule below is decided once (ops.preflight, criu.runner) and read by both commands:
 # where doctor fails a check, dump refuses with the exit code doctor names, with the same
 # message and hint, before it touches the job.
 

@@ -2,7 +2,7 @@
 is committed, so dump says so (exit 28, the snapshot's directory named) instead of "no
 snapshot was kept"; the snapshot is listed and a restore of it finishes with the result of
 an uninterrupted run. The signal lands exactly there through the fault hook
-(GPUSNAP_FAULT=POINT:SIG, gpusnap/repo/faults.py, docs/faults.md)."""
+(GPUSNAP_FAULT=POINT:SIG, gpusnap/system/faults.py, docs/faults.md)."""
 
 from __future__ import annotations
 

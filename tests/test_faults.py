@@ -1,7 +1,7 @@
 """Fault injection through real dumps, real CRIU, real signals, a real full disk.
 
 Signals land at exact points of a dump through the product's test hook
-(GPUSNAP_FAULT=POINT:SIG, gpusnap/repo/faults.py, docs/faults.md): before CRIU starts, while
+(GPUSNAP_FAULT=POINT:SIG, gpusnap/system/faults.py, docs/faults.md): before CRIU starts, while
 CRIU streams pages, and at every step of the commit; a second signal during the unwinding
 too. A full disk is a small tmpfs, filled (while gpusnap is held at a point by SIGSTOP
 through the same hook) to leave exactly N bytes free, N stepping through the whole window

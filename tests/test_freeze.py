@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conftest import GPUSNAP, ROOT, kill_pids, run_gpusnap, run_json
-from gpusnap.repo.pipeline import staging as st
+from gpusnap import staging as st
 from restore_helpers import restore_and_finish
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]

@@ -59,9 +59,9 @@ def test_a_string_where_a_number_belongs_is_refused():
 def test_one_name_rule_for_the_stream_and_the_manifest(name):
     assert not F.valid_image_name(name)
     with pytest.raises(StreamProtocolError):
-        protocol.check_filename(name)
+        protocol.check_filename(name, F)
 
 
 @pytest.mark.parametrize("name", ["pages-1.img", "core-123.img", "é.img", "z" * 255])
 def test_good_names_pass_both(name):
-    assert F.valid_image_name(name) and protocol.check_filename(name) == name
+    assert F.valid_image_name(name) and protocol.check_filename(name, F) == name

@@ -18,7 +18,8 @@ import pytest
 
 from conftest import kill_pids, run_gpusnap
 from gpusnap.repo import locate
-from gpusnap.system import filelocks, preflight, proc
+from gpusnap.ops import preflight
+from gpusnap.system import filelocks, proc
 
 pytestmark = pytest.mark.criu
 

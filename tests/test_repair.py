@@ -2,7 +2,7 @@
 repositories (real files, the real fault hook; no CRIU: tests/test_faults.py does the same
 through real dumps).
 
-A fault lands through the product's own hook (gpusnap/repo/faults.py): the point sends the
+A fault lands through the product's own hook (gpusnap/system/faults.py): the point sends the
 process SIGUSR1, whose handler raises like dump.py's SIGTERM handler does, so the commit
 unwinds exactly as it does for a signal in a real dump.
 """
@@ -19,7 +19,8 @@ import signal
 import pytest
 
 from gpusnap.errors import NoSpace
-from gpusnap.repo import Repository, faults
+from gpusnap.repo import Repository
+from gpusnap.system import faults
 from gpusnap.repo.maint.repair import repair
 from gpusnap.repo.index import RepoIndex, write_index_file
 from gpusnap.repo.store import pack_path

@@ -226,14 +226,14 @@ def test_a_link_planted_in_a_user_writable_repository_is_refused_to_root(tmp_pat
 
 def test_log_symlink_is_not_followed(tmp_path):
     """A symlink planted in logs/ is never written through: the log goes elsewhere."""
-    from gpusnap.criu import runner
+    from gpusnap.repo import logs as repo_logs
     repo = _repo_with_history(tmp_path, 1)
     victim = _victim(tmp_path)
     (repo.path / "logs").mkdir(mode=0o700, exist_ok=True)
     os.symlink(victim, repo.path / "logs" / "x-dump.log")
     src = tmp_path / "criu.log"
     src.write_text("criu log\n")
-    kept = runner.keep_log(repo.path, src, "x-dump")
+    kept = repo_logs.keep_log(repo.path, src, "x-dump")
     assert kept and not kept.startswith(str(repo.path)) and open(kept).read() == "criu log\n"
     assert open(victim).read() == "precious\n"
-    assert runner.keep_log(repo.path, src, "y-dump") == str(repo.path / "logs" / "y-dump.log")
+    assert repo_logs.keep_log(repo.path, src, "y-dump") == str(repo.path / "logs" / "y-dump.log")

@@ -1,4 +1,4 @@
-"""Staging on its own (gpusnap/repo/pipeline/staging.py): real pipes, a real spill file on the test's
+"""Staging on its own (gpusnap/staging/): real pipes, a real spill file on the test's
 filesystem; what goes in comes out, in order, from memory or from the file, within the
 budget, and nothing is left behind."""
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from gpusnap.repo.pipeline import staging as st
+from gpusnap import staging as st
 
 
 def _pattern(n: int, seed: int = 7) -> bytes:

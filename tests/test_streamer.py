@@ -13,6 +13,7 @@ import pytest
 from gpusnap.criu import protocol
 from gpusnap.criu.streamer import CaptureServer, ServeServer
 from gpusnap.errors import NoSpace, StreamProtocolError
+from gpusnap.repo.format import names as F
 
 
 class MemorySink:
@@ -55,7 +56,7 @@ def open_for_restore(sock, name):
 
 def test_capture_several_images_open_at_once(tmp_path):
     store = {}
-    srv = CaptureServer(tmp_path, lambda n: MemorySink(store, n)).start()
+    srv = CaptureServer(tmp_path, lambda n: MemorySink(store, n), F).start()
     sock = criu_side(srv.path)
     # Open three images, then write to them interleaved, each larger than a pipe buffer:
     # a streamer that drained one image before taking the next request would deadlock here.
@@ -80,7 +81,7 @@ def test_capture_several_images_open_at_once(tmp_path):
 
 def test_capture_rejects_path_traversal(tmp_path):
     store = {}
-    srv = CaptureServer(tmp_path, lambda n: MemorySink(store, n)).start()
+    srv = CaptureServer(tmp_path, lambda n: MemorySink(store, n), F).start()
     sock = criu_side(srv.path)
     protocol.send_message(sock, protocol.encode_request("../../etc/passwd"))
     # the server must hang up on us rather than open anything
@@ -95,11 +96,11 @@ def test_capture_rejects_path_traversal(tmp_path):
 @pytest.mark.parametrize("name", ["", ".", "..", "a/b", "x\0y", "tab\there", "z" * 256])
 def test_bad_names_are_refused(name):
     with pytest.raises(StreamProtocolError):
-        protocol.check_filename(name)
+        protocol.check_filename(name, F)
 
 
 def test_oversized_message_is_refused(tmp_path):
-    srv = CaptureServer(tmp_path, lambda n: MemorySink({}, n)).start()
+    srv = CaptureServer(tmp_path, lambda n: MemorySink({}, n), F).start()
     sock = criu_side(srv.path)
     sock.sendall((1 << 30).to_bytes(4, "little"))
     with pytest.raises(StreamProtocolError, match="larger than any valid"):
@@ -114,7 +115,7 @@ def test_peer_disconnects_mid_image(tmp_path):
         sinks.append(MemorySink(store, n))
         return sinks[-1]
 
-    srv = CaptureServer(tmp_path, factory).start()
+    srv = CaptureServer(tmp_path, factory, F).start()
     sock = criu_side(srv.path)
     w = open_for_dump(sock, "pages-1.img")
     os.write(w, b"x" * 5000)
@@ -128,7 +129,7 @@ def test_peer_disconnects_mid_image(tmp_path):
 
 
 def test_peer_disconnects_mid_message(tmp_path):
-    srv = CaptureServer(tmp_path, lambda n: MemorySink({}, n)).start()
+    srv = CaptureServer(tmp_path, lambda n: MemorySink({}, n), F).start()
     sock = criu_side(srv.path)
     sock.sendall((20).to_bytes(4, "little") + b"\x0a\x05ab")
     sock.close()
@@ -141,7 +142,7 @@ def test_sink_failure_breaks_the_stream(tmp_path):
         def write(self, data):
             raise OSError(28, "No space left on device")
 
-    srv = CaptureServer(tmp_path, lambda n: FullDisk({}, n)).start()
+    srv = CaptureServer(tmp_path, lambda n: FullDisk({}, n), F).start()
     sock = criu_side(srv.path)
     w = open_for_dump(sock, "pages-1.img")
     with pytest.raises(BrokenPipeError):
@@ -154,7 +155,7 @@ def test_sink_failure_breaks_the_stream(tmp_path):
 
 
 def test_serve_a_missing_image_answers_no(tmp_path):
-    srv = ServeServer(tmp_path, lambda name: None).start()
+    srv = ServeServer(tmp_path, lambda name: None, F).start()
     sock = criu_side(srv.path)
     assert open_for_restore(sock, "missing.img") is None
     sock.close()
@@ -170,7 +171,7 @@ def test_serve_round_trip(tmp_path):
         data = images[name]
         return (data[i:i + 65536] for i in range(0, len(data), 65536))
 
-    srv = ServeServer(tmp_path, source).start()
+    srv = ServeServer(tmp_path, source, F).start()
     sock = criu_side(srv.path)
     fds = {n: open_for_restore(sock, n) for n in images}
     got = {}
@@ -191,7 +192,7 @@ def test_serve_source_error_cuts_the_image_short(tmp_path):
             raise CorruptSnapshot("page 2 of pages-1.img does not match its checksum")
         return gen()
 
-    srv = ServeServer(tmp_path, source).start()
+    srv = ServeServer(tmp_path, source, F).start()
     sock = criu_side(srv.path)
     fd = open_for_restore(sock, "pages-1.img")
     with os.fdopen(fd, "rb") as f:
@@ -203,13 +204,13 @@ def test_serve_source_error_cuts_the_image_short(tmp_path):
 
 @pytest.mark.parametrize("name", ["pages-1.img", "core-123.img", "é.img"])
 def test_request_roundtrip_encoding(name):
-    assert protocol.decode_request(protocol.encode_request(name)) == name
+    assert protocol.decode_request(protocol.encode_request(name), F) == name
 
 
 def test_reply_roundtrip_encoding():
     assert protocol.decode_reply(protocol.encode_reply(True)) is True
     assert protocol.decode_reply(protocol.encode_reply(False)) is False
     with pytest.raises(StreamProtocolError):
-        protocol.decode_request(b"\x0a\xff\xff\xff\xff\x0f")  # length past the end
+        protocol.decode_request(b"\x0a\xff\xff\xff\xff\x0f", F)  # length past the end
     with pytest.raises(StreamProtocolError):
-        protocol.decode_request(b"\x08\x01")  # no filename
+        protocol.decode_request(b"\x08\x01", F)  # no filename

@@ -61,7 +61,7 @@ def dump(
     target = resolve_pid(pid, match, pidfile, user, name, repo)
     budget = None
     if staging_budget is not None:
-        from gpusnap.repo.pipeline.staging import parse_size
+        from gpusnap.staging import parse_size
 
         try:
             budget = parse_size(staging_budget)
@@ -104,7 +104,7 @@ def restore(
     from gpusnap.ops import restore_interrupt
     from gpusnap.ops.restore import note_interrupt, restore as do_restore
     from gpusnap.render import snapshots as show
-    from gpusnap.repo.faults import fault
+    from gpusnap.system.faults import fault
 
     with restore_interrupt.guard() as held:    # once the job runs, a signal waits until its PID is out
         result = with_progress("restoring", not (json_ or quiet),

@@ -14,7 +14,7 @@ it, and it finds the socket in CRIU's environment, `env`): 3-19 ms from CRIU's p
 the unfreeze, where a Python script took 69-87 ms. It is the one gate: without it a dump is
 refused before the job is touched (exit 27), like without the page library.
 
-"Drained" means copied out into staging (gpusnap/repo/pipeline/staging.py), not stored: the gate
+"Drained" means copied out into staging (gpusnap/staging/), not stored: the gate
 opens as soon as every byte is staged, and then lets the ingest start if it was held back
 (`staging.go`), so the page pipeline never competes with the freeze for the CPU.
 """

@@ -52,7 +52,7 @@ from gpusnap.criu import uffd
 from gpusnap.criu.lazyplan import LazyPlan, Mm
 from gpusnap.criu.lazywatch import descendants, kill_tree
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError
-from gpusnap.repo.faults import fault
+from gpusnap.system.faults import fault
 from gpusnap.system import proc
 
 PAGE = 4096
@@ -102,7 +102,7 @@ class LazyDaemon:
         self._window: dict = {}
         self._reader = None
         self._readers: list = []
-        self._loc = None
+        self._src = None           # the snapshot's page jobs (criu/needs.py PageJobs)
         self._listener: socket.socket | None = None
         self._watch: subprocess.Popen | None = None
         self._wsock: socket.socket | None = None
@@ -315,15 +315,13 @@ class LazyDaemon:
             self._gone(mm)
 
     def _plan_jobs(self) -> list[tuple[str, int]]:
-        from gpusnap.repo import reader
-
-        loc = self.snap.reading_locations()
-        self._reader, self._loc = reader.RunReader(self.snap.repo.path, loc), loc
+        self._src = self.snap.page_jobs()
+        self._reader = self._src.open_reader()
         order = []
         for img, holes in self.lp.holes.items():
             jobs, pos = [], []
             drop = self._drop.get(img)
-            for job in reader.plan(self.snap, img, loc, self.snap.image_no(img), JOB_BYTES, drop):
+            for job in self._src.jobs(img, JOB_BYTES, drop):
                 i = bisect.bisect_right(holes, job.pos, key=lambda h: h[0]) - 1
                 lazy = (i >= 0 and holes[i][1] > job.pos) or \
                        (i + 1 < len(holes) and holes[i + 1][0] < job.pos + job.size)
@@ -335,9 +333,7 @@ class LazyDaemon:
         return order
 
     def _assemble(self, img: str, idx: int, rd=None):
-        from gpusnap.repo import reader
-
-        return reader.assemble(self.snap, img, self._jobs[img][idx], rd or self._reader)   # checked
+        return self._src.build(img, self._jobs[img][idx], rd or self._reader)   # checked
 
     def _apply_job(self, img: str, idx: int, buf=None, have: bool = False) -> None:
         """Copy job idx of image img into every process still waiting for part of it."""
@@ -393,15 +389,13 @@ class LazyDaemon:
     def _fill(self, order: list) -> None:
         """The jobs in order, decoded `2 * threads` ahead, each copied as it comes; events and
         faults served between them. Fails unless nothing is left pending."""
-        from gpusnap.repo import reader
-
         win = deque()
         ex = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="gpusnap-lazy-read")
         local = threading.local()
 
         def build(img, idx):
             if not hasattr(local, "rd"):
-                local.rd = reader.RunReader(self.snap.repo.path, self._loc)
+                local.rd = self._src.open_reader()
                 with self._lock:
                     self._readers.append(local.rd)
             return self._assemble(img, idx, local.rd)

@@ -17,7 +17,7 @@ import ctypes
 import fcntl
 import os
 
-from gpusnap.repo.native import buffer_address
+from gpusnap.system.buffers import buffer_address
 
 
 class _Iovec(ctypes.Structure):

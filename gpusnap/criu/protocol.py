@@ -19,19 +19,20 @@ import socket
 import struct
 
 from gpusnap.criu import pbwire
+from gpusnap.criu.needs import ImageNames
 from gpusnap.errors import StreamProtocolError
-from gpusnap.repo.format.names import MAX_IMAGE_NAME, image_name_problem
 
-# CRIU image names are short (e.g. "pages-12.img", "tmpfs-dev-123.tar.gz.img"); anything
-# longer than a file-name component could ever be is a broken or hostile peer.
-MAX_FILENAME = MAX_IMAGE_NAME
-MAX_MESSAGE = MAX_FILENAME + 16
+# CRIU image names are short (e.g. "pages-12.img", "tmpfs-dev-123.tar.gz.img"); a message
+# longer than a file-name component (NAME_MAX, 255 bytes) and its framing could ever be is a
+# broken or hostile peer. Which names are valid is the repository's rule (criu/needs.py).
+NAME_MAX = 255
+MAX_MESSAGE = NAME_MAX + 16
 
 
-def check_filename(name: str) -> str:
-    """Return `name` if it is a safe plain file name (repo/format/names.py, the one rule);
-    raise StreamProtocolError otherwise."""
-    problem = image_name_problem(name)
+def check_filename(name: str, names: ImageNames) -> str:
+    """Return `name` if it is a valid image name by `names` (the repository's one rule,
+    repo/format/names.py); raise StreamProtocolError otherwise."""
+    problem = names.image_name_problem(name)
     if problem == "length":
         raise StreamProtocolError(f"CRIU sent an image name of bad length ({len(name)})")
     if problem == "control":
@@ -41,8 +42,8 @@ def check_filename(name: str) -> str:
     return name
 
 
-def decode_request(msg: bytes) -> str:
-    """Decode an img_streamer_request_entry and return its checked filename."""
+def decode_request(msg: bytes, names: ImageNames) -> str:
+    """Decode an img_streamer_request_entry and return its filename, checked by `names`."""
     filename: str | None = None
     try:
         for field, wire, value in pbwire.wire_fields(msg):
@@ -55,7 +56,7 @@ def decode_request(msg: bytes) -> str:
         raise StreamProtocolError(f"malformed CRIU message: {e}") from None
     if filename is None:
         raise StreamProtocolError("CRIU request without a file name")
-    return check_filename(filename)
+    return check_filename(filename, names)
 
 
 def encode_request(filename: str) -> bytes:

@@ -2,7 +2,7 @@
 
 Capture (dump): CRIU connects to <dir>/streamer-capture.sock, names each image it is
 about to write and hands us the read end of a pipe; one thread per open image drains
-that pipe into staging (gpusnap/repo/pipeline/staging.py), and another feeds the image's sink (the
+that pipe into staging (gpusnap/staging/), and another feeds the image's sink (the
 repository's page pipeline) from there, so the post-dump gate need not wait for the sink. Serve (restore): CRIU connects
 to <dir>/streamer-serve.sock and asks for images by name; we answer whether the image
 exists and feed its bytes into the pipe CRIU hands us, again one thread per image.
@@ -30,10 +30,10 @@ import termios
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Iterable
 
 from gpusnap.criu import protocol
-from gpusnap.repo.format import names
+from gpusnap.criu.needs import ImageNames, ImageSink, ImageSource, SinkFactory
 from gpusnap.errors import GpusnapError, NoSpace, StreamProtocolError
 
 CAPTURE_SOCKET = "streamer-capture.sock"
@@ -43,16 +43,6 @@ PIPE_SIZE = 1 << 20
 # has emptied it completely, so the two sides take turns instead of overlapping (measured
 # here: 1.0 GB/s with 1 MiB transfers, 2.8 GB/s with 256 KiB ones).
 CHUNK = PIPE_SIZE // 4
-
-
-class ImageSink(Protocol):
-    def write(self, data: bytes, hold=None) -> None: ...   # hold: a staging.Hold on a slot view
-    def close(self) -> None: ...
-
-
-SinkFactory = Callable[[str], ImageSink]
-# Returns the image's bytes as chunks, or None when the image does not exist.
-ImageSource = Callable[[str], "Iterable[bytes] | None"]
 
 
 CAPTURE_PIPE_SIZE = int(os.environ.get("GPUSNAP_CAPTURE_PIPE", PIPE_SIZE))
@@ -81,8 +71,9 @@ def _as_gpusnap_error(exc: BaseException, image: str) -> GpusnapError:
 class _Server:
     socket_name = ""
 
-    def __init__(self, images_dir: str | os.PathLike):
+    def __init__(self, images_dir: str | os.PathLike, names: ImageNames):
         self.images_dir = Path(images_dir)
+        self.names = names          # the repository's image-name rule (criu/needs.py)
         self.path = self.images_dir / self.socket_name
         if len(str(self.path).encode()) >= 108:
             raise StreamProtocolError(f"socket path too long for a unix socket: {self.path}")
@@ -195,7 +186,7 @@ class _Server:
                     msg = protocol.recv_message(self._conn)
                     if msg is None:
                         return
-                    self._handle(protocol.decode_request(msg))
+                    self._handle(protocol.decode_request(msg, self.names))
                 finally:
                     with self._lock:
                         self._busy = False
@@ -253,7 +244,7 @@ class _Server:
 class CaptureServer(_Server):
     """Receives CRIU's images during `criu dump --stream`.
 
-    With a Staging (gpusnap/repo/pipeline/staging.py), each image has two threads: the drain moves
+    With a Staging (gpusnap/staging/), each image has two threads: the drain moves
     the pipe's bytes into staging and ends at the pipe's EOF (drained() counts only these,
     so the post-dump gate opens once everything is staged), and the ingest feeds the sink
     from staging once `staging.go` is set, releasing staging as it goes. Without one, the
@@ -261,8 +252,8 @@ class CaptureServer(_Server):
 
     socket_name = CAPTURE_SOCKET
 
-    def __init__(self, images_dir, sink_factory: SinkFactory, staging=None):
-        super().__init__(images_dir)
+    def __init__(self, images_dir, sink_factory: SinkFactory, names: ImageNames, staging=None):
+        super().__init__(images_dir, names)
         self._sink_factory = sink_factory
         self.staging = staging
         self._ingest: list[threading.Thread] = []
@@ -279,7 +270,7 @@ class CaptureServer(_Server):
         if self.staging is None:
             self._spawn(self._drain, name, fd, sink)
             return
-        from gpusnap.repo.pipeline.staging import StagedImage
+        from gpusnap.staging import StagedImage
 
         image = StagedImage(self.staging, name)
         self._images.append(image)
@@ -290,11 +281,11 @@ class CaptureServer(_Server):
         self._ingest.append(t)
 
     def _stage(self, name: str, fd: int, image) -> None:
-        from gpusnap.repo.pipeline.staging import StagingCancelled
+        from gpusnap.staging import StagingCancelled
 
-        _grow_pipe(fd, CAPTURE_PIPE_SIZE if names.is_pages_image(name) else PIPE_SIZE)
+        _grow_pipe(fd, CAPTURE_PIPE_SIZE if self.names.is_pages_image(name) else PIPE_SIZE)
         try:
-            self.staging.stage_pipe(fd, image, names.is_pages_image(name), lambda n: self._count(name, n))
+            self.staging.stage_pipe(fd, image, self.names.is_pages_image(name), lambda n: self._count(name, n))
         except StagingCancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - every failure must reach the dump
@@ -303,7 +294,7 @@ class CaptureServer(_Server):
             os.close(fd)
 
     def _ingest_image(self, name: str, image, sink: ImageSink) -> None:
-        from gpusnap.repo.pipeline.staging import StagingCancelled
+        from gpusnap.staging import StagingCancelled
 
         st = self.staging
         try:
@@ -379,8 +370,8 @@ class ServeServer(_Server):
 
     socket_name = SERVE_SOCKET
 
-    def __init__(self, images_dir, source: ImageSource):
-        super().__init__(images_dir)
+    def __init__(self, images_dir, source: ImageSource, names: ImageNames):
+        super().__init__(images_dir, names)
         self._source = source
         self.keep: list = []      # buffers whose pages a pipe may still reference (criu/pipefeed.py)
 
@@ -400,7 +391,7 @@ class ServeServer(_Server):
 
         _grow_pipe(fd)
         feeder = Feeder(fd, CHUNK)
-        feeder.splice = feeder.splice and names.is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
+        feeder.splice = feeder.splice and self.names.is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
         try:
             for chunk in chunks:
                 if self.failed:

@@ -9,7 +9,7 @@ Nothing here raises for an ordinary machine state; a machine without an NVIDIA d
 a clean "no NVIDIA driver".
 
 Doctor decides nothing that `gpusnap dump` decides on its own: CRIU (which one, its version),
-privileges, the process tree and every per-job rule are system.preflight's findings, the
+privileges, the process tree and every per-job rule are ops.preflight's findings, the
 same objects dump raises from, so a failing check carries the exit code the dump ends with.
 The text is made in render.machine.
 """
@@ -26,7 +26,8 @@ from typing import Any
 from gpusnap.criu import config as criu_config
 from gpusnap.criu import runner
 from gpusnap.ops import doctor_gpu
-from gpusnap.system import paths, preflight, terminal
+from gpusnap.ops import preflight
+from gpusnap.system import paths, terminal
 from gpusnap.gpu import driver as gdriver
 
 STATUSES = ("ok", "info", "warn", "fail")
@@ -51,6 +52,7 @@ class DoctorReport:
     pid: int | None = None
     driver: dict[str, Any] | None = None   # DriverProbe.to_dict()
     plan: dict[str, Any] | None = None     # PID given: the CRIU options a dump would use
+    STATUSES = STATUSES                    # (render/machine.py counts them, in this order)
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
             exit_code: int | None = None) -> Check:

@@ -12,7 +12,6 @@ from typing import Callable, Iterable
 from gpusnap.errors import GpuUnsupportedProcess
 from gpusnap.gpu import driver as gdriver
 from gpusnap.gpu import procs as gprocs
-from gpusnap.render import human_bytes
 from gpusnap.system import paths
 
 PROC = Path("/proc")
@@ -60,7 +59,7 @@ def driver_checks(add: Add, probe: gdriver.DriverProbe) -> None:
               "processes cannot be snapshotted", "update the NVIDIA driver to r570 (CUDA 12.8) or newer")
     if probe.gpus:
         add("GPUs", "ok", "; ".join(
-            f"#{g.index} {g.name} {human_bytes(g.memory_bytes)} {g.uuid}" for g in probe.gpus))
+            f"#{g.index} {g.name} {g.memory_bytes / (1 << 30):.1f} GiB {g.uuid}" for g in probe.gpus))
     elif not probe.reason:
         add("GPUs", "warn", "the driver lists no GPU", "check nvidia-smi")
     mps = [p for p in _pids_named(("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"))]

@@ -23,14 +23,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap.system import hostlock, preflight, proc, tmpdirs
-from gpusnap.ops import dump_parts as parts, identity, validate
+from gpusnap.system import hostlock, proc, tmpdirs
+from gpusnap.ops import dump_parts as parts, identity, preflight, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
+from gpusnap.repo import logs as repo_logs
+from gpusnap.repo.format import names as image_names
 from gpusnap.errors import GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
-from gpusnap.repo.faults import fault
-from gpusnap.repo.pipeline import staging as staging_mod
+from gpusnap.system.faults import fault
+from gpusnap import staging as staging_mod
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
@@ -258,7 +260,7 @@ class DumpSession:
         stack.callback(self.staging.close)
         if self.overlap:
             self.staging.go.set()
-        self.server = CaptureServer(self.workdir, self.writer.image_sink, staging=self.staging).start()
+        self.server = CaptureServer(self.workdir, self.writer.image_sink, image_names, staging=self.staging).start()
         stack.callback(self.server.abort)
         # append sizes and link-remap files, as of the freeze (gpusnap/system/appendfiles.py, linkremap.py)
         self.freeze = parts.AtFreeze(self.pids, self.plan.linked)
@@ -298,7 +300,7 @@ class DumpSession:
         if self.criu.returncode != 0 or server.failed:
             server.abort()
             raise parts.failure(server.error(), self.criu.returncode, self.log,
-                                runner.keep_log(self.repo.path, self.log,
+                                repo_logs.keep_log(self.repo.path, self.log,
                                                 f"failed-dump-{self.name}-{self.stamp}-{os.getpid()}"))
         self.stopped = not req.leave_running
         frozen = parts.criu_frozen_seconds(self.workdir)
@@ -319,7 +321,7 @@ class DumpSession:
         self.snap = self.writer.commit(extra_meta={"cuda_pids": self.cuda_pids,
                                                    "dump_seconds": time.monotonic() - self.t0,
                                                    "frozen_seconds": self.frozen, **extra})
-        self.kept = runner.keep_log(self.repo.path, self.log, f"{Path(self.snap.path).name}-dump")
+        self.kept = repo_logs.keep_log(self.repo.path, self.log, f"{Path(self.snap.path).name}-dump")
         self.phase("commit")
         if self.stopped:
             if self.guardian:

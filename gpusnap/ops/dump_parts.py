@@ -19,9 +19,10 @@ from gpusnap.criu import config as criu_config
 from gpusnap.criu import images
 from gpusnap.criu import runner
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
-from gpusnap.repo.pipeline import staging as staging_mod
+from gpusnap import staging as staging_mod
 from gpusnap.ops import restore_needs, validate
-from gpusnap.system import paths, preflight, proc
+from gpusnap.ops import preflight
+from gpusnap.system import paths, proc
 
 if TYPE_CHECKING:
     from gpusnap.criu.streamer import CaptureServer

@@ -25,7 +25,7 @@ from gpusnap.repo import locate
 from gpusnap.criu import netlock
 from gpusnap.system import hostlock, linkremap, proc
 from gpusnap.ops import identity, restore_files, restore_interrupt, restore_needs, restore_paths, restore_sockdirs
-from gpusnap.repo.faults import fault
+from gpusnap.system.faults import fault
 from gpusnap.criu import runner
 from gpusnap.criu import images, sparse
 from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, Interrupted, PidsInUse, UsageError

@@ -14,7 +14,7 @@ A restore goes through three phases, and a signal means something different in e
 So exit 130 always means nothing was restored, and a script that retries on failure never
 starts a second copy. The CLI holds the guard until the PID is printed (`guard()`);
 gpusnap/ops/restore_paths.py marks CRIU's start and its success. The fault points
-`restore:*` (gpusnap/repo/faults.py, docs/faults.md) land a signal in each phase in tests.
+`restore:*` (gpusnap/system/faults.py, docs/faults.md) land a signal in each phase in tests.
 """
 
 from __future__ import annotations

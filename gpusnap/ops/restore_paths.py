@@ -24,10 +24,11 @@ from typing import Any, Callable, Mapping
 from gpusnap.criu import config as criu_config
 from gpusnap.criu import runner
 from gpusnap.ops import restore_interrupt
-from gpusnap.repo.faults import fault
+from gpusnap.system.faults import fault
 from gpusnap.criu.streamer import ServeServer
 from gpusnap.errors import CriuFailed, GpuRestoreFailed, GpusnapError, PidsInUse
-from gpusnap.repo import parallel_read
+from gpusnap.repo import logs as repo_logs, parallel_read
+from gpusnap.repo.format import names as image_names
 from gpusnap.system import paths, proc, tmpdirs
 from gpusnap.system.access import read_only_reason
 
@@ -181,7 +182,7 @@ def _criu_restore(plan: RestorePlan, images: Path, workdir: Path, server, progre
             server.finish(timeout=30)
     # a read-only repository keeps no log of a restore that worked (a copy in $TMPDIR would stay)
     kept = None if read_only_reason(repository.path) else \
-        runner.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
+        repo_logs.keep_log(repository.path, log, f"{Path(snap.path).name}-restore")
     try:
         pid = int(pidfile.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -197,7 +198,7 @@ def _failed(plan: RestorePlan, rc: int, log: Path, server, lazy, cut: bool):
         server.abort()
     if lazy is not None:
         lazy.abort()
-    kept = runner.keep_log(plan.repository.path, log, f"failed-restore-{Path(plan.snap.path).name}-"
+    kept = repo_logs.keep_log(plan.repository.path, log, f"failed-restore-{Path(plan.snap.path).name}-"
                                                      f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}")
     if cut:
         raise restore_interrupt.interrupted_error(kept)
@@ -255,7 +256,7 @@ def via_stream(plan: RestorePlan, progress: Callable | None) -> PathOutcome:
             return parallel_read.iter_image_parallel(snap, name, threads, drop)
         return snap.read_image(name, drop)
 
-    server = ServeServer(workdir, source).start()
+    server = ServeServer(workdir, source, image_names).start()
     t = time.monotonic()
     try:
         pid = _criu_restore(plan, workdir, workdir, server, progress)

@@ -36,7 +36,5 @@ def verify_failure(report) -> GpusnapError | None:
     """The error a damaged verify ends with; None when all holds."""
     if report.ok:
         return None
-    from gpusnap.render.maint import verify_summary
-
-    return CorruptSnapshot(verify_summary(report), hint="restore from an intact snapshot; "
+    return CorruptSnapshot(report.damage(), hint="restore from an intact snapshot; "
                                                         "`gpusnap forget` the damaged ones, then `gpusnap prune`")

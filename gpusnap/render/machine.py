@@ -43,10 +43,8 @@ def doctor_text(report) -> str:
 
 def doctor(report, o) -> None:
     """What `gpusnap doctor` shows: the table, then the verdict."""
-    from gpusnap.ops.doctor import STATUSES
-
     o.out.print(doctor_table(report))
-    counts = {s: sum(1 for c in report.checks if c.status == s) for s in STATUSES}
+    counts = {s: sum(1 for c in report.checks if c.status == s) for s in report.STATUSES}
     verdict = ("[bold red]a dump will fail until the 'fail' items are fixed[/]" if not report.ok
                else "[green]ready[/]" if counts["warn"] == 0 else "[yellow]ready, with warnings[/]")
     o.out.print(f"{verdict} ({counts['ok']} ok, {counts['info']} info, {counts['warn']} warn, "

@@ -18,11 +18,7 @@ def verify_summary(report) -> str:
         read = f", {human_bytes(report.bytes_read)} read back" if report.read_data else " (structure only)"
         return (f"verified {len(report.snapshots_checked)} snapshot(s), {report.packs_checked} pack(s)"
                 f"{read}: all good")
-    if not report.affected_snapshots and all(p.scope == "index" for p in report.problems):
-        return (f"{len(report.problems)} problem(s): the repository index is damaged; no snapshot is "
-                "affected (each still restores); `gpusnap repair` rebuilds the index")
-    aff = ", ".join(report.affected_snapshots) or "none (damage is in data no snapshot needs)"
-    return f"{len(report.problems)} problem(s); affected snapshots: {aff}"
+    return report.damage()
 
 
 def verify_lines(report) -> list[str]:
@@ -39,15 +35,13 @@ def verify(report, o) -> None:
 # ---------------------------------------------------------------- repair
 
 def repair_lines(report) -> list[str]:
-    from gpusnap.repo.repository import QUARANTINE
-
     would = "would " if report.dry_run else ""
     out = list(report.problems)
     if report.changed:
         out.append(f"{would}write index/{report.index_written}: {report.blobs_indexed} blob(s) "
                    f"({report.blobs_recovered} not indexed before)")
         out += [f"{would}remove index/{n} (superseded)" for n in report.index_removed]
-        out += [f"{would}move index/{n} to {QUARANTINE}/ (damaged or naming missing data)"
+        out += [f"{would}move index/{n} to {report.QUARANTINE}/ (damaged or naming missing data)"
                 for n in report.index_quarantined]
         if report.records_dropped:
             out.append(f"{report.records_dropped} index record(s) name data that is in no pack")

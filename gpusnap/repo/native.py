@@ -52,6 +52,7 @@ import threading
 import os
 from array import array
 
+from gpusnap.system.buffers import buffer_address  # noqa: F401 - (native.buffer_address)
 from gpusnap.errors import NativeLibraryMissing
 
 PAGE_SIZE = 4096
@@ -145,20 +146,6 @@ def _load():
     raise NativeLibraryMissing(
         "gpusnap's native page library is missing or was built for another version: " + "; ".join(errors),
         hint="run `make setup` in the gpusnap checkout (it builds build/lib/libgpusnap_pages.so)")
-
-
-def buffer_address(buf) -> tuple[int, object]:
-    """Address of a readable buffer (bytes, bytearray, memoryview) and an object keeping it alive."""
-    if type(buf) is bytes:
-        return ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value, buf
-    mv = memoryview(buf)
-    if not mv.c_contiguous:
-        raise ValueError("buffer is not contiguous")
-    if mv.readonly:
-        b = bytes(mv)       # ctypes cannot take the address of a read-only view; copy
-        return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value, b
-    c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
-    return ctypes.addressof(c), c
 
 
 # -- pages ------------------------------------------------------------------------------------

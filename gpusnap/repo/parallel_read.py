@@ -15,7 +15,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from gpusnap.repo import reader
+from gpusnap.errors import CorruptSnapshot
 from gpusnap.repo.format import ZERO_CHUNK
+from gpusnap.repo.format.names import image_name_problem
 
 JOB_BYTES = 4 << 20
 
@@ -94,9 +96,8 @@ def iter_image_parallel(snap, name: str, threads: int, drop: list | None = None)
 
 
 def _create(d: Path, name: str) -> int:
-    from gpusnap.criu import protocol
-
-    protocol.check_filename(name)
+    if image_name_problem(name):     # (the manifest's names were checked; never a path)
+        raise CorruptSnapshot(f"snapshot image name {name!r} is not a plain file name")
     return os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 

@@ -198,9 +198,32 @@ class Snapshot:
         self.reading_locations()
 
     # -- reading ----------------------------------------------------------------------------
+    def page_jobs(self) -> "PageJobs":
+        """Its pages images as jobs to read in any order (the lazy restore's fill)."""
+        return PageJobs(self)
+
     def read_image(self, filename, drop: list | None = None) -> Iterator:
         """The original bytes of an image, in chunks of at most 1 MiB (repo/reader.py); every
         page and blob is checked against its checksum before it is yielded. drop: zero-page
         runs to leave out of a pages image (criu/sparse.py)."""
         im = self.image(filename)
         yield from reader.read_image(self, im, self.reading_locations(), self._image_no[filename], drop)
+
+
+class PageJobs:
+    """A snapshot's pages images as jobs read in any order, by any thread (the lazy restore's
+    fill, criu/lazypages.py): the jobs of an image, a reader per thread, one job built and
+    checked. One set of locations for all of them."""
+
+    def __init__(self, snap):
+        self.snap = snap
+        self.loc = snap.reading_locations()
+
+    def jobs(self, name: str, job_bytes: int, drop: list | None = None) -> Iterator["reader.Job"]:
+        return reader.plan(self.snap, name, self.loc, self.snap.image_no(name), job_bytes, drop)
+
+    def open_reader(self) -> "reader.RunReader":
+        return reader.RunReader(self.snap.repo.path, self.loc)
+
+    def build(self, name: str, job: "reader.Job", rd: "reader.RunReader") -> bytearray | None:
+        return reader.assemble(self.snap, name, job, rd)

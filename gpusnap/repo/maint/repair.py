@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import blake3
 
@@ -30,13 +31,14 @@ from gpusnap.repo import fsutil
 from gpusnap.repo.codec import decompress
 from gpusnap.repo.format import BLOB_HEADER, HEX64, PACK_HEADER, PACK_TRAILER, PACK_TRAILER_MAGIC, Blob, FormatError, IndexFile, pack_namer, parse_blob_header, parse_index, parse_pack_header
 from gpusnap.repo.index import RepoIndex, encode_index_file, write_index_file
-from gpusnap.repo.repository import Repository
+from gpusnap.repo.repository import QUARANTINE, Repository
 from gpusnap.repo.store import decoded_ids, list_packs, pack_path
 from gpusnap.repo.trust import quarantine_file
 
 
 @dataclass
 class RepairReport:
+    QUARANTINE: ClassVar[str] = QUARANTINE   # where damaged index files go (render/maint.py says so)
     dry_run: bool = False
     read_data: bool = False
     packs_scanned: int = 0

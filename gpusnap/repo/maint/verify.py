@@ -45,6 +45,15 @@ class VerifyReport:
     def add(self, scope, name, message):
         self.problems.append(Problem(scope, str(name), message))
 
+    def damage(self) -> str:
+        """One sentence on what is wrong (a damaged report): how many problems, which snapshots
+        they affect (the message `verify` fails with; render/maint.py shows it too)."""
+        if not self.affected_snapshots and all(p.scope == "index" for p in self.problems):
+            return (f"{len(self.problems)} problem(s): the repository index is damaged; no snapshot is "
+                    "affected (each still restores); `gpusnap repair` rebuilds the index")
+        aff = ", ".join(self.affected_snapshots) or "none (damage is in data no snapshot needs)"
+        return f"{len(self.problems)} problem(s); affected snapshots: {aff}"
+
     def to_dict(self) -> dict:
         return {"ok": self.ok, "read_data": self.read_data,
                 "snapshots_checked": self.snapshots_checked,

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from gpusnap.repo import fsutil
-from gpusnap.repo.faults import fault
+from gpusnap.system.faults import fault
 from gpusnap.repo.pipeline.packout import DirectBuffer, PackOut, direct_wanted, start_writeback
 from gpusnap.repo.format import BLOB_HEADER, PACK_HEADER, Blob, encode_blob_header, encode_pack_header, encode_pack_trailer, pack_namer
 from gpusnap.repo.store import pack_path

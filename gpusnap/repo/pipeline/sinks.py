@@ -17,7 +17,8 @@ from gpusnap.repo import encoder, native
 from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, PL_PAGES, PL_RECORD,
                                  encode_pl_tail, encode_pl_zero)
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
-from gpusnap.repo.pipeline import pagetable, segments
+from gpusnap.repo.pipeline import pagetable
+from gpusnap.staging import segments
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes

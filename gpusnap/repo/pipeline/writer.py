@@ -13,7 +13,7 @@ from pathlib import Path
 from gpusnap.errors import NoSpace, RepositoryError
 from gpusnap.repo import fsutil, locations
 from gpusnap.repo.codec import codec_name
-from gpusnap.repo.faults import fault
+from gpusnap.system.faults import fault
 from gpusnap.system import interrupt
 from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
 from gpusnap.repo.index import write_index_file

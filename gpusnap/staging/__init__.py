@@ -31,8 +31,8 @@ import os
 import threading
 from pathlib import Path
 
-from gpusnap.repo.pipeline.arena import SEG, Arena, libc as _libc
-from gpusnap.repo.pipeline.segments import Hold, Segment, StagedImage, StagingCancelled
+from gpusnap.staging.arena import SEG, Arena, libc as _libc
+from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
 PREFIX = "staging-"

@@ -64,3 +64,24 @@ def test_the_name_reader_sees_each_form():
     text = ('os.environ.get("GPUSNAP_ABC")  f"{GPU_MAP_ENV}_{pid}"  "GPUSNAP_X_MAP_%d"  '
             "GPUSNAP_X_MAP_<pid>  f\"GPUSNAP_Y_{pid}\"  #ifndef GPUSNAP_GS_TREE_H  GPUSNAP_*_DIR")
     assert names_in(text) == {"GPUSNAP_ABC", "GPUSNAP_X_MAP_<pid>", "GPUSNAP_Y_<pid>"}
+
+
+def test_the_settings_gpusnap_reads_are_the_documented_user_and_test_only_ones():
+    """gpusnap/settings.py NAMES (what the Python code reads, through settings.get) is exactly
+    the first table's rows for users and tests; the internal ones are set for others."""
+    first = DOC.read_text().split("\n## ")[1]          # gpusnap and its native parts
+    rows = re.findall(r"^\|\s*`(GPUSNAP_[A-Z0-9_]+)`\s*\|\s*([^|]+?)\s*\|", first, re.M)
+    read = {n for n, who in rows if not who.startswith("internal")}
+    from gpusnap import settings
+
+    assert set(settings.NAMES) == read and len(settings.NAMES) == len(set(settings.NAMES))
+
+
+def test_no_module_reads_a_setting_from_the_environment_itself():
+    """Settings are read in one place (gpusnap/settings.py): anything else asks settings.get."""
+    direct = re.compile(r"""(environ(\.get)?\s*[\[(]\s*["']GPUSNAP_|getenv\(\s*["']GPUSNAP_|["']GPUSNAP_\w+["']\s+in\s+os\.environ)""")
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "gpusnap").rglob("*.py")
+                 if p.name != "settings.py" and direct.search(p.read_text())
+                 and not all("GPUSNAP_RUN_INIT" in ln for ln in p.read_text().splitlines() if direct.search(ln))]
+    assert not offenders, offenders
+    assert direct.search('os.environ.get("GPUSNAP_X")') and direct.search('"GPUSNAP_X" in os.environ')

@@ -22,7 +22,7 @@ LAYER = {"cli": 5, "render": 5, "completion": 5, "samples": 5, "__main__": 5,
          "ops": 4,
          "criu": 3, "repo": 3, "gpu": 3,
          "staging": 2, "system": 2,
-         "errors": 1, "gpusnap": 0}
+         "errors": 1, "settings": 1, "gpusnap": 0}
 ACROSS = {("cli", "render"), ("completion", "cli"), ("__main__", "cli")}
 
 

@@ -20,7 +20,7 @@ import threading
 
 import typer
 
-from gpusnap import __version__
+from gpusnap import __version__, settings
 from gpusnap.cli import machine, repo, snapshots
 from gpusnap.cli.common import APP, SCHEDULE_APP
 from gpusnap.errors import GpusnapError, UsageError
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         from click import exceptions as click_exc
 
     OUTPUT.reset()
+    settings.load()         # the GPUSNAP_* variables, read once for the whole command
     try:
         args = hoist_repo(sys.argv[1:] if argv is None else argv)
         runner = build_app(args[0]) if args and args[0] in _TOP_LEVEL else app
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                                   hint="please report this with the command and the traceback above"),
                      force_json=True)
         sys.exit(GpusnapError.exit_code)
+    finally:
+        settings.unload()   # (main() called in-process, by tests: what follows reads afresh)
 
 
 def run() -> None:

@@ -14,7 +14,7 @@ import typer
 
 from gpusnap.cli.common import (JsonOpt, KeepLastHelp, LockWaitOpt, RepoOpt, open_snapshot,
                                 open_writer_repo, repo_root)
-from gpusnap.errors import UsageError
+
 from gpusnap.render.output import OUTPUT
 
 

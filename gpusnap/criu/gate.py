@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from gpusnap.criu.streamer import CaptureServer
+from gpusnap import settings
 
 def native_gate() -> Path:
     """$GPUSNAP_GATE, else <source tree>/build/bin/gpusnap-gate, else the installed one.
@@ -35,7 +36,7 @@ def native_gate() -> Path:
     from gpusnap.errors import NativeLibraryMissing
     from gpusnap.system import paths
 
-    env = os.environ.get("GPUSNAP_GATE")
+    env = settings.get("GPUSNAP_GATE")
     cands = [Path(env)] if env else [paths.source_root() / "build" / "bin" / "gpusnap-gate",
                                      Path("/usr/local/lib/gpusnap/bin/gpusnap-gate")]
     for c in cands:
@@ -86,7 +87,7 @@ class PostDumpGate:
                     except Exception:   # noqa: BLE001 - a failed measure must not keep the job frozen
                         pass
                 ok = self.server.wait_drained(self.timeout)
-                if os.environ.get("GPUSNAP_TEST_HOOK") == "gate-fails":  # tests: a failed post-dump
+                if settings.get("GPUSNAP_TEST_HOOK") == "gate-fails":  # tests: a failed post-dump
                     ok = False
                 try:
                     conn.sendall(b"1" if ok else b"0")

@@ -54,6 +54,7 @@ from gpusnap.criu.lazywatch import descendants, kill_tree
 from gpusnap.errors import CorruptSnapshot, CriuFailed, GpusnapError
 from gpusnap.system.faults import fault
 from gpusnap.system import proc
+from gpusnap import settings
 
 PAGE = 4096
 SOCK_NAME = "lazy-pages.socket"          # criu/include/uffd.h: LAZY_PAGES_SOCK_NAME
@@ -511,7 +512,7 @@ def _env_pause() -> float:
     """$GPUSNAP_LAZY_PAUSE: seconds to wait (serving faults) before each filled job (slows the
     fill down: for tests of what happens during it, or to spare a busy disk)."""
     try:
-        return max(0.0, float(os.environ.get("GPUSNAP_LAZY_PAUSE", "0") or 0))
+        return max(0.0, float(settings.get("GPUSNAP_LAZY_PAUSE", "0") or 0))
     except ValueError:
         return 0.0
 

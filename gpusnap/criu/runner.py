@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.errors import CriuUnavailable
+from gpusnap import settings
 
 MIN_VERSION = (4, 0)  # the device plugin hooks and working vDSO handling on recent kernels
 # Linux 6.16 restricted SO_PASSCRED/SO_PASSSEC to unix and netlink sockets; CRIU before 4.2
@@ -37,7 +38,7 @@ _info_cache: dict[str, "CriuInfo"] = {}  # one `criu --version` per process
 def criu_path() -> str | None:
     """$GPUSNAP_CRIU, else the CRIU `make setup` builds (/usr/local/sbin/criu, looked up directly
     because cron's PATH lacks that directory and a Debian criu 4.1 may sit in /usr/sbin), else PATH."""
-    env = os.environ.get("GPUSNAP_CRIU")
+    env = settings.get("GPUSNAP_CRIU")
     if env:
         return env
     for p in ("/usr/local/sbin/criu",):
@@ -94,7 +95,7 @@ def sockets_broken(version: tuple[int, ...], kernel: tuple[int, int] | None = No
 
 def install_hint(path: str | None = None) -> str:
     """INSTALL_HINT, plus what to unset when $GPUSNAP_CRIU chose this CRIU."""
-    if os.environ.get("GPUSNAP_CRIU") and path == os.environ["GPUSNAP_CRIU"]:
+    if settings.get("GPUSNAP_CRIU") and path == settings.get("GPUSNAP_CRIU"):
         return INSTALL_HINT + f"; $GPUSNAP_CRIU makes gpusnap use {path}: unset it afterwards"
     return INSTALL_HINT
 

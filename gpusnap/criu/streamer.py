@@ -35,6 +35,7 @@ from typing import Iterable
 from gpusnap.criu import protocol
 from gpusnap.criu.needs import ImageNames, ImageSink, ImageSource, SinkFactory
 from gpusnap.errors import GpusnapError, NoSpace, StreamProtocolError
+from gpusnap import settings
 
 CAPTURE_SOCKET = "streamer-capture.sock"
 SERVE_SOCKET = "streamer-serve.sock"
@@ -45,7 +46,7 @@ PIPE_SIZE = 1 << 20
 CHUNK = PIPE_SIZE // 4
 
 
-CAPTURE_PIPE_SIZE = int(os.environ.get("GPUSNAP_CAPTURE_PIPE", PIPE_SIZE))
+CAPTURE_PIPE_SIZE = int(settings.get("GPUSNAP_CAPTURE_PIPE", PIPE_SIZE))
 
 
 def _grow_pipe(fd: int, size: int = PIPE_SIZE) -> None:
@@ -391,7 +392,7 @@ class ServeServer(_Server):
 
         _grow_pipe(fd)
         feeder = Feeder(fd, CHUNK)
-        feeder.splice = feeder.splice and self.names.is_pages_image(name) and os.environ.get("GPUSNAP_SERVE_VMSPLICE") != "0"
+        feeder.splice = feeder.splice and self.names.is_pages_image(name) and settings.get("GPUSNAP_SERVE_VMSPLICE") != "0"
         try:
             for chunk in chunks:
                 if self.failed:

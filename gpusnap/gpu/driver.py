@@ -20,6 +20,8 @@ import json
 import os
 import subprocess
 import sys
+
+from gpusnap import settings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -164,7 +166,7 @@ def probe(pids: Iterable[int] = (), *, isolated: bool | None = None,
     """
     pids = [int(x) for x in pids]
     if isolated is None:
-        isolated = os.environ.get("GPUSNAP_GPU_PROBE", "") != "inprocess"
+        isolated = settings.get("GPUSNAP_GPU_PROBE", "") != "inprocess"
     if not isolated:
         from gpusnap.gpu.probe import probe_inprocess
         return probe_inprocess(pids)

@@ -9,7 +9,8 @@ on every other driver call (native/gpusnap_cuda.c bounds each call in a thread o
 from __future__ import annotations
 
 import math
-import os
+
+from gpusnap import settings
 
 DEFAULT_LOCK_TIMEOUT_MS = 5000
 # checkpoint / restore / unlock copy GPU memory: minutes for 80 GB at worst
@@ -24,7 +25,7 @@ def lock_timeout_ms(requested: int | None) -> int:
 
 def call_timeout_ms() -> int:
     """$GPUSNAP_CALL_TIMEOUT_MS (tests, slow machines) or the default."""
-    v = os.environ.get("GPUSNAP_CALL_TIMEOUT_MS", "")
+    v = settings.get("GPUSNAP_CALL_TIMEOUT_MS", "")
     return int(v) if v.isdigit() and int(v) > 0 else DEFAULT_CALL_TIMEOUT_MS
 
 

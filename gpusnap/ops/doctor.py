@@ -29,6 +29,7 @@ from gpusnap.ops import doctor_gpu
 from gpusnap.ops import preflight
 from gpusnap.system import paths, terminal
 from gpusnap.gpu import driver as gdriver
+from gpusnap import settings
 
 STATUSES = ("ok", "info", "warn", "fail")
 CAP_SYS_RESOURCE = preflight.CAP_SYS_RESOURCE
@@ -208,7 +209,7 @@ def _check_gate(r: DoctorReport) -> None:
 def _check_plugin(r: DoctorReport) -> None:
     d = paths.plugin_dir()
     p = d / paths.PLUGIN_NAME
-    src = "$GPUSNAP_PLUGIN_DIR" if os.environ.get("GPUSNAP_PLUGIN_DIR") else "default"
+    src = "$GPUSNAP_PLUGIN_DIR" if settings.get("GPUSNAP_PLUGIN_DIR") else "default"
     if not d.is_dir():
         r.add("CUDA plugin", "warn", f"plugin directory {d} ({src}) does not exist: GPU processes "
               "cannot be dumped (CPU-only dumps work)",

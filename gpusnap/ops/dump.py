@@ -33,6 +33,7 @@ from gpusnap.repo.format import names as image_names
 from gpusnap.errors import GpuCheckpointFailed, GpusnapError, Interrupted, NoSpace
 from gpusnap.system.faults import fault
 from gpusnap import staging as staging_mod
+from gpusnap import settings
 
 # Below this much free space a dump is refused outright; running out later is caught too.
 MIN_FREE_BYTES = 64 << 20
@@ -226,7 +227,7 @@ class DumpSession:
             raise NoSpace(f"less than {MIN_FREE_BYTES >> 20} MiB free where the repository lives ({req.repo})",
                           hint="free some space or run `gpusnap prune`, then dump again")
         self.stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        env_overlap = os.environ.get("GPUSNAP_INGEST_OVERLAP", "")
+        env_overlap = settings.get("GPUSNAP_INGEST_OVERLAP", "")
         self.overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
 
     def _hold(self, stack: contextlib.ExitStack) -> None:

@@ -23,6 +23,7 @@ from gpusnap import staging as staging_mod
 from gpusnap.ops import restore_needs, validate
 from gpusnap.ops import preflight
 from gpusnap.system import paths, proc
+from gpusnap import settings
 
 if TYPE_CHECKING:
     from gpusnap.criu.streamer import CaptureServer
@@ -80,7 +81,7 @@ def criu_frozen_seconds(workdir: Path) -> float | None:
 def test_hold(point: str, info: dict) -> None:
     """Test hook (GPUSNAP_TEST_HOLD=point:FILE): at `point`, write `info` as JSON to FILE and
     wait there until killed, so a test can kill -9 the dump at a precise moment."""
-    spec = os.environ.get("GPUSNAP_TEST_HOLD", "")
+    spec = settings.get("GPUSNAP_TEST_HOLD", "")
     if not spec.startswith(point + ":"):
         return
     import json

@@ -29,6 +29,7 @@ from gpusnap.system.faults import fault
 from gpusnap.criu import runner
 from gpusnap.criu import images, sparse
 from gpusnap.errors import CorruptSnapshot, CriuFailed, HugePagesUnavailable, Interrupted, PidsInUse, UsageError
+from gpusnap import settings
 
 # A PID still held by a process that is exiting (or a zombie about to be reaped) frees up
 # within moments; wait this long before declaring it taken.
@@ -322,7 +323,7 @@ def _run(plan: restore_paths.RestorePlan, tcp: _Tcp, progress) -> RestoreResult:
     try:
         plan = dataclasses.replace(plan, flags=plan.flags + tuple(claim.criu_flags()))
         fault("restore:checked")
-        sp = sparse.plan(snap) if os.environ.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
+        sp = sparse.plan(snap) if settings.get("GPUSNAP_SPARSE_RESTORE") != "0" else None   # ("0": measuring)
         plan = dataclasses.replace(plan, sparse=sp)
         preflight = round(time.monotonic() - plan.t0, 3)
         plan, out = _run_path(plan, progress)

@@ -31,6 +31,7 @@ from gpusnap.repo import logs as repo_logs, parallel_read
 from gpusnap.repo.format import names as image_names
 from gpusnap.system import paths, proc, tmpdirs
 from gpusnap.system.access import read_only_reason
+from gpusnap import settings
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,7 @@ def _workdir(repo_path) -> Path:
 def restore_threads(stream: bool) -> int:
     """Decoding workers: $GPUSNAP_RESTORE_THREADS, else the cores (up to 8), one fewer for the
     stream path, where CRIU reads at the same time."""
-    env = os.environ.get("GPUSNAP_RESTORE_THREADS", "")
+    env = settings.get("GPUSNAP_RESTORE_THREADS", "")
     if env.isdigit() and 0 < int(env) <= 64:
         return int(env)
     cores = os.cpu_count() or 2

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from gpusnap.errors import SnapshotNotFound
+from gpusnap import settings
 
 DEFAULT_REPO = Path("/var/lib/gpusnap")
 
@@ -16,7 +17,7 @@ DEFAULT_REPO = Path("/var/lib/gpusnap")
 def repo_path(arg: str | os.PathLike | None = None) -> Path:
     if arg:
         return Path(arg).expanduser().absolute()
-    env = os.environ.get("GPUSNAP_REPO")
+    env = settings.get("GPUSNAP_REPO")
     return Path(env).expanduser().absolute() if env else DEFAULT_REPO
 
 

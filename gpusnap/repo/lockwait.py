@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import fcntl
 import math
-import os
 import time
 from typing import Callable
 
 from gpusnap.errors import UsageError
+from gpusnap import settings
 
 # Long enough for the dump ahead of it (a minute-apart schedule, a large job's store and
 # retention) to finish; a lock held longer than this is a stuck or runaway writer, and the
@@ -30,7 +30,7 @@ def seconds(given: float | None = None) -> float:
     """The wait a command uses: `given` (its --lock-wait), else $GPUSNAP_LOCK_WAIT, else the default."""
     src = "--lock-wait"
     if given is None:
-        raw = os.environ.get(ENV, "").strip()
+        raw = (settings.get(ENV) or "").strip()
         if not raw:
             return DEFAULT_WAIT
         src = f"${ENV}"

@@ -29,6 +29,7 @@ from pathlib import Path
 from gpusnap.errors import GpusnapError, Interrupted, NoSpace
 from gpusnap.system import tmpdirs
 from gpusnap.system.access import read_only_reason
+from gpusnap import settings
 
 PREFIX = tmpdirs.IMAGES
 SHM = Path("/dev/shm")
@@ -93,7 +94,7 @@ def plan(snap, repo_path: Path) -> Plan:
     (/dev/shm) when they fit in memory, else the repository's tmp/ directory."""
     need = snapshot_bytes(snap)
     disk = Plan("disk", Path(repo_path) / "tmp", need)
-    force = os.environ.get("GPUSNAP_RESTORE_IMAGES", "auto")
+    force = settings.get("GPUSNAP_RESTORE_IMAGES", "auto")
     shm_ok = SHM.is_dir() and os.access(SHM, os.W_OK) and _is_tmpfs(SHM)
     if read_only_reason(repo_path):
         # a read-only repository (a backup copy, a read-only mount): its tmp/ takes nothing

@@ -54,6 +54,7 @@ from array import array
 
 from gpusnap.system.buffers import buffer_address  # noqa: F401 - (native.buffer_address)
 from gpusnap.errors import NativeLibraryMissing
+from gpusnap import settings
 
 PAGE_SIZE = 4096
 ID_LEN = 16
@@ -95,7 +96,7 @@ _load_lock = threading.Lock()
 
 
 def _candidates() -> list[str]:
-    env = os.environ.get("GPUSNAP_NATIVE_LIB")
+    env = settings.get("GPUSNAP_NATIVE_LIB")
     if env:
         return [env]
     from gpusnap.system.paths import source_root

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
+from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
 PREFIX = "staging-"
@@ -43,7 +44,7 @@ _FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 def default_budget() -> int:
     """A quarter of the memory available now, at most 2 GiB (GPUSNAP_STAGING_BUDGET=bytes,
     with an optional K/M/G suffix, overrides)."""
-    env = os.environ.get("GPUSNAP_STAGING_BUDGET", "").strip()
+    env = settings.get("GPUSNAP_STAGING_BUDGET", "").strip()
     if env:
         return parse_size(env)
     avail = 0
@@ -245,7 +246,7 @@ class Staging:
 
     def _open_spill(self) -> int:
         flags = os.O_RDWR | os.O_CLOEXEC
-        if os.environ.get("GPUSNAP_STAGING_NAMED") != "1":   # (tests: the named fallback)
+        if settings.get("GPUSNAP_STAGING_NAMED") != "1":   # (tests: the named fallback)
             try:
                 return os.open(self.spill_dir, flags | os.O_TMPFILE | os.O_EXCL, 0o600)
             except OSError as e:

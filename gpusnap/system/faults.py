@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import signal
 
+from gpusnap import settings
+
 
 def _parse(spec: str) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -23,7 +25,7 @@ def _parse(spec: str) -> dict[str, int]:
     return out
 
 
-_POINTS = _parse(os.environ.get("GPUSNAP_FAULT", ""))
+_POINTS = _parse(settings.get("GPUSNAP_FAULT", ""))
 
 
 def fault(point: str) -> None:

@@ -19,12 +19,13 @@ import tempfile
 from typing import Callable, Iterator
 
 from gpusnap.errors import AccessDenied
+from gpusnap import settings
 
 LOCK_DIR = "/run/gpusnap"
 
 
 def _lock_dir() -> str:
-    d = os.environ.get("GPUSNAP_LOCK_DIR")                 # (set by tests)
+    d = settings.get("GPUSNAP_LOCK_DIR")                 # (set by tests)
     if not d:
         d = LOCK_DIR
         if os.geteuid() != 0 or not os.path.isdir(os.path.dirname(d)):

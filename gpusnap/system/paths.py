@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from gpusnap import settings
 from pathlib import Path
 
 PLUGIN_NAME = "gpusnap_cuda.so"
@@ -20,7 +20,7 @@ def plugin_dir() -> Path:
     $GPUSNAP_PLUGIN_DIR if set, else <source tree>/build/plugins when it exists (a development
     checkout built with CMake), else /usr/local/lib/gpusnap/plugins.
     """
-    env = os.environ.get("GPUSNAP_PLUGIN_DIR")
+    env = settings.get("GPUSNAP_PLUGIN_DIR")
     if env:
         return Path(env)
     dev = source_root() / "build" / "plugins"

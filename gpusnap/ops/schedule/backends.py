@@ -14,17 +14,18 @@ from pathlib import Path
 from gpusnap.ops import cronexpr
 from gpusnap.errors import SchedulerUnavailable
 from gpusnap.ops.schedule.record import Schedule, safe_word, spec_path
+from gpusnap import settings
 
 PREFIX = "gpusnap-"
 MARK = "# gpusnap schedule"
 
 
 def cron_dir() -> Path:
-    return Path(os.environ.get("GPUSNAP_CRON_DIR", "/etc/cron.d"))
+    return Path(settings.get("GPUSNAP_CRON_DIR", "/etc/cron.d"))
 
 
 def systemd_dir() -> Path:
-    return Path(os.environ.get("GPUSNAP_SYSTEMD_DIR", "/etc/systemd/system"))
+    return Path(settings.get("GPUSNAP_SYSTEMD_DIR", "/etc/systemd/system"))
 
 
 CRON_DAEMONS = ("cron", "crond", "cronie", "busybox-crond")
@@ -41,11 +42,11 @@ class Probes:
 
 
 def probes() -> Probes:
-    names = os.environ.get("GPUSNAP_CRON_DAEMONS")
+    names = settings.get("GPUSNAP_CRON_DAEMONS")
     daemons = tuple(n for n in names.split(",") if n) if names is not None else CRON_DAEMONS
     return Probes(daemons=daemons,
-                  systemd_run_dir=os.environ.get("GPUSNAP_SYSTEMD_RUN_DIR", Probes.systemd_run_dir),
-                  pid1_names=tuple(n for n in os.environ.get("GPUSNAP_PID1_NAMES", "systemd").split(",") if n))
+                  systemd_run_dir=settings.get("GPUSNAP_SYSTEMD_RUN_DIR", Probes.systemd_run_dir),
+                  pid1_names=tuple(n for n in settings.get("GPUSNAP_PID1_NAMES", "systemd").split(",") if n))
 
 
 def running_daemon(names) -> tuple[str, int] | None:
@@ -74,7 +75,7 @@ def detect_scheduler(p: Probes | None = None) -> tuple[str | None, str]:
     booted the machine), cron when a cron daemon runs now (an installed one that nobody
     started runs nothing). GPUSNAP_SCHEDULER=cron|systemd forces one (tests, containers
     whose cron runs outside)."""
-    forced = os.environ.get("GPUSNAP_SCHEDULER")
+    forced = settings.get("GPUSNAP_SCHEDULER")
     if forced in ("cron", "systemd"):
         return forced, f"forced by GPUSNAP_SCHEDULER={forced}"
     p = p or probes()
@@ -139,7 +140,7 @@ def unit_files(s: Schedule) -> dict[str, str]:
 
 
 def systemctl(*args: str) -> None:
-    if "GPUSNAP_SYSTEMD_DIR" in os.environ:      # (tests write units elsewhere; nothing to load)
+    if settings.get("GPUSNAP_SYSTEMD_DIR") is not None:      # (tests write units elsewhere; nothing to load)
         return
     p = subprocess.run(["systemctl", *args], capture_output=True, text=True)
     if p.returncode != 0:

@@ -15,17 +15,18 @@ from pathlib import Path
 
 from gpusnap.ops import validate
 from gpusnap.errors import GpusnapError, UsageError
+from gpusnap import settings
 
 SPEC_VERSION = 1
 _SAFE_PATH = re.compile(r"[A-Za-z0-9_./+-]+")
 
 
 def spec_dir() -> Path:
-    return Path(os.environ.get("GPUSNAP_SCHEDULE_DIR", "/etc/gpusnap/schedules"))
+    return Path(settings.get("GPUSNAP_SCHEDULE_DIR", "/etc/gpusnap/schedules"))
 
 
 def log_dir() -> Path:
-    return Path(os.environ.get("GPUSNAP_LOG_DIR", "/var/log/gpusnap"))
+    return Path(settings.get("GPUSNAP_LOG_DIR", "/var/log/gpusnap"))
 
 
 @dataclass

@@ -11,6 +11,8 @@ import os
 import queue
 import threading
 
+from gpusnap import settings
+
 try:
     import ctypes as _ctypes
     _libc = _ctypes.CDLL(None, use_errno=True)
@@ -32,7 +34,7 @@ _IOV_MAX = 1024
 
 def direct_wanted() -> bool:
     """Pack bytes bypass the page cache unless GPUSNAP_PACK_DIRECT=0 (for measuring)."""
-    return os.environ.get("GPUSNAP_PACK_DIRECT", "1") != "0"
+    return settings.get("GPUSNAP_PACK_DIRECT", "1") != "0"
 
 
 class DirectBuffer:

@@ -19,6 +19,7 @@ from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, P
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.staging import segments
+from gpusnap import settings
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
 BATCH = 1 << 20           # pages sink processes input in batches of this many bytes
@@ -29,7 +30,7 @@ DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
 # once the job resumed, and two compressors shortened fp32 storing by ~15 % on 2 cores
 # (docs/benchmark.md). GPUSNAP_COMPRESS_THREADS=N sets it.
 def _compress_workers() -> int:
-    env = os.environ.get("GPUSNAP_COMPRESS_THREADS", "")
+    env = settings.get("GPUSNAP_COMPRESS_THREADS", "")
     cores = os.cpu_count() or 1
     n = int(env) if env.isdigit() else max(cores - 1, min(cores, 2))
     return max(1, min(4, n))

@@ -100,12 +100,39 @@ def desc(static: Path, name: str) -> dict:
 
 
 def _make(static: Path, target: str, log: Path, timeout: float = 120, ipcns: bool = False) -> int:
+    """zdtm's rule `target`; its exit status. One that has not ended within `timeout` (a test
+    that cannot start here: a connection over the loopback that never completes) is killed,
+    with the test processes it started, and fails: the test's outcome, not the suite's."""
     with open(log, "ab") as f:
         # close_fds: the test must not inherit our descriptors (CRIU would dump them as its own)
-        return subprocess.run([*(["unshare", "--ipc"] if ipcns else []),
-                               "make", "-s", "--no-print-directory", "-C", str(static), target],
-                              stdin=subprocess.DEVNULL, stdout=f, stderr=f, close_fds=True,
-                              timeout=timeout).returncode
+        p = subprocess.Popen([*(["unshare", "--ipc"] if ipcns else []),
+                              "make", "-s", "--no-print-directory", "-C", str(static), target],
+                             stdin=subprocess.DEVNULL, stdout=f, stderr=f, close_fds=True, start_new_session=True)
+        try:
+            return p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # what held it, for the report: the TCP sockets of zdtm's ports (8880 and up)
+            ss = subprocess.run(["ss", "-tanp"], capture_output=True, text=True).stdout.splitlines()
+            held = [ln for ln in ss if ":88" in ln][:12]
+            os.killpg(p.pid, 9)
+            p.wait()
+            _kill_strays(target.rsplit(".", 1)[0])
+            f.write((f"\n(harness: `make {target}` did not end within {timeout:.0f} s; killed)\n"
+                     + "".join(f"  {ln}\n" for ln in held)).encode())
+            return -1
+
+
+def _kill_strays(name: str) -> None:
+    """Kill every process of the zdtm test `name` (it daemonizes into a session of its own,
+    out of make's process group): those started with its --pidfile."""
+    mark = f"--pidfile={name}.pid".encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if mark in (d / "cmdline").read_bytes().split(b"\0"):
+                    os.kill(int(d.name), 9)
+            except OSError:
+                pass
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -228,6 +255,7 @@ def run_one(static: Path, name: str, mode: str, work: Path) -> Outcome:
     finally:
         if out.stage != "done":
             _kill(pid)
+            _kill_strays(name)      # its children too (a client it forked), so none holds a port
         _clean(static, name)
 
 

@@ -31,21 +31,36 @@ def create_tmp(tmpdir: Path, prefix: str) -> tuple[Path, int]:
     """A new private file in `tmpdir`, created exclusively (O_EXCL) in the directory itself,
     never through a symlink put in its place (O_NOFOLLOW on the directory)."""
     name = f"{prefix}{os.urandom(8).hex()}.tmp"   # = secrets.token_hex(8), without loading OpenSSL (~5 ms)
-    dfd = open_dir(tmpdir)
+    return tmpdir / name, open_in(tmpdir, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+
+
+def open_in(dir_path, name: str, flags: int) -> int:
+    """`name` opened (flags | O_NOFOLLOW) in the directory itself, which is opened O_NOFOLLOW:
+    never through a symlink at either; the file private (0600)."""
+    dfd = open_dir(dir_path)
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dfd)
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
     finally:
         os.close(dfd)
     os.fchmod(fd, 0o600)
-    return tmpdir / name, fd
+    return fd
 
 
 def write_file_atomic(tmpdir: Path, dest: Path, data: bytes) -> None:
-    tmp, fd = create_tmp(tmpdir, "w-")
+    write_atomic(dest, data, tmpdir=tmpdir)
+
+
+def write_atomic(dest: Path, data: bytes | str, mode: int = 0o600, tmpdir: Path | None = None) -> None:
+    """`dest` replaced by `data` all at once: a temporary file made by create_tmp (exclusive,
+    never through a link) in `tmpdir` (default: dest's own directory, as a hidden name),
+    written, given `mode`, fsynced, renamed over `dest`, the directory fsynced. On any failure
+    the temporary file goes and `dest` is as it was."""
+    tmp, fd = create_tmp(dest.parent if tmpdir is None else tmpdir, f".{dest.name}." if tmpdir is None else "w-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            f.write(data.encode() if isinstance(data, str) else data)
+            if mode != 0o600:
+                os.fchmod(f.fileno(), mode)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, dest)
@@ -53,6 +68,16 @@ def write_file_atomic(tmpdir: Path, dest: Path, data: bytes) -> None:
         unlink_quiet(tmp)
         raise
     fsync_dir(dest.parent)
+
+
+def close_all(fds: dict) -> None:
+    """Close every descriptor that is a value of `fds` (errors ignored), and empty it."""
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def write_private(path: Path, data: bytes) -> None:
@@ -169,14 +194,8 @@ def open_lock_file(dir_path, name: str, create: bool = True) -> int:
 def copy_into(src, dir_path, name: str) -> None:
     """Copy `src` to dir_path/name as a private file, never through a symlink: the directory
     is opened O_NOFOLLOW and the file created relative to it with O_NOFOLLOW."""
-    dfd = open_dir(dir_path)
+    fd = open_in(dir_path, name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                     dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    try:
-        os.fchmod(fd, 0o600)
         with open(src, "rb") as f:
             while True:
                 b = f.read(1 << 20)

@@ -26,7 +26,7 @@ from typing import Iterator
 
 import blake3
 
-from gpusnap.repo import native
+from gpusnap.repo import fsutil, native
 from gpusnap.repo.format import (KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
                                  READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
 from gpusnap.repo.format.locations import Locations, LocationsInvalid
@@ -77,12 +77,7 @@ class RunReader:
         self.close_fds()
 
     def close_fds(self) -> None:
-        for fd in self.fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds.clear()
+        fsutil.close_all(self.fds)
 
     def open_pack(self, pack_no: int) -> int:
         """An open fd of the pack (kept until close_fds). Raises OSError."""

@@ -8,7 +8,7 @@ import stat
 from pathlib import Path
 
 from gpusnap.repo.codec import decompress, decompress_into
-from gpusnap.repo import native
+from gpusnap.repo import fsutil, native
 from gpusnap.repo.format import BLOB_HEADER, CODEC_NONE, HEX64, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, Blob, FormatError, blob_id, page_id, parse_blob_header
 
 _ZERO_PAGE_ID = page_id(bytes(PAGE_SIZE))
@@ -126,12 +126,7 @@ class BlobReader:
         self.max_fds = max_fds
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds.clear()
+        fsutil.close_all(self.fds)
 
     def fd(self, pack: bytes) -> int:
         """An open fd of the pack (kept; closed by close()). Raises OSError."""

@@ -33,14 +33,19 @@ def _comm(pid: int) -> str:
 
 
 def _fds(pid: int, files: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    found = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return found
-    for fd in fds:
+        return set()
+    return _among((f"/proc/{pid}/fd/{fd}" for fd in fds), files)
+
+
+def _among(paths, files: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The (dev, ino) of `files` that the /proc links `paths` lead to."""
+    found = set()
+    for path in paths:
         try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            st = os.stat(path)
         except OSError:
             continue
         if (st.st_dev, st.st_ino) in files:
@@ -49,23 +54,14 @@ def _fds(pid: int, files: set[tuple[int, int]]) -> set[tuple[int, int]]:
 
 
 def _maps(pid: int, files: set[tuple[int, int]], inodes: set[int]) -> set[tuple[int, int]]:
-    found = set()
     try:
         with open(f"/proc/{pid}/maps", "rb") as f:
             lines = f.read().splitlines()
     except OSError:
-        return found
-    for line in lines:
-        parts = line.split(None, 5)
-        if len(parts) < 5 or not parts[4].isdigit() or int(parts[4]) not in inodes:
-            continue
-        try:
-            st = os.stat(f"/proc/{pid}/map_files/{parts[0].decode()}")
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in files:
-            found.add((st.st_dev, st.st_ino))
-    return found
+        return set()
+    rows = (ln.split(None, 5) for ln in lines)
+    return _among((f"/proc/{pid}/map_files/{p[0].decode()}" for p in rows
+                   if len(p) >= 5 and p[4].isdigit() and int(p[4]) in inodes), files)
 
 
 def users(files: set[tuple[int, int]], exclude: set[int] = frozenset()) -> dict[tuple[int, int], list[User]]:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.ops import validate
+from gpusnap.repo import fsutil
 from gpusnap.errors import GpusnapError, UsageError
 from gpusnap import settings
 
@@ -103,21 +104,7 @@ def private_dir(d: Path) -> None:
 
 
 def write_atomic(path: Path, text: str, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    fsutil.write_atomic(path, text, mode)
 
 
 def permission_error(e: OSError, what: str) -> GpusnapError:

@@ -168,7 +168,7 @@ def probe(pids: Iterable[int] = (), *, isolated: bool | None = None,
     if isolated is None:
         isolated = settings.get("GPUSNAP_GPU_PROBE", "") != "inprocess"
     if not isolated:
-        from gpusnap.gpu.probe import probe_inprocess
+        from gpusnap.gpu.probe import probe_inprocess  # lazy: cuda-python loads only when asked; probe.py uses our types
         return probe_inprocess(pids)
     cmd = [sys.executable, "-m", "gpusnap.gpu.probe", *map(str, pids)]
     try:

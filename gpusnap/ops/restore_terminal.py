@@ -108,7 +108,7 @@ def put_back(fd: int, saved: tuple) -> None:
 def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
     """Run this restore in a new detached tmux session named after the snapshot; returns its
     RestoreResult (with `terminal` naming the session) or raises its error."""
-    from gpusnap.ops.restore import RestoreResult
+    from gpusnap.ops.restore import RestoreResult  # lazy: restore.py calls this module for a job with a terminal
 
     work = Path(tempfile.mkdtemp(prefix="gpusnap-tty-"))       # private (0700)
     try:
@@ -257,7 +257,7 @@ def main(argv: list[str]) -> int:
         req = json.loads((work / "request.json").read_text())
         os.environ.clear()
         os.environ.update(req["env"])
-        from gpusnap.ops.restore import restore
+        from gpusnap.ops.restore import restore  # lazy: the pane runs the restore that called in_tmux()
 
         result = restore(req["ref"], repo=req["repo"], gpu_map=req["gpu_map"], via=req["via"],
                          tcp_close=req["tcp_close"], terminal_want="here")

@@ -5,6 +5,7 @@
 #   zsh fish                             the shell completions are loaded in each shell
 #   tmux screen                          terminal jobs restored into panes (test_restore_terminal)
 #   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
+#   podman runc                          a real container the preflight must recognise (test_containers)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
 # Their services are never started or enabled by this: the tests start their own instances on
 # 127.0.0.1 and stop them by PID.
@@ -14,7 +15,8 @@ say() { printf '\033[1m[test-deps]\033[0m %s\n' "$*"; }
 want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
          /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
-         /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron; do
+         /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron /usr/bin/podman:podman \
+         /usr/sbin/runc:runc; do
   [ -x "${t%%:*}" ] || want+=("${t#*:}")
 done
 zdtm() {

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.criu import netlock
-from gpusnap.system import filelocks, proc, sockets, sysvipc
+from gpusnap.system import containers, filelocks, proc, sockets, sysvipc
 # re-exported: doctor and its tests read these here
 from gpusnap.system.sockets import decode_addr, parse_proc_net_tcp, parse_ss_unix  # noqa: F401
 from gpusnap.errors import CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound, UsageError
@@ -182,6 +182,10 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_c
     plan.pids = pids
     desc = f"{pid} ({st.comm})" + (f" and {len(pids) - 1} descendant(s)" if len(pids) > 1 else "")
     plan.add("process", "ok", f"tree: {desc}")
+    ctr = containers.container_of(pid)
+    if ctr is not None:     # nothing else applies from outside its engine
+        plan.add("container", "fail", ctr.describe(pid), ctr.fix(), NotDumpable)
+        return plan
     _criu_sockets(plan, pids)
     me = os.getpid()
     if me in pids or pid in proc.ancestors(me):

@@ -3,7 +3,7 @@ _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify --help --repo --version -h" ;;
         "doctor") echo "--help --json --repo --unlock-network -h" ;;
-        "dump") echo "--compress --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
+        "dump") echo "--compress --container --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune --repo -h -n" ;;
         "import") echo "--help --json --lock-wait --repo -h" ;;
@@ -29,6 +29,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "|--repo") echo dir ;;
         "doctor|--repo") echo dir ;;
         "dump|--compress") echo codec ;;
+        "dump|--container") echo text ;;
         "dump|--gpu-lock-timeout") echo text ;;
         "dump|--keep-last") echo text ;;
         "dump|--lock-wait") echo text ;;

@@ -59,6 +59,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l unlock-network
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l compress -x -a 'auto lz4 zstd shuffle4-zstd shuffle2-zstd none'
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l container -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l gpu-lock-timeout -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help

@@ -203,6 +203,14 @@ class BadExportFile(GpusnapError):
     title = "bad export file"
 
 
+class ContainerEngineFailed(GpusnapError):
+    """The container engine (Podman) failed a checkpoint or a restore gpusnap asked of it;
+    nothing was stored, or nothing restored."""
+
+    exit_code = 33
+    title = "container engine failed"
+
+
 class NativeLibraryMissing(GpusnapError):
     """A native part of gpusnap is missing or of another version: the page library
     (build/lib/libgpusnap_pages.so) or the post-dump gate (build/bin/gpusnap-gate)."""

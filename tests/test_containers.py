@@ -11,12 +11,13 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_gpusnap, wait_for
-from gpusnap.errors import NotDumpable
+from conftest import run_gpusnap, run_json, wait_for
+from gpusnap.errors import NotDumpable, ProcessNotFound, UsageError
 from gpusnap.system import containers
 
 IMAGE = "localhost/gpusnap-test-mini:1"
@@ -48,23 +49,44 @@ def _image() -> None:
         assert r.returncode == 0, r.stderr
 
 
-@pytest.fixture(scope="module")
-def container():
-    """(container id, PID of its job) for a running Podman container."""
+def _start(name: str) -> tuple[str, int]:
+    """A running container `name` counting; (its id, its job's PID)."""
     assert shutil.which("podman") and shutil.which("runc"), "scripts/test-deps.sh installs podman and runc"
     _image()
-    name = f"gpusnap-test-{os.getpid()}"
     r = _podman("run", "-d", "--name", name, "--runtime", "runc", "--network", "none",
                 "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096", IMAGE, "/bin/sh", "-c", JOB)
     if r.returncode != 0:
         pytest.skip(f"podman cannot start a container on this machine: {r.stderr.strip()[-300:]}")
-    cid = r.stdout.strip()
+    pid = _pid(name)
+    wait_for(lambda: _count(pid) > 0, "the container's job to count")
+    return r.stdout.strip(), pid
+
+
+def _pid(name: str) -> int:
+    return int(_podman("inspect", "-f", "{{.State.Pid}}", name).stdout.strip() or 0)
+
+
+def _remove(*names: str) -> None:
+    for n in names:
+        _podman("rm", "-f", "-t", "0", n)
+
+
+@pytest.fixture(scope="module")
+def container():
+    """(container id, PID of its job) for a running Podman container."""
+    name = f"gpusnap-test-{os.getpid()}"
     try:
-        pid = int(_podman("inspect", "-f", "{{.State.Pid}}", name).stdout.strip())
-        wait_for(lambda: _count(pid) > 0, "the container's job to count")
-        yield cid, pid
+        yield _start(name)
     finally:
-        _podman("rm", "-f", "-t", "0", name)
+        _remove(name)
+
+
+@pytest.fixture
+def ctr_name():
+    """A container name for one test; whatever the test made under it (and its forks) goes."""
+    name = f"gpusnap-ctr-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    yield name
+    _remove(name, f"{name}-fork1")
 
 
 def _count(pid: int) -> int:
@@ -72,6 +94,15 @@ def _count(pid: int) -> int:
         return int((Path(f"/proc/{pid}/root/tmp/count")).read_text().strip() or 0)
     except (OSError, ValueError):
         return 0
+
+
+def _counts_on_from(pid: int, before: int) -> None:
+    """The restored shell's counter lives in its memory: its next values follow the dump's
+    (a fresh start would write 1, 2, ... over the file the archive brought back)."""
+    first = _count(pid)
+    wait_for(lambda: _count(pid) != first, "the restored container to count")
+    now = _count(pid)
+    assert first >= before and now > first, (before, first, now)
 
 
 def _runs_on(pid: int) -> None:
@@ -91,7 +122,7 @@ def test_a_dump_of_a_container_job_is_refused_before_the_job_is_touched(containe
     assert r.returncode == NotDumpable.exit_code, r.stdout + r.stderr
     err = json.loads(r.stdout)
     assert f"the podman container {cid[:12]}" in err["message"], err
-    assert f"podman container checkpoint --leave-running --export=FILE.tar.gz {cid[:12]}" in err["hint"], err
+    assert f"gpusnap dump --container {cid[:12]}" in err["hint"], err
     _runs_on(pid)
     assert not any((repo / "snapshots").iterdir()), "a refused dump left a snapshot"
     assert not list((repo / "logs").glob("failed-dump-*")), "a refused dump ran CRIU"
@@ -109,13 +140,14 @@ def test_doctor_says_the_same_as_the_refusal(container):
 
 
 def test_the_command_the_refusal_names_snapshots_the_container(container, tmp_path):
-    """The hint is no guess: the engine's checkpoint it names works here, and the job goes on."""
+    """The hint is no guess: the command it names works here, and the job goes on."""
     cid, pid = container
-    hint = run_gpusnap("dump", pid, "--json").stdout
-    cmd = re.search(r"`(podman container checkpoint [^`]+)`", json.loads(hint)["hint"]).group(1)
-    out = tmp_path / "ckpt.tar.gz"
-    r = subprocess.run(cmd.replace("FILE.tar.gz", str(out)).split(), capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0 and out.stat().st_size > 0, r.stderr
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    hint = run_gpusnap("dump", pid, "--repo", repo, "--json").stdout
+    cmd = re.search(r"`gpusnap (dump --container [^`]+)`", json.loads(hint)["hint"]).group(1)
+    d = run_json(*cmd.split(), "--repo", repo)
+    assert d["job_running"] and d["pages_total"] > 0, d
     _runs_on(pid)
 
 
@@ -162,3 +194,84 @@ def test_a_gpusnap_inside_the_same_container_sees_a_host():
     assert containers.foreign_mark(job, "0::/user.slice") == ("podman", "a" * 64)
     assert containers.foreign_mark(job, job) is None
     assert containers.foreign_mark(job, "0::/machine.slice/libpod-" + "b" * 64 + ".scope") == ("podman", "a" * 64)
+
+
+# -- `dump --container`: through Podman's checkpoint, stored and deduplicated as any snapshot --
+
+def test_a_container_dumped_killed_and_restored_counts_on_from_where_it_was(ctr_name, tmp_path):
+    cid, pid = _start(ctr_name)
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    before = _count(pid)
+    d = run_json("dump", "--container", ctr_name, "--repo", repo)
+    assert d["name"] == ctr_name and d["job_running"] and d["pages_total"] > 0, d
+    _runs_on(pid)                                    # --leave-running: it went on
+    _remove(ctr_name)                                # the crash
+    r = run_json("restore", d["snapshot"], "--repo", repo)
+    assert r["via"] == "podman" and r["job"] == ctr_name and r["fork_of"] is None, r
+    new = _pid(ctr_name)
+    assert new == r["pid"] and new > 0
+    _counts_on_from(new, before)
+
+
+def test_a_second_dump_of_a_container_stores_only_what_changed(ctr_name, tmp_path):
+    _start(ctr_name)
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    one = run_json("dump", "--container", ctr_name, "--repo", repo)
+    two = run_json("dump", "--container", ctr_name, "--repo", repo)
+    assert two["pages_dedup"] > 0 and two["bytes_stored"] < one["bytes_stored"], (one, two)
+    v = run_gpusnap("verify", "--repo", repo)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_a_restore_beside_the_running_container_is_a_fork(ctr_name, tmp_path):
+    _, pid = _start(ctr_name)
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    d = run_json("dump", "--container", ctr_name, "--repo", repo)
+    r = run_json("restore", d["snapshot"], "--repo", repo)
+    assert r["job"] == f"{ctr_name}-fork1" and r["fork_of"] == ctr_name, r
+    _runs_on(pid)                                    # the original keeps running and its name
+    _runs_on(_pid(f"{ctr_name}-fork1"))
+    assert _pid(ctr_name) == pid
+
+
+def test_dump_exit_stops_the_container_and_an_export_restores_it_elsewhere(ctr_name, tmp_path):
+    """--exit leaves the container stopped; the snapshot travels by export/import like any
+    other and restores from the second repository."""
+    _, pid = _start(ctr_name)
+    repo, other = tmp_path / "repo", tmp_path / "other"
+    for r in (repo, other):
+        run_gpusnap("init", "--repo", r, check=True)
+    before = _count(pid)
+    d = run_json("dump", "--container", ctr_name, "--exit", "--repo", repo)
+    assert not d["job_running"]
+    state = _podman("inspect", "-f", "{{.State.Running}}", ctr_name).stdout.strip()
+    assert state == "false", state
+    run_gpusnap("export", d["snapshot"], "--repo", repo, "-o", tmp_path / "c.gsx", check=True)
+    imp = run_json("import", tmp_path / "c.gsx", "--repo", other)
+    _remove(ctr_name)
+    r = run_json("restore", imp["snapshot"], "--repo", other)
+    new = _pid(ctr_name)
+    assert r["pid"] == new > 0
+    _counts_on_from(new, before)
+
+
+def test_container_mode_refusals_say_why(tmp_path):
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    r = run_gpusnap("dump", "--container", "no-such-container-here", "--repo", repo, "--json")
+    assert r.returncode == ProcessNotFound.exit_code and "no Podman container" in r.stdout, r.stdout
+    r = run_gpusnap("dump", "123", "--container", "x", "--repo", repo, "--json")
+    assert r.returncode == UsageError.exit_code and "--container takes no PID" in r.stdout, r.stdout
+
+
+def test_a_container_snapshot_is_restored_by_podman_only(ctr_name, tmp_path):
+    _start(ctr_name)
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    d = run_json("dump", "--container", ctr_name, "--repo", repo)
+    r = run_gpusnap("restore", d["snapshot"], "--repo", repo, "--via", "files", "--json")
+    assert r.returncode == UsageError.exit_code and "Podman restores it" in r.stdout, r.stdout
+    assert not _podman("container", "exists", f"{ctr_name}-fork1").returncode == 0

@@ -209,7 +209,13 @@ def describe(repository, snap) -> dict[str, Any]:
                 sockets.append({"pid": p["pid"], **fd})
     report["files"] = list(seen_files.values())
     report["sockets"] = sockets
-    _restore_verdict(snap, report)
+    if isinstance(meta.get("container"), dict):     # `dump --container`: its paths are the container's
+        report["container"] = {k: str(meta["container"].get(k, "")) for k in ("engine", "id", "name", "image")}
+        for f in report["files"]:
+            f["now_status"], f["now_detail"] = "container", "in the container's own root: Podman restores it"
+        report["file_checks"], report["files_changed"] = [], []
+    else:
+        _restore_verdict(snap, report)
     report["terminal"] = _terminal(snap)
     return report
 

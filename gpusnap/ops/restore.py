@@ -47,7 +47,7 @@ class RestoreResult:
     # stream out of the repository), tmux (a restore into a new tmux session: starting it and
     # gpusnap in its pane)
     phases: dict[str, float] = field(default_factory=dict)
-    via: str = "stream"             # how CRIU got the images: stream, files (plain -D), or lazy
+    via: str = "stream"             # how CRIU got the images: stream, files (plain -D), lazy; podman (a container)
     images: str | None = None       # where image files were written: tmpfs or disk
     notes: list[str] = field(default_factory=list)   # what restore changed (files set aside)
     # established TCP connections in the snapshot came back closed (--tcp-close), and why
@@ -199,6 +199,13 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
             runner.require_privileges("restore")
             info = runner.criu_info()
             repository, snap = locate.open_snapshot(ref, repo)
+            if (snap.manifest.get("meta") or {}).get("container"):     # `dump --container`
+                from gpusnap.ops.restore_container import restore_container  # lazy: it imports RestoreResult
+
+                if via != "auto":
+                    raise UsageError(f"snapshot {snap.path} is of a container: Podman restores it, --via does not apply")
+                with repository.readers_lock():
+                    return restore_container(repository, snap, t0, progress)
             tty = tty_name = None
             terms = terminals(snap)
             if terms:

@@ -32,7 +32,10 @@ def restore(result, o, quiet: bool = False) -> None:
     for note in result.notes:
         o.err.print(f"[yellow]note:[/] {note}")
     o.out.print(result.pid)
-    if result.job and not quiet:
+    if result.job and not quiet and result.via == "podman":
+        beside = f", beside {result.fork_of}, which keeps its name" if result.fork_of else ""
+        o.err.print(f"container {result.job} runs again (PID {result.pid}){beside}", markup=False)
+    elif result.job and not quiet:
         where = f"; its output goes to {result.job_dir}/" if result.job_dir else ""
         if result.fork_of:
             o.err.print(f"job {result.job}: a fork of {result.fork_of}, which still runs and keeps its name{where}",
@@ -161,6 +164,10 @@ def inspect(report: dict[str, Any], o, images: bool = False) -> None:
 
     console = o.out
     snapshot_stats(report, console, images=images)
+    if report.get("container"):
+        c = report["container"]
+        console.print(plain(f"container: {c['engine']} {c['name']} ({c['id'][:12]}), image {c['image'] or '-'}; "
+                            "`gpusnap restore` hands it back to Podman"))
     table = Table(title="processes", box=None, title_justify="left")
     for col in ("pid", "ppid", "command", "threads", "memory", "GPU", "cwd"):
         table.add_column(col, justify="right" if col in ("pid", "ppid", "threads", "memory") else "left")

@@ -5,7 +5,8 @@ cgroup path (libpod-ID, docker-ID.scope or docker/ID, cri-containerd-ID, crio-ID
 the runtime monitor among its ancestors (conmon, containerd-shim), and a mount namespace with
 a root of its own. CRIU run from outside cannot dump such a process (the container's root,
 mounts and network are the engine's: CRIU stops at "doesn't have a proper root mount"), so
-the preflight refuses it before the job is touched and names the engine's own checkpoint.
+the preflight refuses it before the job is touched and names what works: `gpusnap dump
+--container` for Podman (ops/dump_container.py), the engine's own checkpoint for the others.
 Everything is judged against gpusnap's own process: a gpusnap that runs inside the same
 container (or on a machine that is itself a container) sees its jobs as on a host.
 """
@@ -50,8 +51,8 @@ class Container:
     def fix(self) -> str:
         ref = self.short or "CONTAINER"
         if self.engine == "podman":
-            return (f"snapshot it with Podman: `podman container checkpoint --leave-running --export=FILE.tar.gz "
-                    f"{ref}`, restore with `podman container restore --import=FILE.tar.gz`")
+            return (f"snapshot it through Podman's checkpoint: `gpusnap dump --container {ref}` (restored by "
+                    "`gpusnap restore`, into Podman)")
         if self.engine == "docker":
             return f"snapshot it with Docker: `docker checkpoint create --leave-running {ref} NAME` (experimental mode)"
         return "snapshot it with its engine's own checkpoint (it runs CRIU inside the container's view)"

@@ -91,6 +91,7 @@ META_TYPES = {
     "link_remaps": lambda v: isinstance(v, list),
     "gpu": _gpu_ok,
     "imported_from": lambda v: isinstance(v, dict) and isinstance(v.get("id"), str),
+    "container": lambda v: isinstance(v, dict) and all(isinstance(v.get(k), str) for k in ("engine", "id", "name", "image")),
 }
 # numbers the readers format (stats of the manifest and of each pages image)
 STATS_KEYS = ("pages_total", "pages_zero", "pages_dedup", "pages_compressed", "pages_raw", "bytes_raw",

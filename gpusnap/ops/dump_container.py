@@ -1,0 +1,82 @@
+"""`gpusnap dump --container NAME|ID`: a Podman container snapshotted through its engine.
+
+Podman checkpoints the container (CRIU run inside the container's view of mounts and
+namespaces), leaving it running unless --exit, into an uncompressed archive in the
+repository's tmp/. gpusnap stores the archive in a snapshot (repo/archive.py): its pages
+images through the page pipeline, so a container's memory deduplicates across snapshots and
+with other jobs; the rest as data. Nothing is visible before the snapshot's commit, and the
+archive file is removed on every way out. `gpusnap restore` of such a snapshot hands the
+rebuilt archive back to Podman (ops/restore_container.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from gpusnap.errors import GpusnapError, UsageError
+from gpusnap.ops import validate
+from gpusnap.ops.dump import DumpRequest, DumpResult
+from gpusnap.repo import archive, fsutil
+from gpusnap.system import podman
+
+
+def dump_container(req: DumpRequest, container: str, progress=None) -> DumpResult:
+    """Snapshot the container `container` into the repository at req.repo."""
+    from gpusnap.repo import locate, lockwait
+
+    t0 = time.monotonic()
+    validate.check_compress(req.compress)
+    if req.name:
+        validate.check_name(req.name)
+    info = podman.inspect(container)
+    if not info["running"]:
+        raise UsageError(f"container {info['name']} is not running: nothing to checkpoint",
+                         hint="start it (`podman start`), or restore one of its snapshots")
+    name = req.name or validate.default_name(info["name"])
+    repo = locate.open_repository(req.repo, create_at_default=True).wait_for_locks(lockwait.seconds(req.lock_wait))
+    meta = {"container": {k: info[k] for k in ("engine", "id", "name", "image")}, "pid": info["pid"],
+            "leave_running": req.leave_running, "compress": req.compress}
+    phases: dict[str, float] = {}
+    with repo.writer_lock():
+        writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
+        snap = None
+        path, fd = fsutil.create_tmp(repo.path / "tmp", "container-")
+        os.close(fd)
+        try:
+            t = time.monotonic()
+            if progress:
+                progress(0, 0, "frozen")
+            podman.checkpoint(info["id"], str(path), req.leave_running)
+            phases["checkpoint"] = round(time.monotonic() - t, 3)
+            t = time.monotonic()
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                archive.store(writer, f, (lambda n: progress(n, size, "storing")) if progress else None)
+            phases["storing"] = round(time.monotonic() - t, 3)
+            snap = writer.commit(extra_meta={"dump_seconds": time.monotonic() - t0})
+        finally:
+            if snap is None:
+                writer.abort()
+            fsutil.unlink_quiet(path)
+        pruned, warnings, prune_error = _retain(repo, snap.name, req.keep_last)
+    stats = writer.stats
+    return DumpResult(snapshot=str(snap.path), id=snap.id, name=snap.name, pid=info["pid"],
+                      pages_total=stats["pages_total"], pages_zero=stats["pages_zero"],
+                      pages_dedup=stats["pages_dedup"], bytes_raw=stats["bytes_raw"],
+                      bytes_stored=stats["bytes_stored"], seconds=round(time.monotonic() - t0, 3),
+                      job_running=req.leave_running, pruned=pruned, prune_error=prune_error,
+                      prune_warnings=warnings, phases=phases)
+
+
+def _retain(repo, name: str, keep_last: int | None) -> tuple[list[str], list[str], str | None]:
+    """--keep-last after the commit, as a dump of a process applies it."""
+    if not keep_last:
+        return [], [], None
+    from gpusnap.ops import prune
+
+    try:
+        deleted, warnings = prune.retain(repo, name, keep_last)
+    except GpusnapError as e:
+        return [], [], e.message
+    return deleted, warnings, None

@@ -16,7 +16,7 @@ _gpusnap_words() {
         "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
-        "schedule add") echo "--cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
+        "schedule add") echo "--container --cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
         "schedule ls") echo "--help --json -h" ;;
         "schedule rm") echo "--help --json -h" ;;
         "schedule run") echo "--config-dir --help --json -h" ;;
@@ -62,6 +62,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "restore|--via") echo via ;;
         "run|--name") echo name ;;
         "run|--repo") echo dir ;;
+        "schedule add|--container") echo text ;;
         "schedule add|--cron") echo text ;;
         "schedule add|--every") echo text ;;
         "schedule add|--keep-last") echo text ;;

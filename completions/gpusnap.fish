@@ -158,6 +158,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -a run
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -s h
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l container -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help

@@ -18,7 +18,9 @@ import pytest
 
 from conftest import run_gpusnap, run_json, wait_for
 from gpusnap.errors import NotDumpable, ProcessNotFound, UsageError
+from gpusnap.ops import schedule
 from gpusnap.system import containers
+from test_schedule import _run_as_cron, installed_gpusnap, sched_env  # noqa: F401 - fixtures
 
 IMAGE = "localhost/gpusnap-test-mini:1"
 # a counter the test reads through /proc/PID/root: it moves only while the job runs
@@ -102,10 +104,17 @@ def ctr_name(engine_checkpoints):
 
 
 def _count(pid: int) -> int:
-    try:
-        return int((Path(f"/proc/{pid}/root/tmp/count")).read_text().strip() or 0)
-    except (OSError, ValueError):
-        return 0
+    """The job's counter; the shell truncates the file before each write, so an empty read is
+    read again."""
+    for _ in range(200):
+        try:
+            text = Path(f"/proc/{pid}/root/tmp/count").read_text().strip()
+        except OSError:
+            return 0
+        if text:
+            return int(text)
+        time.sleep(0.005)
+    return 0
 
 
 def _counts_on_from(pid: int, before: int) -> None:
@@ -287,3 +296,37 @@ def test_a_container_snapshot_is_restored_by_podman_only(ctr_name, tmp_path):
     r = run_gpusnap("restore", d["snapshot"], "--repo", repo, "--via", "files", "--json")
     assert r.returncode == UsageError.exit_code and "Podman restores it" in r.stdout, r.stdout
     assert not _podman("container", "exists", f"{ctr_name}-fork1").returncode == 0
+
+
+def test_a_schedule_snapshots_a_container_and_follows_it_after_a_restore(ctr_name, sched_env, installed_gpusnap,
+                                                                       tmp_path):
+    """The exact cron line, run as cron runs it: each run dumps the container (pages already
+    stored are not stored again) and keeps the newest 2; with the container gone a run says
+    no-job (exit 5); once `gpusnap restore` brings it back under its name, the runs find it."""
+    _start(ctr_name)
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    p = run_gpusnap("schedule", "add", "--container", ctr_name, "--name", "ctrsched", "--every", "5m",
+                    "--keep-last", "2", "--repo", repo, "--json", env=sched_env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = schedule.load("ctrsched")
+    assert s.container == ctr_name and s.uid == 0 and s.job == f"the container {ctr_name}"
+    for _ in range(3):
+        r = _run_as_cron(s.path)
+        assert r.returncode == 0, r.stdout + r.stderr
+    recs = [json.loads(ln) for ln in open(s.log).read().splitlines()]
+    assert [r["outcome"] for r in recs] == ["ok"] * 3 and all(r["pages_dedup"] > 0 for r in recs[1:]), recs
+    snaps = run_json("ls", "--repo", repo)["snapshots"]
+    assert len(snaps) == 2
+    _remove(ctr_name)
+    r = _run_as_cron(s.path)
+    assert r.returncode == ProcessNotFound.exit_code, r.stdout + r.stderr
+    assert json.loads(open(s.log).read().splitlines()[-1])["outcome"] == "no-job"
+    run_json("restore", snaps[-1]["dir"], "--repo", repo)
+    r = _run_as_cron(s.path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    last = json.loads(open(s.log).read().splitlines()[-1])
+    assert last["outcome"] == "ok" and last["pid"] == _pid(ctr_name), last
+    st = run_json("schedule", "ls", env=sched_env)["schedules"][0]
+    assert st["container"] == ctr_name and st["job_pid"] == _pid(ctr_name) and not st["job_gone"], st
+    run_gpusnap("schedule", "rm", "ctrsched", env=sched_env, check=True)

@@ -53,6 +53,8 @@ def schedule_add(
                                        help="Owner of the job (default: whoever owns what --match finds now); "
                                             "only this user's processes are ever dumped."),
     replace: bool = typer.Option(False, "--replace", help="Overwrite an existing schedule of this name."),
+    container: Optional[str] = typer.Option(None, "--container", metavar="NAME|ID",
+                                            help="Snapshot a Podman container (as `dump --container`)."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
@@ -61,7 +63,7 @@ def schedule_add(
     from gpusnap.render import machine as show
 
     s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
-                     replace=replace)
+                     replace=replace, container=container)
     OUTPUT.emit({**s.to_dict(), "replaced_repo": getattr(s, "replaced_repo", None)},
                 lambda: show.schedule_added(s, OUTPUT))
 

@@ -50,6 +50,13 @@ def default_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]", "-", text).strip("-.+")[:40] or "job"
 
 
+def check_container_ref(ref) -> str:
+    """A container's name or id as Podman takes it (and as a cron line or unit may carry it)."""
+    if not isinstance(ref, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", ref):
+        raise UsageError(f"bad container name or id {ref!r}", hint="give it as `podman ps` shows it")
+    return ref
+
+
 def check_compress(codec: str) -> str:
     if codec not in COMPRESS_CHOICES:
         raise UsageError(f"--compress must be one of {', '.join(COMPRESS_CHOICES)}, not {codec!r}")

@@ -9,6 +9,7 @@ A restore runs the container under the runtime it was checkpointed with (Podman 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -60,9 +61,21 @@ def inspect(ref: str) -> dict:
 
 def checkpoint(ref: str, export: str, leave_running: bool) -> None:
     """Checkpoint the container into the archive `export` (a file or a FIFO: written once, in
-    order, uncompressed, so that its pages can be deduplicated)."""
-    _run(["container", "checkpoint", *(["--leave-running"] if leave_running else []),
-          "--compress", "none", f"--export={export}", ref], "checkpoint the container", CHECKPOINT_TIMEOUT)
+    order, uncompressed, so that its pages can be deduplicated). A failure says what CRIU
+    said: the last errors of the dump.log in the work path the runtime was given."""
+    try:
+        _run(["container", "checkpoint", *(["--leave-running"] if leave_running else []),
+              "--compress", "none", f"--export={export}", ref], "checkpoint the container", CHECKPOINT_TIMEOUT)
+    except ContainerEngineFailed as e:
+        m = re.search(r"--work-path (\S+)", e.message)
+        try:
+            with open(f"{m.group(1)}/dump.log", errors="replace") as f:
+                errs = [ln.strip() for ln in f if "Error" in ln][-3:] if m else []
+        except OSError:
+            errs = []
+        if errs:
+            e.message += "; CRIU: " + " | ".join(errs)
+        raise
 
 
 def restore(archive: str, name: str | None) -> str:

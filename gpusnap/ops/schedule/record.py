@@ -48,6 +48,7 @@ class Schedule:
     log: str = ""
     files: list[str] = field(default_factory=list)    # the cron file, or the unit files
     version: int = SPEC_VERSION
+    container: str | None = None      # `schedule add --container`: a Podman container (root's), by name or id
 
     @property
     def user(self) -> str:
@@ -56,6 +57,8 @@ class Schedule:
     @property
     def job(self) -> str:
         """The job as the user named it, for messages: the pattern as typed (no repr escapes)."""
+        if self.container is not None:
+            return f"the container {self.container}"
         if self.match is None:
             return f"the job named {self.name}"
         return f"the job matching `{self.match}`"
@@ -137,6 +140,8 @@ def load(name: str, d: Path | None = None) -> Schedule:
     validate.check_schedule_name(s.name)
     if s.match is not None:  # None: the job `gpusnap run --name NAME` started
         validate.check_match(s.match)
+    if s.container is not None:
+        validate.check_container_ref(s.container)
     if s.name != name or not isinstance(s.uid, int) or not isinstance(s.keep_last, int) or s.keep_last < 1:
         raise UsageError(f"schedule {p} is damaged")
     return s

@@ -64,7 +64,9 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     rec: dict = {"time": _now_iso(t0), "schedule": s.name, "pid": None}
     error: GpusnapError | None = None
     try:
-        if s.match is None:
+        if s.container is not None:
+            res = _dump_container(s, rec)
+        elif s.match is None:
             from gpusnap.ops import run as run_op
 
             pid = run_op.find(s.name, Path(s.repo)).pid
@@ -72,9 +74,10 @@ def run(name: str, config_dir: Path | None = None) -> dict:
                 raise ProcessNotFound(f"job {s.name} (PID {pid}) no longer runs as {s.user}")
         else:
             pid = validate.find_job(s.match, s.uid)
-        rec["pid"] = pid
-        res = dump(DumpRequest(pid=pid, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
-                               keep_last=s.keep_last))
+        if s.container is None:
+            rec["pid"] = pid
+            res = dump(DumpRequest(pid=pid, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
+                                   keep_last=s.keep_last))
         rec.update({"snapshot": res.snapshot, "id": res.id, "pages_total": res.pages_total,
                     "pages_dedup": res.pages_dedup, "bytes_raw": res.bytes_raw, "bytes_stored": res.bytes_stored,
                     "pruned": len(res.pruned), "dump_seconds": res.seconds})
@@ -113,6 +116,21 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     return rec
 
 
+def _dump_container(s: Schedule, rec: dict):
+    """A run of a container's schedule: no container running under that name or id is a
+    run without its job, as for a process."""
+    from gpusnap.ops.dump import DumpRequest
+    from gpusnap.ops.dump_container import dump_container
+    from gpusnap.system import podman
+
+    info = podman.inspect(s.container)
+    if not info["running"]:
+        raise ProcessNotFound(f"container {s.container} is not running")
+    rec["pid"] = info["pid"]
+    return dump_container(DumpRequest(pid=0, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
+                                      keep_last=s.keep_last), s.container)
+
+
 def _no_job_streak(records: list[dict]) -> int:
     n = 0
     for r in reversed(records):
@@ -130,7 +148,8 @@ def status(s: Schedule, now: float | None = None) -> dict:
     last = recs[-1] if recs else None
     streak = _no_job_streak(recs)
     pid = current_job(s)     # the job now (after a restore, found before the next run)
-    out = {"name": s.name, "backend": s.backend, "when": s.when, "match": s.match, "user": s.user,
+    out = {"name": s.name, "backend": s.backend, "when": s.when, "match": s.match, "container": s.container,
+           "user": s.user,
            "repo": s.repo, "keep_last": s.keep_last, "last_run": last.get("time") if last else None,
            "result": last.get("outcome") if last else None,
            "last_message": last.get("message") if last else None,
@@ -144,6 +163,11 @@ def current_job(s: Schedule) -> int | None:
     """The PID the next run would dump (the named job wherever it was restored, or what
     --match finds among its owner's processes); None when there is none."""
     try:
+        if s.container is not None:
+            from gpusnap.system import podman
+
+            info = podman.inspect(s.container)
+            return info["pid"] if info["running"] else None
         if s.match is None:
             from gpusnap.ops import identity
 

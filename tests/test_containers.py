@@ -10,14 +10,15 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import run_gpusnap, run_json, wait_for
-from gpusnap.errors import NotDumpable, ProcessNotFound, UsageError
+from conftest import GPUSNAP, ROOT, run_gpusnap, run_json, wait_for
+from gpusnap.errors import Interrupted, NotDumpable, ProcessNotFound, UsageError
 from gpusnap.ops import schedule
 from gpusnap.system import containers
 from test_schedule import _run_as_cron, installed_gpusnap, sched_env  # noqa: F401 - fixtures
@@ -330,3 +331,30 @@ def test_a_schedule_snapshots_a_container_and_follows_it_after_a_restore(ctr_nam
     st = run_json("schedule", "ls", env=sched_env)["schedules"][0]
     assert st["container"] == ctr_name and st["job_pid"] == _pid(ctr_name) and not st["job_gone"], st
     run_gpusnap("schedule", "rm", "ctrsched", env=sched_env, check=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_container_dump_interrupted_while_podman_checkpoints_keeps_nothing_and_the_container_runs(
+        ctr_name, tmp_path, sig):
+    """The signal lands while Podman checkpoints: gpusnap lets Podman finish (never kills it in
+    the middle), keeps nothing, leaves no archive behind, and says so (exit 130)."""
+    _, pid = _start(ctr_name)
+    repo = tmp_path / "repo"
+    run_gpusnap("init", "--repo", repo, check=True)
+    p = subprocess.Popen([*GPUSNAP, "dump", "--container", ctr_name, "--repo", str(repo), "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+    def checkpointing() -> bool:
+        kids = _children(p.pid)
+        return any(b"checkpoint" in Path(f"/proc/{k}/cmdline").read_bytes() for k in kids
+                   if Path(f"/proc/{k}/cmdline").exists())
+
+    wait_for(lambda: checkpointing() or p.poll() is not None, "podman's checkpoint to start")
+    assert p.poll() is None, p.communicate()
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == Interrupted.exit_code, out + err
+    assert "no snapshot was kept" in json.loads(out)["message"]
+    assert not any((repo / "snapshots").iterdir())
+    assert not [f for f in (repo / "tmp").iterdir() if f.name.startswith("container-")]
+    _runs_on(pid)

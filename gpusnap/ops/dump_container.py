@@ -14,15 +14,24 @@ from __future__ import annotations
 import os
 import time
 
-from gpusnap.errors import ContainerEngineFailed, GpusnapError, UsageError
+from gpusnap.errors import ContainerEngineFailed, GpusnapError, Interrupted, InterruptedAfterCommit, UsageError
 from gpusnap.ops import validate
 from gpusnap.ops.dump import DumpRequest, DumpResult
 from gpusnap.repo import archive, fsutil
-from gpusnap.system import podman
+from gpusnap.system import interrupt, podman
 
 
 def dump_container(req: DumpRequest, container: str, progress=None) -> DumpResult:
-    """Snapshot the container `container` into the repository at req.repo."""
+    """Snapshot the container `container` into the repository at req.repo. Interrupted
+    (Ctrl-C, SIGTERM, SIGHUP) before the commit, nothing is kept and the container is as
+    Podman leaves it; after the commit, the snapshot is kept and the dump says so."""
+    try:
+        return _dump_container(req, container, progress)
+    except (KeyboardInterrupt, interrupt.Terminated):
+        raise Interrupted("dump interrupted; the container was left to Podman and no snapshot was kept") from None
+
+
+def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResult:
     from gpusnap.repo import locate, lockwait
 
     t0 = time.monotonic()
@@ -38,7 +47,7 @@ def dump_container(req: DumpRequest, container: str, progress=None) -> DumpResul
     meta = {"container": {k: info[k] for k in ("engine", "id", "name", "image")}, "pid": info["pid"],
             "leave_running": req.leave_running, "compress": req.compress}
     phases: dict[str, float] = {}
-    with repo.writer_lock():
+    with interrupt.as_exception(), repo.writer_lock():
         writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
         snap = None
         path, fd = fsutil.create_tmp(repo.path / "tmp", "container-")
@@ -66,7 +75,13 @@ def dump_container(req: DumpRequest, container: str, progress=None) -> DumpResul
             if snap is None:
                 writer.abort()
             fsutil.unlink_quiet(path)
-        pruned, warnings, prune_error = _retain(repo, snap.name, req.keep_last)
+        try:
+            pruned, warnings, prune_error = _retain(repo, snap.name, req.keep_last)
+        except (KeyboardInterrupt, interrupt.Terminated):
+            raise InterruptedAfterCommit(f"dump interrupted after the commit: snapshot {snap.path} is kept "
+                                         "(listed and restorable); --keep-last retention did not finish",
+                                         hint=f"prune with `gpusnap prune --keep-last {req.keep_last} --name {snap.name}`",
+                                         snapshot=str(snap.path)) from None
     stats = writer.stats
     return DumpResult(snapshot=str(snap.path), id=snap.id, name=snap.name, pid=info["pid"],
                       pages_total=stats["pages_total"], pages_zero=stats["pages_zero"],

@@ -27,11 +27,23 @@ def _podman() -> str:
 
 
 def _run(args: list[str], what: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """podman ARGS, in a session of its own (a Ctrl-C meant for gpusnap never reaches it).
+    Interrupted, gpusnap still waits for it: killed in the middle of a checkpoint, Podman could
+    leave the container frozen; ended, it leaves it running (or as --exit asked)."""
+    p = subprocess.Popen([_podman(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        r = subprocess.run([_podman(), *args], capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
+        out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise ContainerEngineFailed(f"podman did not finish {what} within {timeout:.0f} s") from None
+        raise ContainerEngineFailed(f"podman did not finish {what} within {timeout:.0f} s (it goes on)") from None
+    except BaseException:
+        while p.poll() is None:
+            try:
+                p.wait()
+            except BaseException:   # (a second signal while waiting: still never kill it)
+                pass
+        raise
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise ContainerEngineFailed(f"podman could not {what}: {last}")

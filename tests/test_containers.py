@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -225,7 +226,23 @@ def test_a_container_dumped_killed_and_restored_counts_on_from_where_it_was(ctr_
     repo = tmp_path / "repo"
     run_gpusnap("init", "--repo", repo, check=True)
     before = _count(pid)
-    d = run_json("dump", "--container", ctr_name, "--repo", repo)
+    # Podman writes the archive by its path, as root: never in REPO/tmp, which the repository's
+    # owner (maybe another user) could fill with links
+    seen, stop = set(), threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.update(os.listdir(repo / "tmp"))
+            time.sleep(0.002)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        d = run_json("dump", "--container", ctr_name, "--repo", repo)
+    finally:
+        stop.set()
+        w.join()
+    assert not [n for n in seen if n.startswith("container") or n.endswith(".tar")], seen
     assert d["name"] == ctr_name and d["job_running"] and d["pages_total"] > 0, d
     _runs_on(pid)                                    # --leave-running: it went on
     _remove(ctr_name)                                # the crash

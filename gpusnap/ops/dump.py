@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.system import hostlock, proc, tmpdirs
-from gpusnap.ops import dump_parts as parts, identity, preflight, validate
+from gpusnap.ops import dump_parts as parts, identity, preflight, prune, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
@@ -92,15 +92,6 @@ class DumpResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
-    """Keep the newest `keep_last` snapshots of `name` (the caller holds the writer lock;
-    prune.retain takes the rest through prune's one lock policy). Returns (snapshot ids
-    deleted, warnings: unreadable entries skipped, data kept because of them). Raises on failure."""
-    from gpusnap.ops import prune
-
-    return prune.retain(repo, name, keep_last)
 
 
 def retention_error(result: "DumpResult") -> GpusnapError | None:
@@ -339,12 +330,9 @@ class DumpSession:
         if not self.req.keep_last:
             return
         self.retention_started = True
-        try:
-            self.pruned, self.prune_warnings = _retain(self.repo, self.snap.name, self.req.keep_last)
-        except GpusnapError as e:  # the snapshot is safe: say so, and exit non-zero (cli)
-            self.prune_error = e.message
-        except OSError as e:
-            self.prune_error = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+        # the snapshot is safe: a failure is said, and the command exits non-zero (cli)
+        self.pruned, self.prune_warnings, self.prune_error = prune.retain_after_commit(
+            self.repo, self.snap.name, self.req.keep_last)
         self.phase("retention")
 
     def _interrupted(self) -> None:

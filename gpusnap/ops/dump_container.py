@@ -1,8 +1,9 @@
 """`gpusnap dump --container NAME|ID`: a Podman container snapshotted through its engine.
 
 Podman checkpoints the container (CRIU run inside the container's view of mounts and
-namespaces), leaving it running unless --exit, into an uncompressed archive in the
-repository's tmp/. gpusnap stores the archive in a snapshot (repo/archive.py): its pages
+namespaces), leaving it running unless --exit, into an uncompressed archive in a private
+work directory of gpusnap's (never in the repository's tmp/: Podman writes the file by its
+path, as root, and the repository may belong to a user who could put a link there). gpusnap stores the archive in a snapshot (repo/archive.py): its pages
 images through the page pipeline, so a container's memory deduplicates across snapshots and
 with other jobs; the rest as data. Nothing is visible before the snapshot's commit, and the
 archive file is removed on every way out. `gpusnap restore` of such a snapshot hands the
@@ -11,14 +12,14 @@ rebuilt archive back to Podman (ops/restore_container.py).
 
 from __future__ import annotations
 
-import os
+import shutil
 import time
 
-from gpusnap.errors import ContainerEngineFailed, GpusnapError, Interrupted, InterruptedAfterCommit, UsageError
-from gpusnap.ops import validate
+from gpusnap.errors import ContainerEngineFailed, Interrupted, InterruptedAfterCommit, UsageError
+from gpusnap.ops import prune, validate
 from gpusnap.ops.dump import DumpRequest, DumpResult
-from gpusnap.repo import archive, fsutil
-from gpusnap.system import interrupt, podman
+from gpusnap.repo import archive
+from gpusnap.system import interrupt, podman, tmpdirs
 
 
 def dump_container(req: DumpRequest, container: str, progress=None) -> DumpResult:
@@ -50,8 +51,8 @@ def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResu
     with interrupt.as_exception(), repo.writer_lock():
         writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
         snap = None
-        path, fd = fsutil.create_tmp(repo.path / "tmp", "container-")
-        os.close(fd)
+        work = tmpdirs.make(tmpdirs.DUMP)
+        path = work / "checkpoint.tar"
         try:
             t = time.monotonic()
             if progress:
@@ -74,9 +75,9 @@ def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResu
         finally:
             if snap is None:
                 writer.abort()
-            fsutil.unlink_quiet(path)
+            shutil.rmtree(work, ignore_errors=True)
         try:
-            pruned, warnings, prune_error = _retain(repo, snap.name, req.keep_last)
+            pruned, warnings, prune_error = prune.retain_after_commit(repo, snap.name, req.keep_last)
         except (KeyboardInterrupt, interrupt.Terminated):
             raise InterruptedAfterCommit(f"dump interrupted after the commit: snapshot {snap.path} is kept "
                                          "(listed and restorable); --keep-last retention did not finish",
@@ -89,16 +90,3 @@ def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResu
                       bytes_stored=stats["bytes_stored"], seconds=round(time.monotonic() - t0, 3),
                       job_running=req.leave_running, pruned=pruned, prune_error=prune_error,
                       prune_warnings=warnings, phases=phases)
-
-
-def _retain(repo, name: str, keep_last: int | None) -> tuple[list[str], list[str], str | None]:
-    """--keep-last after the commit, as a dump of a process applies it."""
-    if not keep_last:
-        return [], [], None
-    from gpusnap.ops import prune
-
-    try:
-        deleted, warnings = prune.retain(repo, name, keep_last)
-    except GpusnapError as e:
-        return [], [], e.message
-    return deleted, warnings, None

@@ -6,7 +6,7 @@ part), then lift the network locks only the deleted snapshots needed
 
 from __future__ import annotations
 
-from gpusnap.errors import UsageError
+from gpusnap.errors import GpusnapError, UsageError
 
 
 def check_retention(keep_last: int | None, name: str | None, all_: bool, what: str) -> None:
@@ -33,6 +33,20 @@ def check_args(keep_last: int | None, name: str | None, all_: bool) -> int | Non
         keep_last = 0
         check_retention(keep_last, name, all_, "prune")
     return keep_last
+
+
+def retain_after_commit(repo, name: str, keep_last: int | None) -> tuple[list[str], list[str], str | None]:
+    """A dump's --keep-last right after its commit: (ids deleted, warnings, the failure's
+    message or None). A failure never undoes the snapshot: the dump reports it (exit 30)."""
+    if not keep_last:
+        return [], [], None
+    try:
+        deleted, warnings = retain(repo, name, keep_last)
+    except GpusnapError as e:
+        return [], [], e.message
+    except OSError as e:
+        return [], [], f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+    return deleted, warnings, None
 
 
 def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:

@@ -74,8 +74,10 @@ def _live_connections() -> set[tuple[str, str]]:
     from gpusnap.system import sockets
 
     rows = sockets.host_tcp()
-    # a peer that closed or died leaves an orphan (inode 0) in FIN_WAIT: that end is gone
-    return {(r["local"], r["remote"]) for r in rows if r["state"] == "ESTABLISHED" and r["inode"]}
+    # a peer that died leaves an orphan (inode 0) in FIN_WAIT or TIME_WAIT: that end is gone;
+    # one that only shut down its half (CLOSE_WAIT, FIN_WAIT2, LAST_ACK, CLOSING) still holds it
+    return {(r["local"], r["remote"]) for r in rows
+            if r["state"] not in ("LISTEN", "TIME_WAIT", "CLOSE") and r["inode"]}
 
 
 def peers_gone(conns: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -98,6 +100,9 @@ def restore_tcp_close(conns: list[dict[str, Any]], requested: bool) -> tuple[boo
         return False, None
     if requested:
         return True, "--tcp-close"
+    # a connection already reset (CLOSE) has no peer to lose: CRIU restores it as it was, and
+    # refuses it under --tcp-close ("Connected TCP socket in image")
+    conns = [c for c in conns if c.get("state") != "CLOSE"]
     live = _live_connections()
     held = [c for c in conns if (c["local"], c["remote"]) in live]
     if held:  # the original job still runs with it (a restore beside it, as a fork)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpusnap.criu import netlock
-from gpusnap.system import containers, filelocks, proc, sockets, sysvipc
+from gpusnap.system import containers, filelocks, proc, sockets, sysvipc, undumpable
 # re-exported: doctor and its tests read these here
 from gpusnap.system.sockets import decode_addr, parse_proc_net_tcp, parse_ss_unix  # noqa: F401
 from gpusnap.errors import CriuUnavailable, GpusnapError, NotDumpable, NotRoot, ProcessNotFound, UsageError
@@ -212,7 +212,19 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_c
     for status, detail, fix in sysvipc.check(pids):
         plan.add("SysV IPC", status, detail, fix)
     _check_deleted(plan, pids)
+    _check_undumpable(plan, pids)
     return plan
+
+
+def _check_undumpable(plan: Plan, pids: list[int]) -> None:
+    """Kernel states CRIU would refuse once the tree is frozen (gpusnap/system/undumpable.py)."""
+    inodes = set().union(*(sockets.socket_inodes(p) for p in pids)) if pids else set()
+    opts, found = undumpable.tcp_in_flight(pids, plan.listening)
+    plan.option(*opts, restore=False)      # a dump option only: nothing of them is restored
+    found += undumpable.pending_sigtrap(pids) + undumpable.nested_timens(pids)
+    found += undumpable.corked_udp(pids, inodes) if inodes else []
+    for name, status, detail, fix in found:
+        plan.add(name, status, detail, fix)
 
 
 def _check_deleted(plan: Plan, pids: list[int]) -> None:

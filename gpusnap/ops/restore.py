@@ -304,6 +304,8 @@ def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0)
     tcp = _tcp(snap, tcp_close)
     if tcp.closed and not tcp.dumped_closed:
         flags.append("--tcp-close")
+    elif "--tcp-established" not in flags and "--tcp-close" not in flags and restore_needs.reset_tcp(snap):
+        flags.append("--tcp-established")
     hugetlb = restore_needs.snapshot_hugetlb_bytes(snap)
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)

@@ -8,6 +8,11 @@ pages data (-29)") and the snapshot cannot be restored; from image files it work
 records how much hugetlb memory the tree maps (`meta.hugetlb_bytes`, docs/format.md), and
 restore chooses the files path for such snapshots. Snapshots without the field (older ones)
 are answered from their mm images.
+
+A TCP socket that was connected and then reset (state CLOSE, a peer address kept) is not in
+/proc/net/tcp, so the dump's preflight cannot see it; CRIU dumps it all the same, and its
+restore then refuses it without --tcp-established ("Connected TCP socket in image"). The
+restore reads such sockets from files.img (`reset_tcp`).
 """
 
 from __future__ import annotations
@@ -91,3 +96,16 @@ def hugepage_pool() -> tuple[int, int, int] | None:
         return None
     return vals["HugePages_Total"], vals["HugePages_Free"], vals["Hugepagesize"] * 1024
 
+
+
+TCP_CLOSE = 7
+
+
+def reset_tcp(snap) -> bool:
+    """Whether the snapshot holds a TCP socket that was connected and is closed now (reset):
+    CRIU restores it only with --tcp-established."""
+    for e in images.decoded(snap, "files.img") or []:
+        isk = e.get("isk") if e.get("type") == "INETSK" else None
+        if isk and isk.get("proto") == 6 and isk.get("state") == TCP_CLOSE and isk.get("dst_port"):
+            return True
+    return False

@@ -7,6 +7,7 @@
 #   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
 #   podman runc                          a real container the preflight must recognise (test_containers)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
+#   python3-protobuf                     the zdtm hooks import CRIU's pycriu with Debian's python3
 # Their services are never started or enabled by this: the tests start their own instances on
 # 127.0.0.1 and stop them by PID.
 set -euo pipefail
@@ -16,7 +17,7 @@ want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
          /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
          /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron /usr/bin/podman:podman \
-         /usr/sbin/runc:runc; do
+         /usr/sbin/runc:runc /usr/lib/python3/dist-packages/google/protobuf/__init__.py:python3-protobuf; do
   [ -x "${t%%:*}" ] || want+=("${t#*:}")
 done
 zdtm() {

@@ -6,6 +6,7 @@
 #   tmux screen                          terminal jobs restored into panes (test_restore_terminal)
 #   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
 #   podman runc                          a real container the preflight must recognise (test_containers)
+#   docker.io                            a dockerd the Docker tests start on their own socket (test_docker)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
 # Their services are never started or enabled by this: the tests start their own instances on
 # 127.0.0.1 and stop them by PID.
@@ -16,7 +17,7 @@ want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
          /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
          /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron /usr/bin/podman:podman \
-         /usr/sbin/runc:runc; do
+         /usr/sbin/runc:runc /usr/sbin/dockerd:docker.io; do
   [ -x "${t%%:*}" ] || want+=("${t#*:}")
 done
 zdtm() {
@@ -46,6 +47,10 @@ if [ -d /run/systemd/system ]; then
   for p in "${want[@]}"; do
     case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
   done
+fi
+# docker.io's units are docker.socket and docker.service (the tests start a dockerd of their own)
+if [ -d /run/systemd/system ] && [[ " ${want[*]} " == *" docker.io "* ]]; then
+  systemctl disable --quiet docker.socket docker.service >/dev/null 2>&1 || true
 fi
 rm -f "$log"
 zdtm

@@ -252,7 +252,7 @@ def test_a_schedule_of_a_docker_container_runs_from_cron_without_docker_host(ctr
     run_gpusnap("schedule", "rm", "dksched", env=sched_env, check=True)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_dump_interrupted_while_docker_checkpoints_keeps_nothing_and_the_container_runs(ctr, tmp_path, sig):
     name, pid = ctr
     repo = tmp_path / "repo"

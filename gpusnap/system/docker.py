@@ -39,25 +39,15 @@ def _docker() -> str:
 
 def inspect(ref: str) -> dict:
     """`docker container inspect REF`: id, name, image, whether it runs, and its root PID."""
-    r = engine_cli.query([_docker(), "container", "inspect", ref])
-    if r is None:
-        raise ContainerEngineFailed("docker did not answer `container inspect` within 60 s")
-    if r.returncode != 0:
-        unreachable = "Cannot connect to the Docker daemon" in r.stderr
-        raise ProcessNotFound(f"no Docker container {ref!r}" + (" (no Docker daemon answers)" if unreachable else ""),
-                              hint="list them with `docker ps -a`" if not unreachable
-                              else "start dockerd, or set DOCKER_HOST to its socket")
-    try:
-        c = json.loads(r.stdout)[0]
-        state = c.get("State") or {}
-        cid = str(c["Id"])
-        if not _HEX_ID.fullmatch(cid):
-            raise ValueError(f"id {cid!r}")
-        return {"engine": NAME, "id": cid, "name": str(c["Name"]).lstrip("/"),
-                "image": str((c.get("Config") or {}).get("Image") or c.get("Image") or ""),
-                "running": bool(state.get("Running")), "pid": int(state.get("Pid") or 0)}
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise ContainerEngineFailed(f"docker's `container inspect {ref}` gave no container: {e}") from None
+    return engine_cli.inspect(_docker(), NAME, ref, lambda c: (c.get("Config") or {}).get("Image") or c.get("Image"),
+                              lambda err: _missing(ref, "Cannot connect to the Docker daemon" in err))
+
+
+def _missing(ref: str, unreachable: bool) -> ProcessNotFound:
+    if unreachable:
+        return ProcessNotFound(f"no Docker container {ref!r} (no Docker daemon answers)",
+                               hint="start dockerd, or set DOCKER_HOST to its socket")
+    return ProcessNotFound(f"no Docker container {ref!r}", hint="list them with `docker ps -a`")
 
 
 def exists(ref: str) -> bool:

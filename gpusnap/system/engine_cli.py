@@ -7,6 +7,8 @@ through unchanged: DOCKER_HOST, CONTAINER_HOST and the engines' contexts pick th
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -54,6 +56,28 @@ def query(argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return None
+
+
+def inspect(exe: str, engine: str, ref: str, image: Callable[[dict], object],
+            missing: Callable[[str], Exception]) -> dict:
+    """`ENGINE container inspect REF` as every engine module answers it: {engine, id, name,
+    image, running, pid}. `image` picks the image's name from the engine's JSON; `missing`
+    makes the error for no such container from what the engine said."""
+    r = query([exe, "container", "inspect", ref])
+    if r is None:
+        raise ContainerEngineFailed(f"{engine} did not answer `container inspect` within 60 s")
+    if r.returncode != 0:
+        raise missing(r.stderr)
+    try:
+        c = json.loads(r.stdout)[0]
+        state = c.get("State") or {}
+        cid = str(c["Id"])
+        if not re.fullmatch(r"[0-9a-f]{64}", cid):
+            raise ValueError(f"id {cid!r}")
+        return {"engine": engine, "id": cid, "name": str(c["Name"]).lstrip("/"), "image": str(image(c) or ""),
+                "running": bool(state.get("Running")), "pid": int(state.get("Pid") or 0)}
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ContainerEngineFailed(f"{engine}'s `container inspect {ref}` gave no container: {e}") from None
 
 
 def criu_errors(log: str, limit: int = 3) -> list[str]:

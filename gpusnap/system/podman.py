@@ -8,7 +8,6 @@ A restore runs the container under the runtime it was checkpointed with (Podman 
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -25,19 +24,9 @@ def _podman() -> str:
 
 def inspect(ref: str) -> dict:
     """`podman container inspect REF`: id, name, image, whether it runs, and its root PID."""
-    r = engine_cli.query([_podman(), "container", "inspect", ref])
-    if r is None:
-        raise ContainerEngineFailed("podman did not answer `container inspect` within 60 s")
-    if r.returncode != 0:
-        raise ProcessNotFound(f"no Podman container {ref!r}", hint="list them with `podman ps`")
-    try:
-        c = json.loads(r.stdout)[0]
-        state = c.get("State") or {}
-        return {"engine": "podman", "id": str(c["Id"]), "name": str(c["Name"]).lstrip("/"),
-                "image": str(c.get("ImageName") or c.get("Image") or ""),
-                "running": bool(state.get("Running")), "pid": int(state.get("Pid") or 0)}
-    except (ValueError, KeyError, IndexError, TypeError) as e:
-        raise ContainerEngineFailed(f"podman's `container inspect {ref}` gave no container: {e}") from None
+    return engine_cli.inspect(_podman(), NAME, ref, lambda c: c.get("ImageName") or c.get("Image"),
+                              lambda err: ProcessNotFound(f"no Podman container {ref!r}",
+                                                          hint="list them with `podman ps`"))
 
 
 def capture(ref: str, work: Path, leave_running: bool) -> engine_cli.Capture:

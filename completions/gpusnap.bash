@@ -3,7 +3,7 @@ _gpusnap_words() {
     case "$1" in
         "") echo "doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify --help --repo --version -h" ;;
         "doctor") echo "--help --json --repo --unlock-network -h" ;;
-        "dump") echo "--compress --container --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
+        "dump") echo "--compress --container --engine --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune --repo -h -n" ;;
         "import") echo "--help --json --lock-wait --repo -h" ;;
@@ -16,7 +16,7 @@ _gpusnap_words() {
         "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
-        "schedule add") echo "--container --cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
+        "schedule add") echo "--container --cron --engine --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
         "schedule ls") echo "--help --json -h" ;;
         "schedule rm") echo "--help --json -h" ;;
         "schedule run") echo "--config-dir --help --json -h" ;;
@@ -30,6 +30,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "doctor|--repo") echo dir ;;
         "dump|--compress") echo codec ;;
         "dump|--container") echo text ;;
+        "dump|--engine") echo engine ;;
         "dump|--gpu-lock-timeout") echo text ;;
         "dump|--keep-last") echo text ;;
         "dump|--lock-wait") echo text ;;
@@ -64,6 +65,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "run|--repo") echo dir ;;
         "schedule add|--container") echo text ;;
         "schedule add|--cron") echo text ;;
+        "schedule add|--engine") echo engine ;;
         "schedule add|--every") echo text ;;
         "schedule add|--keep-last") echo text ;;
         "schedule add|--match") echo text ;;
@@ -127,6 +129,7 @@ _gpusnap() {
     case "$(_gpusnap_value_kind "$cpath" "$prev")" in
         codec) COMPREPLY=($(compgen -W "auto lz4 zstd shuffle4-zstd shuffle2-zstd none" -- "$cur")); return ;;
         via) COMPREPLY=($(compgen -W "auto stream files lazy" -- "$cur")); return ;;
+        engine) COMPREPLY=($(compgen -W "docker podman" -- "$cur")); return ;;
         name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;
         schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;
         dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;

@@ -60,6 +60,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l compress -x -a 'auto lz4 zstd shuffle4-zstd shuffle2-zstd none'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l container -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l engine -x -a 'docker podman'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l gpu-lock-timeout -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
@@ -160,6 +161,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l container -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron -x
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l engine -x -a 'docker podman'
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l json

@@ -6,6 +6,7 @@
 #   tmux screen                          terminal jobs restored into panes (test_restore_terminal)
 #   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
 #   podman runc                          a real container the preflight must recognise (test_containers)
+#   docker.io                            a dockerd the Docker tests start on their own socket (test_docker)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
 #   python3-protobuf                     the zdtm hooks import CRIU's pycriu with Debian's python3
 # Their services are never started or enabled by this: the tests start their own instances on
@@ -17,8 +18,9 @@ want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
          /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
          /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron /usr/bin/podman:podman \
-         /usr/sbin/runc:runc /usr/lib/python3/dist-packages/google/protobuf/__init__.py:python3-protobuf; do
-  [ -x "${t%%:*}" ] || want+=("${t#*:}")
+         /usr/sbin/runc:runc /usr/sbin/dockerd:docker.io \
+         /usr/lib/python3/dist-packages/google/protobuf/__init__.py:python3-protobuf; do
+  [ -e "${t%%:*}" ] || want+=("${t#*:}")   # (-e: python3-protobuf is a module, not a program)
 done
 zdtm() {
   # CRIU's own tests (tests/zdtm): fetched and built here, so that the suite runs them; one that
@@ -47,6 +49,10 @@ if [ -d /run/systemd/system ]; then
   for p in "${want[@]}"; do
     case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
   done
+fi
+# docker.io's units are docker.socket and docker.service (the tests start a dockerd of their own)
+if [ -d /run/systemd/system ] && [[ " ${want[*]} " == *" docker.io "* ]]; then
+  systemctl disable --quiet docker.socket docker.service >/dev/null 2>&1 || true
 fi
 rm -f "$log"
 zdtm

@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from gpusnap.completion import VIAS
+from gpusnap.completion import ENGINES, VIAS
 from gpusnap.ops import restore
 
 COMPLETIONS = Path(__file__).resolve().parent.parent / "completions"
@@ -16,6 +16,12 @@ COMPLETIONS = Path(__file__).resolve().parent.parent / "completions"
 
 def test_the_via_choices_are_restores():
     assert VIAS == restore.VIAS
+
+
+def test_the_engine_choices_are_the_engines_gpusnap_drives():
+    from gpusnap.system import engines
+
+    assert sorted(ENGINES) == sorted(engines.ENGINES)
 
 
 def _repo(tmp_path: Path) -> Path:
@@ -44,6 +50,7 @@ def test_via_and_name_complete_in_bash(tmp_path):
     r = _repo(tmp_path)
     assert _bash(["gpusnap", "restore", "--via", ""]) == ["auto", "files", "lazy", "stream"]
     assert _bash(["gpusnap", "restore", "--via", "f"]) == ["files"]
+    assert _bash(["gpusnap", "dump", "--engine", ""]) == ["docker", "podman"]
     assert _bash(["gpusnap", "dump", "--repo", str(r), "--name", ""]) == ["fold", "sweep", "train"]
     assert _bash(["gpusnap", "schedule", "add", "--repo", str(r), "--name", "f"]) == ["fold"]
 

@@ -301,7 +301,7 @@ def test_container_mode_refusals_say_why(tmp_path):
     repo = tmp_path / "repo"
     run_gpusnap("init", "--repo", repo, check=True)
     r = run_gpusnap("dump", "--container", "no-such-container-here", "--repo", repo, "--json")
-    assert r.returncode == ProcessNotFound.exit_code and "no Podman container" in r.stdout, r.stdout
+    assert r.returncode == ProcessNotFound.exit_code and re.search(r"no Podman (or Docker )?container", r.stdout), r.stdout
     r = run_gpusnap("dump", "123", "--container", "x", "--repo", repo, "--json")
     assert r.returncode == UsageError.exit_code and "--container takes no PID" in r.stdout, r.stdout
 

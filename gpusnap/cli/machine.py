@@ -54,7 +54,9 @@ def schedule_add(
                                             "only this user's processes are ever dumped."),
     replace: bool = typer.Option(False, "--replace", help="Overwrite an existing schedule of this name."),
     container: Optional[str] = typer.Option(None, "--container", metavar="NAME|ID",
-                                            help="Snapshot a Podman container (as `dump --container`)."),
+                                            help="Snapshot a Podman or Docker container (as `dump --container`)."),
+    engine: Optional[str] = typer.Option(None, "--engine", metavar="podman|docker",
+                                         help="With --container: the engine that has it (default: the one that knows it)."),
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
 ) -> None:
@@ -63,7 +65,7 @@ def schedule_add(
     from gpusnap.render import machine as show
 
     s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
-                     replace=replace, container=container)
+                     replace=replace, container=container, engine=engine)
     OUTPUT.emit({**s.to_dict(), "replaced_repo": getattr(s, "replaced_repo", None)},
                 lambda: show.schedule_added(s, OUTPUT))
 

@@ -19,7 +19,9 @@ from gpusnap.render.output import OUTPUT
 def dump(
     pid: Optional[int] = typer.Argument(None, help="Root of the process tree to snapshot."),
     container: Optional[str] = typer.Option(None, "--container", metavar="NAME|ID",
-                                            help="Snapshot a Podman container through Podman's checkpoint."),
+                                            help="Snapshot a Podman or Docker container through its engine's checkpoint."),
+    engine: Optional[str] = typer.Option(None, "--engine", metavar="podman|docker",
+                                         help="With --container: the engine that has it (default: the one that knows it)."),
     match: Optional[str] = typer.Option(None, "--match", metavar="PATTERN",
                                         help="Find the job by a regular expression on its command line."),
     pidfile: Optional[Path] = typer.Option(None, "--pidfile", metavar="FILE", readable=False,
@@ -60,6 +62,8 @@ def dump(
         raise UsageError("--user only narrows --match")
     if tcp_close and tcp_established:
         raise UsageError("--tcp-close and --tcp-established contradict each other", hint="give one of them")
+    if engine is not None and container is None:
+        raise UsageError("--engine only says whose --container it is")
     if container is not None:
         from gpusnap.ops.dump_container import dump_container
 
@@ -67,11 +71,11 @@ def dump(
                                 ("--tcp-established", tcp_established), ("--staging-budget", staging_budget),
                                 ("--gpu-lock-timeout", lock_timeout)) if v]
         if given:
-            raise UsageError(f"--container takes no {', '.join(given)}: Podman's checkpoint decides them")
+            raise UsageError(f"--container takes no {', '.join(given)}: the engine's checkpoint decides them")
         req = DumpRequest(pid=0, repo=repo_path(repo), name=name, leave_running=not exit_, compress=compress,
                           keep_last=keep_last, lock_wait=lock_wait)
         result = with_progress(f"dumping container {container}", not (json_ or quiet),
-                               lambda **kw: dump_container(req, container, **kw))
+                               lambda **kw: dump_container(req, container, engine=engine, **kw))
         OUTPUT.emit(result, lambda: show.dump(result, OUTPUT, quiet=quiet), failure=retention_error(result))
         return
     target = resolve_pid(pid, match, pidfile, user, name, repo)

@@ -1,13 +1,16 @@
-"""`gpusnap dump --container NAME|ID`: a Podman container snapshotted through its engine.
+"""`gpusnap dump --container NAME|ID`: a Podman or Docker container snapshotted through its engine
+(system/engines.py picks the one that has the container; --engine forces one).
 
-Podman checkpoints the container (CRIU run inside the container's view of mounts and
-namespaces), leaving it running unless --exit, into an uncompressed archive in a private
-work directory of gpusnap's (never in the repository's tmp/: Podman writes the file by its
-path, as root, and the repository may belong to a user who could put a link there). gpusnap stores the archive in a snapshot (repo/archive.py): its pages
-images through the page pipeline, so a container's memory deduplicates across snapshots and
-with other jobs; the rest as data. Nothing is visible before the snapshot's commit, and the
-archive file is removed on every way out. `gpusnap restore` of such a snapshot hands the
-rebuilt archive back to Podman (ops/restore_container.py).
+The engine checkpoints the container (CRIU run inside the container's view of mounts and
+namespaces), leaving it running unless --exit. Podman writes an uncompressed archive into a
+private work directory of gpusnap's (never in the repository's tmp/: Podman writes the file by
+its path, as root, and the repository may belong to a user who could put a link there);
+Docker writes CRIU's image directory into its own data root (system/docker.py). gpusnap
+stores either in a snapshot in the one archive form (repo/archive.py): its pages images
+through the page pipeline, so a container's memory deduplicates across snapshots and with
+other jobs; the rest as data. Nothing is visible before the snapshot's commit, and the
+archive file or Docker's checkpoint is removed on every way out. `gpusnap restore` of such a
+snapshot hands the checkpoint back to the engine (ops/restore_container.py).
 """
 
 from __future__ import annotations
@@ -19,30 +22,32 @@ from gpusnap.errors import ContainerEngineFailed, Interrupted, InterruptedAfterC
 from gpusnap.ops import prune, validate
 from gpusnap.ops.dump import DumpRequest, DumpResult
 from gpusnap.repo import archive
-from gpusnap.system import interrupt, podman, tmpdirs
+from gpusnap.system import engines, interrupt, tmpdirs
 
 
-def dump_container(req: DumpRequest, container: str, progress=None) -> DumpResult:
+def dump_container(req: DumpRequest, container: str, progress=None, engine: str | None = None) -> DumpResult:
     """Snapshot the container `container` into the repository at req.repo. Interrupted
     (Ctrl-C, SIGTERM, SIGHUP) before the commit, nothing is kept and the container is as
-    Podman leaves it; after the commit, the snapshot is kept and the dump says so."""
+    its engine leaves it; after the commit, the snapshot is kept and the dump says so."""
+    validate.check_container_ref(container)
+    eng = engines.find(container, engine)
     try:
-        return _dump_container(req, container, progress)
+        return _dump_container(req, container, eng, progress)
     except (KeyboardInterrupt, interrupt.Terminated):
-        raise Interrupted("dump interrupted; the container was left to Podman and no snapshot was kept") from None
+        raise Interrupted(f"dump interrupted; the container was left to {eng.TITLE} and no snapshot was kept") from None
 
 
-def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResult:
+def _dump_container(req: DumpRequest, container: str, eng, progress=None) -> DumpResult:
     from gpusnap.repo import locate, lockwait
 
     t0 = time.monotonic()
     validate.check_compress(req.compress)
     if req.name:
         validate.check_name(req.name)
-    info = podman.inspect(container)
+    info = eng.inspect(container)
     if not info["running"]:
         raise UsageError(f"container {info['name']} is not running: nothing to checkpoint",
-                         hint="start it (`podman start`), or restore one of its snapshots")
+                         hint=f"start it (`{eng.NAME} start`), or restore one of its snapshots")
     name = req.name or validate.default_name(info["name"])
     repo = locate.open_repository(req.repo, create_at_default=True).wait_for_locks(lockwait.seconds(req.lock_wait))
     meta = {"container": {k: info[k] for k in ("engine", "id", "name", "image")}, "pid": info["pid"],
@@ -52,29 +57,22 @@ def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResu
         writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
         snap = None
         work = tmpdirs.make(tmpdirs.DUMP)
-        path = work / "checkpoint.tar"
+        cap = None
         try:
             t = time.monotonic()
             if progress:
                 progress(0, 0, "frozen")
-            try:
-                podman.checkpoint(info["id"], str(path), req.leave_running)
-            except ContainerEngineFailed:
-                # runc's checkpoint failed here now and then under load (about 1 in 100, its
-                # dump.log gone with it); CRIU resumed the container, so once more is safe
-                if not podman.inspect(info["id"])["running"]:
-                    raise
-                podman.checkpoint(info["id"], str(path), req.leave_running)
+            cap = _checkpoint(eng, info, work, req.leave_running)
             phases["checkpoint"] = round(time.monotonic() - t, 3)
             t = time.monotonic()
-            size = path.stat().st_size
-            with open(path, "rb") as f:
-                archive.store(writer, f, (lambda n: progress(n, size, "storing")) if progress else None)
+            _store(writer, cap, progress)
             phases["storing"] = round(time.monotonic() - t, 3)
             snap = writer.commit(extra_meta={"dump_seconds": time.monotonic() - t0})
         finally:
             if snap is None:
                 writer.abort()
+            if cap is not None:
+                cap.release()
             shutil.rmtree(work, ignore_errors=True)
         try:
             pruned, warnings, prune_error = prune.retain_after_commit(repo, snap.name, req.keep_last)
@@ -90,3 +88,26 @@ def _dump_container(req: DumpRequest, container: str, progress=None) -> DumpResu
                       bytes_stored=stats["bytes_stored"], seconds=round(time.monotonic() - t0, 3),
                       job_running=req.leave_running, pruned=pruned, prune_error=prune_error,
                       prune_warnings=warnings, phases=phases)
+
+
+def _checkpoint(eng, info: dict, work, leave_running: bool):
+    try:
+        return eng.capture(info["id"], work, leave_running)
+    except ContainerEngineFailed:
+        # runc's checkpoint failed here now and then under load (about 1 in 100, its dump.log
+        # gone with it); CRIU resumed the container, so once more is safe
+        if not eng.inspect(info["id"])["running"]:
+            raise
+        return eng.capture(info["id"], work, leave_running)
+
+
+def _store(writer, cap, progress) -> None:
+    """The engine's checkpoint into the snapshot: an archive as it is, a directory as the
+    archive of `checkpoint/` it would be (one format for both: docs/format.md §12)."""
+    if cap.kind == "dir":
+        size = sum(f.stat().st_size for f in cap.path.iterdir())
+        archive.store_dir(writer, cap.path, (lambda n: progress(n, size, "storing")) if progress else None)
+        return
+    size = cap.path.stat().st_size
+    with open(cap.path, "rb") as f:
+        archive.store(writer, f, (lambda n: progress(n, size, "storing")) if progress else None)

@@ -15,6 +15,7 @@ import stat
 from typing import Any
 
 from gpusnap.criu import images
+from gpusnap.system import engines
 
 PAGE = 4096
 PE_PRESENT = 1 << 2            # pagemap entry flag: its pages are in the pages image
@@ -212,7 +213,8 @@ def describe(repository, snap) -> dict[str, Any]:
     if isinstance(meta.get("container"), dict):     # `dump --container`: its paths are the container's
         report["container"] = {k: str(meta["container"].get(k, "")) for k in ("engine", "id", "name", "image")}
         for f in report["files"]:
-            f["now_status"], f["now_detail"] = "container", "in the container's own root: Podman restores it"
+            f["now_status"] = "container"
+            f["now_detail"] = f"in the container's own root: {engines.title(report['container']['engine'])} restores it"
         report["file_checks"], report["files_changed"] = [], []
     else:
         _restore_verdict(snap, report)

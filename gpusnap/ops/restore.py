@@ -47,7 +47,7 @@ class RestoreResult:
     # stream out of the repository), tmux (a restore into a new tmux session: starting it and
     # gpusnap in its pane)
     phases: dict[str, float] = field(default_factory=dict)
-    via: str = "stream"             # how CRIU got the images: stream, files (plain -D), lazy; podman (a container)
+    via: str = "stream"             # how CRIU got the images: stream, files (plain -D), lazy; podman, docker (a container)
     images: str | None = None       # where image files were written: tmpfs or disk
     notes: list[str] = field(default_factory=list)   # what restore changed (files set aside)
     # established TCP connections in the snapshot came back closed (--tcp-close), and why
@@ -203,7 +203,10 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
                 from gpusnap.ops.restore_container import restore_container  # lazy: it imports RestoreResult
 
                 if via != "auto":
-                    raise UsageError(f"snapshot {snap.path} is of a container: Podman restores it, --via does not apply")
+                    from gpusnap.system import engines
+
+                    title = engines.title(snap.manifest["meta"]["container"].get("engine"))
+                    raise UsageError(f"snapshot {snap.path} is of a container: {title} restores it, --via does not apply")
                 with repository.readers_lock():
                     return restore_container(repository, snap, t0, progress)
             tty = tty_name = None

@@ -51,9 +51,10 @@ def default_name(text: str) -> str:
 
 
 def check_container_ref(ref) -> str:
-    """A container's name or id as Podman takes it (and as a cron line or unit may carry it)."""
+    """A container's name or id as Podman and Docker take it (and as a cron line or unit may
+    carry it; never an option: it starts with a letter or digit)."""
     if not isinstance(ref, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", ref):
-        raise UsageError(f"bad container name or id {ref!r}", hint="give it as `podman ps` shows it")
+        raise UsageError(f"bad container name or id {ref!r}", hint="give it as `podman ps` or `docker ps` shows it")
     return ref
 
 

@@ -32,7 +32,7 @@ def restore(result, o, quiet: bool = False) -> None:
     for note in result.notes:
         o.err.print(f"[yellow]note:[/] {note}")
     o.out.print(result.pid)
-    if result.job and not quiet and result.via == "podman":
+    if result.job and not quiet and result.via in ("podman", "docker"):
         beside = f", beside {result.fork_of}, which keeps its name" if result.fork_of else ""
         o.err.print(f"container {result.job} runs again (PID {result.pid}){beside}", markup=False)
     elif result.job and not quiet:
@@ -167,7 +167,7 @@ def inspect(report: dict[str, Any], o, images: bool = False) -> None:
     if report.get("container"):
         c = report["container"]
         console.print(plain(f"container: {c['engine']} {c['name']} ({c['id'][:12]}), image {c['image'] or '-'}; "
-                            "`gpusnap restore` hands it back to Podman"))
+                            f"`gpusnap restore` hands it back to {c['engine'].capitalize()}"))
     table = Table(title="processes", box=None, title_justify="left")
     for col in ("pid", "ppid", "command", "threads", "memory", "GPU", "cwd"):
         table.add_column(col, justify="right" if col in ("pid", "ppid", "threads", "memory") else "left")

@@ -9,12 +9,21 @@ every member's header fields are kept in one more image, `archive.layout.json`, 
 the archive is rebuilt. Nothing read from an archive or a layout is trusted: member names
 are checked like any image name, and a layout that names an image the snapshot lacks, or a
 size that does not match it, is a damaged snapshot.
+
+Docker's checkpoint is a directory, not an archive: store_dir() keeps it as the archive a tar
+of it under `checkpoint/` would be (the same images, the same layout), and write_dir() makes
+the directory again from such a snapshot, so both engines share one format.
 """
 
 from __future__ import annotations
 
+import grp
 import json
+import os
+import pwd
+import stat
 import tarfile
+from pathlib import Path
 from typing import BinaryIO, Callable
 
 from gpusnap.errors import CorruptSnapshot, RepositoryError
@@ -36,34 +45,88 @@ def image_name(path: str) -> str:
 def store(writer, f: BinaryIO, progress: Callable[[int], None] | None = None) -> dict:
     """Read the tar stream `f` to its end into `writer` (a SnapshotWriter): one image per
     regular file, then the layout. Returns {"members", "bytes"}."""
-    layout, total = [], 0
     try:
         tar = tarfile.open(fileobj=f, mode="r|")
     except tarfile.TarError as e:
         raise RepositoryError(f"the container archive is no tar stream: {e}") from None
     with tar:
-        for m in tar:
-            kind = _KINDS.get(m.type)
-            if kind is None:
-                raise RepositoryError(f"the container archive holds {m.name!r} of a kind gpusnap does not keep")
-            entry = {"path": m.name, "kind": kind, "mode": m.mode, "uid": m.uid, "gid": m.gid,
-                     "uname": m.uname, "gname": m.gname, "mtime": int(m.mtime)}
-            if kind == "symlink":
-                entry["link"] = m.linkname
-            if kind == "file":
-                name = image_name(m.name)
-                if image_name_problem(name):
-                    raise RepositoryError(f"the container archive holds an unusable name {m.name!r}")
-                entry.update(image=name, size=m.size)
-                sink = writer.image_sink(name)
-                src = tar.extractfile(m)
-                while chunk := src.read(CHUNK):
-                    sink.write(chunk)
-                    total += len(chunk)
-                    if progress:
-                        progress(total)
-                sink.close()
-            layout.append(entry)
+        return _store_members(writer, ((_entry(m), (lambda m=m: tar.extractfile(m))) for m in tar), progress)
+
+
+def store_dir(writer, directory: Path, progress: Callable[[int], None] | None = None) -> dict:
+    """A checkpoint directory of CRIU's images (Docker's) stored as the archive it would be as a
+    tar of `checkpoint/`: the same images and layout as Podman's (§12), so one format and one
+    restore path hold both. Only regular files directly in it are kept."""
+    def members():
+        st = os.stat(directory)
+        yield _entry(_info("checkpoint", tarfile.DIRTYPE, st)), None
+        for name in sorted(os.listdir(directory)):
+            fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as src:
+                st = os.fstat(src.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise RepositoryError(f"the checkpoint directory holds {name!r}, which is no regular file")
+                ti = _info(f"checkpoint/{name}", tarfile.REGTYPE, st)
+                yield _entry(ti), (lambda src=src: src)
+
+    return _store_members(writer, members(), progress)
+
+
+def _info(path: str, kind: bytes, st: os.stat_result) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(path)
+    ti.type, ti.mode, ti.uid, ti.gid, ti.mtime = kind, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, int(st.st_mtime)
+    ti.size = st.st_size if kind == tarfile.REGTYPE else 0
+    ti.uname, ti.gname = _user_name(st.st_uid), _group_name(st.st_gid)
+    return ti
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return ""
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return ""
+
+
+def _entry(m: tarfile.TarInfo) -> dict:
+    kind = _KINDS.get(m.type)
+    if kind is None:
+        raise RepositoryError(f"the container archive holds {m.name!r} of a kind gpusnap does not keep")
+    entry = {"path": m.name, "kind": kind, "mode": m.mode, "uid": m.uid, "gid": m.gid,
+             "uname": m.uname, "gname": m.gname, "mtime": int(m.mtime)}
+    if kind == "symlink":
+        entry["link"] = m.linkname
+    if kind == "file":
+        name = image_name(m.name)
+        if image_name_problem(name):
+            raise RepositoryError(f"the container archive holds an unusable name {m.name!r}")
+        entry.update(image=name, size=m.size)
+    return entry
+
+
+def _store_members(writer, members, progress) -> dict:
+    """Each (layout entry, opener of its bytes) in order: a file's bytes into its image, then
+    the layout. A file's bytes are read while its member is current (a tar stream moves on)."""
+    layout, total = [], 0
+    for entry, opener in members:
+        if entry["kind"] == "file":
+            sink, src, n = writer.image_sink(entry["image"]), opener(), 0
+            while chunk := src.read(CHUNK):
+                sink.write(chunk)
+                n += len(chunk)
+                total += len(chunk)
+                if progress:
+                    progress(total)
+            sink.close()
+            if n != entry["size"]:
+                raise RepositoryError(f"{entry['path']} changed size while it was stored")
+        layout.append(entry)
     sink = writer.image_sink(LAYOUT)
     sink.write(json.dumps({"version": 1, "members": layout}, separators=(",", ":")).encode())
     sink.close()
@@ -109,6 +172,30 @@ def write(snap, f: BinaryIO) -> int:
             ti.size = int(e["size"])
             tar.addfile(ti, _Reader(snap.read_image(e["image"])))
             out += ti.size
+    return out
+
+
+def write_dir(snap, directory: Path) -> int:
+    """A checkpoint directory rebuilt from the snapshot (Docker's, which takes no archive): the
+    archive must be exactly `checkpoint/` and files directly in it, which go into `directory`
+    (made here, private, and not there before). Returns the bytes written."""
+    members = layout(snap)
+    if not members or members[0]["path"].rstrip("/") != "checkpoint" or members[0]["kind"] != "dir" or any(
+            e["kind"] != "file" or e["image"] != image_name(e["path"])
+            or e["image"] != e["path"].partition("/")[2]
+            or "/" in e["image"] or image_name_problem(e["image"]) for e in members[1:]):
+        raise CorruptSnapshot(f"snapshot {snap.path} holds no checkpoint directory (a Docker checkpoint is "
+                              "`checkpoint/` and CRIU's images in it, nothing else)")
+    os.mkdir(directory, 0o700)
+    out = 0
+    for e in members[1:]:
+        fd = os.open(directory / e["image"], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     int(e["mode"]) & 0o777)
+        with os.fdopen(fd, "wb") as f:
+            for chunk in snap.read_image(e["image"]):
+                f.write(chunk)
+            os.fchmod(f.fileno(), int(e["mode"]) & 0o777)     # (the umask narrowed it)
+        out += int(e["size"])
     return out
 
 

@@ -6,7 +6,8 @@ the runtime monitor among its ancestors (conmon, containerd-shim), and a mount n
 a root of its own. CRIU run from outside cannot dump such a process (the container's root,
 mounts and network are the engine's: CRIU stops at "doesn't have a proper root mount"), so
 the preflight refuses it before the job is touched and names what works: `gpusnap dump
---container` for Podman (ops/dump_container.py), the engine's own checkpoint for the others.
+--container` for Podman and Docker (ops/dump_container.py), the engine's own checkpoint for the
+others.
 Everything is judged against gpusnap's own process: a gpusnap that runs inside the same
 container (or on a machine that is itself a container) sees its jobs as on a host.
 """
@@ -17,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from gpusnap.system import proc
+from gpusnap.system import engines, proc
 
 # engine, and the id (or name) in a cgroup path component
 _CGROUP_MARKS = (
@@ -50,11 +51,10 @@ class Container:
 
     def fix(self) -> str:
         ref = self.short or "CONTAINER"
-        if self.engine == "podman":
-            return (f"snapshot it through Podman's checkpoint: `gpusnap dump --container {ref}` (restored by "
-                    "`gpusnap restore`, into Podman)")
-        if self.engine == "docker":
-            return f"snapshot it with Docker: `docker checkpoint create --leave-running {ref} NAME` (experimental mode)"
+        if self.engine in engines.ENGINES:
+            title = engines.title(self.engine)
+            return (f"snapshot it through {title}'s checkpoint: `gpusnap dump --container {ref}` (restored by "
+                    f"`gpusnap restore`, into {title})")
         return "snapshot it with its engine's own checkpoint (it runs CRIU inside the container's view)"
 
 

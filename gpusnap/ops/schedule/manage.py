@@ -18,7 +18,8 @@ from gpusnap.ops.schedule.record import (Schedule, gpusnap_executable, load, log
 
 def add(name: str, match: str | None, *, every: str | None = None, cron: str | None = None,
         keep_last: int = 4, repo: Path | None = None, exit_after: bool = False,
-        user: str | int | None = None, replace: bool = False, container: str | None = None) -> Schedule:
+        user: str | int | None = None, replace: bool = False, container: str | None = None,
+        engine: str | None = None) -> Schedule:
     """Check everything as `dump` would, then record and install the schedule."""
     from gpusnap.repo import locate
 
@@ -58,12 +59,13 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
     else:
         cronexpr.parse_every(every)
         when = f"every {every}"
-    uid = _owner(name, match, user, container, repo_path)
+    uid, engine = _owner(name, match, user, container, engine, repo_path)
     # a repository every run would refuse: say so now. At the default location a missing one is
     # made now: the runs (from cron, without this $GPUSNAP_REPO) could not make it there
     locate.open_repository(repo_path, create_at_default=True)
     sd, ld = spec_dir(), log_dir()
-    s = Schedule(name=name, match=match, container=container, uid=uid, repo=str(repo_path), keep_last=keep_last, backend=backend,
+    s = Schedule(name=name, match=match, container=container, engine=engine, uid=uid, docker_host=_docker_host(engine),
+                 repo=str(repo_path), keep_last=keep_last, backend=backend,
                  when=when, every=every, cron=cronexpr.check(cron) if cron else None, exit_after=exit_after,
                  created=time.time(), exe=gpusnap_executable(), config_dir=str(sd.absolute()),
                  log=str((ld / f"schedule-{name}.log").absolute()))
@@ -109,19 +111,36 @@ def _run_job_owner(name: str, repo: Path, user) -> int:
     return uid
 
 
-def _owner(name: str, match: str | None, user, container: str | None, repo_path: Path) -> int:
-    """Whose job the schedule dumps: a container is root's (found by Podman, which must run
-    it now); else what --match finds, or the `gpusnap run --name NAME` job."""
+def _owner(name: str, match: str | None, user, container: str | None, engine: str | None,
+           repo_path: Path) -> tuple[int, str | None]:
+    """Whose job the schedule dumps, and the container's engine: a container is root's; else
+    what --match finds, or the `gpusnap run --name NAME` job."""
+    if container is not None or engine is not None:
+        return 0, _container_engine(container, engine, match, user)
+    return (_job_owner(match, user) if match is not None else _run_job_owner(name, repo_path, user)), None
+
+
+def _docker_host(engine: str | None) -> str | None:
+    return os.environ.get("DOCKER_HOST") if engine == "docker" else None
+
+
+def _container_engine(container: str | None, engine: str | None, match: str | None, user) -> str | None:
+    """The engine that runs the container now (a container's schedule is root's); recorded, so
+    that every run asks that engine (and, for Docker, the daemon DOCKER_HOST names now: cron
+    runs without this environment). None for a schedule of no container."""
     if container is None:
-        return _job_owner(match, user) if match is not None else _run_job_owner(name, repo_path, user)
+        if engine is not None:
+            raise UsageError("--engine only says whose --container it is")
+        return None
     validate.check_container_ref(container)
     if match is not None or user is not None:
-        raise UsageError("--container takes no --match or --user: Podman finds the container, as root's")
-    from gpusnap.system import podman
+        raise UsageError("--container takes no --match or --user: its engine finds the container, as root's")
+    from gpusnap.system import engines
 
-    if not podman.inspect(container)["running"]:     # (ProcessNotFound when there is none)
+    eng = engines.find(container, engine)
+    if not eng.inspect(container)["running"]:     # (ProcessNotFound when there is none)
         raise UsageError(f"container {container} is not running", hint="start it, then add the schedule")
-    return 0
+    return eng.NAME
 
 
 def _job_owner(match: str, user) -> int:

@@ -4,6 +4,7 @@ what root runs), and listed. Also the path rule for what goes on a cron line or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -48,7 +49,9 @@ class Schedule:
     log: str = ""
     files: list[str] = field(default_factory=list)    # the cron file, or the unit files
     version: int = SPEC_VERSION
-    container: str | None = None      # `schedule add --container`: a Podman container (root's), by name or id
+    container: str | None = None      # `schedule add --container`: a Podman or Docker container (root's), by name or id
+    engine: str | None = None         # its engine: podman, docker (None: podman, as before Docker was known)
+    docker_host: str | None = None    # DOCKER_HOST when the schedule was added (cron runs without it)
 
     @property
     def user(self) -> str:
@@ -142,6 +145,9 @@ def load(name: str, d: Path | None = None) -> Schedule:
         validate.check_match(s.match)
     if s.container is not None:
         validate.check_container_ref(s.container)
+        if s.engine not in (None, "podman", "docker") or not (s.docker_host is None or (
+                isinstance(s.docker_host, str) and s.docker_host.isprintable())):
+            raise UsageError(f"schedule {p} is damaged: engine {s.engine!r}, DOCKER_HOST {s.docker_host!r}")
     if s.name != name or not isinstance(s.uid, int) or not isinstance(s.keep_last, int) or s.keep_last < 1:
         raise UsageError(f"schedule {p} is damaged")
     return s
@@ -171,3 +177,22 @@ def list_schedules() -> list[Schedule]:
         except UsageError:
             continue
     return out
+
+
+@contextlib.contextmanager
+def engine_env(s: Schedule):
+    """The container's engine module, with the environment the schedule was added in (Docker:
+    the daemon DOCKER_HOST named then) while it is asked."""
+    from gpusnap.system import engines
+
+    old = os.environ.get("DOCKER_HOST")
+    if s.docker_host is not None:
+        os.environ["DOCKER_HOST"] = s.docker_host
+    try:
+        yield engines.get(s.engine or "podman")
+    finally:
+        if s.docker_host is not None:
+            if old is None:
+                os.environ.pop("DOCKER_HOST", None)
+            else:
+                os.environ["DOCKER_HOST"] = old

@@ -13,7 +13,7 @@ from pathlib import Path
 from gpusnap.ops import cronexpr, validate
 from gpusnap.errors import GpusnapError, InterruptedAfterCommit, ProcessNotFound
 from gpusnap.ops.schedule.backends import detect_scheduler, legacy_cron_files, scheduler_fix
-from gpusnap.ops.schedule.record import Schedule, list_schedules, load, private_dir
+from gpusnap.ops.schedule.record import Schedule, engine_env, list_schedules, load, private_dir
 
 GONE_AFTER = 3          # runs in a row without the job before ls/doctor say it is gone
 
@@ -121,14 +121,14 @@ def _dump_container(s: Schedule, rec: dict):
     run without its job, as for a process."""
     from gpusnap.ops.dump import DumpRequest
     from gpusnap.ops.dump_container import dump_container
-    from gpusnap.system import podman
 
-    info = podman.inspect(s.container)
-    if not info["running"]:
-        raise ProcessNotFound(f"container {s.container} is not running")
-    rec["pid"] = info["pid"]
-    return dump_container(DumpRequest(pid=0, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
-                                      keep_last=s.keep_last), s.container)
+    with engine_env(s) as eng:
+        info = eng.inspect(s.container)
+        if not info["running"]:
+            raise ProcessNotFound(f"container {s.container} is not running")
+        rec["pid"] = info["pid"]
+        return dump_container(DumpRequest(pid=0, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
+                                          keep_last=s.keep_last), s.container, engine=eng.NAME)
 
 
 def _no_job_streak(records: list[dict]) -> int:
@@ -164,9 +164,8 @@ def current_job(s: Schedule) -> int | None:
     --match finds among its owner's processes); None when there is none."""
     try:
         if s.container is not None:
-            from gpusnap.system import podman
-
-            info = podman.inspect(s.container)
+            with engine_env(s) as eng:
+                info = eng.inspect(s.container)
             return info["pid"] if info["running"] else None
         if s.match is None:
             from gpusnap.ops import identity

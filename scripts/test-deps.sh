@@ -6,6 +6,7 @@
 #   tmux screen                          terminal jobs restored into panes (test_restore_terminal)
 #   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
 #   podman runc                          a real container the preflight must recognise (test_containers)
+#   openssh-server openssh-client        a real sshd on 127.0.0.1 that `gpusnap copy --to ssh://` goes through (test_copy)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
 # Their services are never started or enabled by this: the tests start their own instances on
 # 127.0.0.1 and stop them by PID.
@@ -16,7 +17,7 @@ want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
          /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
          /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron /usr/bin/podman:podman \
-         /usr/sbin/runc:runc; do
+         /usr/sbin/runc:runc /usr/sbin/sshd:openssh-server /usr/bin/ssh:openssh-client; do
   [ -x "${t%%:*}" ] || want+=("${t#*:}")
 done
 zdtm() {
@@ -44,7 +45,9 @@ trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
 # On a systemd machine the packages enabled their units for the next boot: only those just installed.
 if [ -d /run/systemd/system ]; then
   for p in "${want[@]}"; do
-    case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
+    case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;;
+      openssh-server) systemctl disable --quiet ssh >/dev/null 2>&1 || true ;;   # its unit is ssh.service
+    esac
   done
 fi
 rm -f "$log"

@@ -1,4 +1,5 @@
-"""Commands that make and use snapshots of jobs: dump, restore, export, import, run, slurm-run.
+"""Commands that make and use snapshots of jobs: dump, restore, export, import, copy (and serve,
+its other end), run, slurm-run.
 
 Each parses, calls one library operation (gpusnap.ops), and hands the result to
 render.snapshots / render.machine through the one output (render.output.OUTPUT).
@@ -165,6 +166,43 @@ def import_cmd(
 
     result = import_op.import_file(file, repo_path(repo), lock_wait=lock_wait)
     OUTPUT.emit(result, lambda: show.imported(result, OUTPUT))
+
+
+def copy_cmd(
+    snapshots: Optional[list[str]] = typer.Argument(None, metavar="[SNAP...]", help="Snapshots to copy."),
+    to: str = typer.Option(..., "--to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
+                           help="The repository to copy to: a path, or one on another machine through ssh."),
+    name: Optional[str] = typer.Option(None, "--name", help="Copy every snapshot of this name."),
+    all_: bool = typer.Option(False, "--all", help="Copy every snapshot."),
+    remote_gpusnap: Optional[str] = typer.Option(None, "--remote-gpusnap", metavar="PATH",
+                                                 help="The gpusnap program at the other end (default: gpusnap)."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
+) -> None:
+    """Copy snapshots to another repository, sending only the data it lacks.
+
+    Every page and blob is checked as it arrives; each snapshot is committed there atomically
+    and keeps its name and time. Snapshots already there are skipped; an interrupted copy
+    resumes without sending again what arrived.
+    """
+    from gpusnap.ops.copy import CopyRequest, copy
+    from gpusnap.render import snapshots as show
+
+    req = CopyRequest(refs=list(snapshots or []), repo=repo_path(repo), to=to, name=name, all=all_,
+                      remote_gpusnap=remote_gpusnap, lock_wait=lock_wait)
+    result = with_progress(f"copying to {to}", not json_, lambda **kw: copy(req, **kw))
+    OUTPUT.emit(result, lambda: show.copied(result, OUTPUT))
+
+
+def serve_cmd(
+    repo: Optional[Path] = RepoOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
+) -> None:
+    """The receiving end of `gpusnap copy`, on stdin and stdout (copy starts it, also through ssh)."""
+    from gpusnap.ops.serve import serve
+
+    raise typer.Exit(serve(repo_path(repo), lock_wait))
 
 
 def run(

@@ -114,6 +114,18 @@ def imported(result: dict[str, Any], o) -> None:
     o.out.print(result["snapshot"], markup=False)
 
 
+def copied(result: dict[str, Any], o) -> None:
+    """One line per snapshot (the destination's directory first, as import prints it), then the sum."""
+    for s in result["snapshots"]:
+        if s["already_present"]:
+            o.out.print(f"{s['snapshot']}: already there ({s['name']}, {s['source_id']}), skipped", markup=False)
+        else:
+            o.out.print(f"{s['snapshot']}: {s['name']} ({s['source_id']} -> {s['id']}), "
+                        f"{human_bytes(s['bytes_sent'])} sent for {human_bytes(s['bytes_raw'])} from CRIU", markup=False)
+    o.out.print(f"{result['copied']} copied, {result['skipped']} already there; {human_bytes(result['bytes_sent'])} "
+                f"sent in {result['seconds']:.1f} s", markup=False)
+
+
 # ---------------------------------------------------------------- inspect
 
 def snapshot_stats(r: dict[str, Any], console, images: bool = True) -> None:

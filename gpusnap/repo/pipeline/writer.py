@@ -19,6 +19,7 @@ from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
 from gpusnap.repo.index import write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
+from gpusnap.repo.store import pack_path
 from gpusnap.repo.format.names import is_pages_image
 from gpusnap.repo.pipeline.datasink import DataSink
 from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, ImageSink, PagesSink
@@ -57,6 +58,8 @@ class SnapshotWriter:
         self.stats: dict = {}
         self.state = "open"
         self._index_dest: Path | None = None   # the dump's index file, once its name is known
+        self._indexed: set[bytes] = set()      # packs an index file of checkpoint() names
+        self._checkpoint_bytes = 0
         fault("writer:open")
 
     def _load_index(self) -> None:
@@ -100,6 +103,26 @@ class SnapshotWriter:
             self.sinks.append(s)
             return s
 
+    def checkpoint(self) -> int:
+        """Name the packs finished so far in an index file of their own, so that they outlive
+        an interruption (a copy resumes without sending them again, ops/serve.py): their
+        directories fsynced first, then the index written as at a commit (docs/format.md
+        §5.3 steps 1-2, §13). From then on abort() keeps them, like any data an index names
+        that no snapshot uses yet. -> how many packs it named."""
+        if len(self.packer.done) == len(self._indexed):     # (called per frame: the cheap case first)
+            return 0
+        new = [p for p in self.packer.finished() if p[0] not in self._indexed]
+        if not new:
+            return 0
+        root = self.repo.path
+        for d in sorted({pack_path(root, ph).parent for ph, _ in new}) + [root / "packs"]:
+            fsutil.fsync_dir(d)
+        res = write_index_file(root, new)
+        self._indexed.update(ph for ph, _ in new)
+        self._checkpoint_bytes += res[1]
+        fault("writer:checkpoint")
+        return len(new)
+
     def _image_done(self, sink: ImageSink, entry: dict) -> None:
         with self.lock:
             self.images[sink.filename] = entry
@@ -135,8 +158,9 @@ class SnapshotWriter:
             root = self.repo.path
             packs = self.packer.finish()
             fault("commit:packs-durable")
-            ires = write_index_file(root, packs, on_name=self._set_index_dest)
-            index_bytes = ires[1] if ires else 0
+            ires = write_index_file(root, [p for p in packs if p[0] not in self._indexed],
+                                    on_name=self._set_index_dest)
+            index_bytes = (ires[1] if ires else 0) + self._checkpoint_bytes
             fault("commit:index-renamed")
             # -- locations hook (gpusnap/repo/locations.py, docs/format.md §5.4) --
             loc_bytes = locations.write_at_commit(self, packs)
@@ -217,7 +241,7 @@ class SnapshotWriter:
             if isinstance(s, PagesSink):
                 s._abort()
         named = self._index_dest is not None and os.path.lexists(self._index_dest)
-        self.packer.abort(delete_finished=not named)
+        self.packer.abort(delete_finished=not named, keep=frozenset(self._indexed))
         fault("abort:packs-done")
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.state = "aborted"

@@ -131,6 +131,13 @@ MUTATIONS: list[Mutation] = [
              "if f.read(1):", "if False:",
              [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "bytes after an export file's trailer are ignored",
              alt=[("gpusnap/ops/import_stream.py", "if src.f.read(1):", 0)]),
+    # -- integrity: copy's receiving end (gpusnap serve) --------------------------------------------
+    Mutation("serve-page-checksum", "gpusnap/ops/serve.py",
+             "if native.verify(pages, k, ids[a * 16:(a + k) * 16], b\"\\x01\" * k) >= 0:", "if False:",
+             ["tests/test_copy.py"], "copy's receiver does not check each page against its id"),
+    Mutation("serve-frame-head", "gpusnap/ops/copy_wire.py",
+             "if tag not in want or reserved or stored_len > limit or raw_len > limit:", "if False:",
+             ["tests/test_copy.py"], "a copy frame of another kind, or over its limit, is accepted"),
     # -- the cron line ------------------------------------------------------------------------------
     Mutation("cron-config-dir", "gpusnap/ops/schedule/backends.py",
              "cmd = \" \".join([*words, \"schedule\", \"run\", s.name, \"--config-dir\", "

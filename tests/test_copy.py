@@ -163,13 +163,13 @@ def test_damaged_source_is_refused_and_nothing_committed(tmp_path):
     run_gpusnap("init", "--repo", b, check=True)
     proc = run_gpusnap("copy", "job", "--repo", repo.path, "--to", b)
     assert proc.returncode == CorruptSnapshot.exit_code, proc.stderr
-    assert "checksum" in proc.stderr or "damaged" in proc.stderr, proc.stderr
+    assert "is damaged: a page of pages-1.img fails its checksum" in proc.stderr, proc.stderr
     assert _snapshot_dirs(b) == [] and verify(Repository.open(b)).ok
 
 
-def _frames(snap, flip: int | None) -> bytes:
-    """What a copying gpusnap sends to copy `snap` into an empty repository (every page
-    wanted), with the byte at `flip` of the data frames changed."""
+def _frames(snap, image: str | None, flip: int) -> bytes:
+    """What a copying gpusnap sends to copy `snap` into an empty repository (every page and
+    blob wanted), with byte `flip` of `image`'s data frames changed (image None: unchanged)."""
     from gpusnap.ops.copy_wire import BYE, COMMIT, HELLO, MANIFEST, NEXT, PAGELIST, PROTOCOL, VERSION, Channel
     from gpusnap.ops.export import data_records, pages_payload
 
@@ -177,26 +177,30 @@ def _frames(snap, flip: int | None) -> bytes:
     ch = Channel(None, out, "test")
     ch.send_json(HELLO, {"protocol": PROTOCOL, "version": VERSION})
     ch.record(MANIFEST, (snap.path / "manifest").read_bytes())
+    at = {}
     for im in snap.manifest["images"]:
         if im["type"] == "pages":
             ch.record(PAGELIST, snap.pagelist_bytes(im["name"]))
-            at = out.tell()
+            at[im["name"]] = out.tell()
             data_records(ch, pages_payload(snap, im))
         else:
             ch.record(NEXT)
+            at[im["name"]] = out.tell()
             data_records(ch, snap.read_image(im["name"]))
     ch.record(COMMIT)
     ch.record(BYE)
     raw = bytearray(out.getvalue())
-    if flip is not None:
-        raw[at + flip] ^= 1
+    if image is not None:
+        raw[at[image] + flip] ^= 1
     return bytes(raw)
 
 
-@pytest.mark.parametrize("flip", [None, 12 + 5000, 3, 0])
-def test_receiver_checks_every_frame(tmp_path, flip):
-    """The receiving end in process, fed frames: a page changed in transit (or a frame head)
-    is refused with exit 34 and nothing committed; unchanged, the snapshot is committed."""
+@pytest.mark.parametrize("image,flip", [(None, 0), ("pages-1.img", 12 + 5000), ("pages-1.img", 3),
+                                        ("pages-1.img", 0), ("core-1.img", 12 + 50)],
+                         ids=["intact", "page", "frame-reserved", "frame-tag", "blob"])
+def test_receiver_checks_every_frame(tmp_path, image, flip):
+    """The receiving end in process, fed frames: a page or a blob changed in transit, or a
+    frame head, is refused with exit 34 and nothing committed; intact, the snapshot is committed."""
     from gpusnap.ops.copy_wire import ERROR
     from gpusnap.ops.serve import serve
 
@@ -205,13 +209,14 @@ def test_receiver_checks_every_frame(tmp_path, flip):
                    compress="none")
     b = Repository.open(tmp_path / "b", create=True)
     replies = io.BytesIO()
-    code = serve(b.path, 0, io.BytesIO(_frames(snap, flip)), replies)
-    if flip is None:
+    code = serve(b.path, 0, io.BytesIO(_frames(snap, image, flip)), replies)
+    if image is None:
         assert code == 0 and _snapshot_dirs(b.path) == [snap.path.name]
         _same_images(snap, Repository.open(b.path).snapshot(snap.path.name))
         return
     assert code == CopyFailed.exit_code
-    assert bytes([ERROR]) in replies.getvalue() and b"broke the protocol" in replies.getvalue()
+    said = replies.getvalue()
+    assert said[said.rindex(bytes([ERROR, 0, 0, 0])):].count(b"the copying gpusnap broke the protocol") == 1
     assert _snapshot_dirs(b.path) == [] and verify(Repository.open(b.path)).ok
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUSNAP, ROOT, checkout_bin, kill_pids, run_gpusnap, run_json, wait_for
+from conftest import GPUSNAP, ROOT, checkout_bin, run_gpusnap, run_json, wait_for
 from gpusnap.errors import CopyFailed, CorruptSnapshot, Interrupted
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all
+from restore_helpers import restore_and_finish
 
 
 def _snapshot_dirs(repo: Path) -> list[str]:
@@ -37,8 +38,8 @@ def _same_images(a, b) -> None:
         assert read_all(a, im["name"]) == read_all(b, im["name"]), im["name"]
 
 
-@pytest.mark.criu
-def test_real_job_copied_incrementally_and_restored_from_the_copy(sample_job, tmp_path, reference):
+def _job_and_two_repos(sample_job, tmp_path, reference):
+    """A running sample job (10 steps in), its uninterrupted result, and two new repositories."""
     kw = dict(steps=300, mb=32, threads=2)
     expected = reference(**kw)
     job = sample_job(**kw, step_ms=20)
@@ -46,6 +47,12 @@ def test_real_job_copied_incrementally_and_restored_from_the_copy(sample_job, tm
     a, b = tmp_path / "a", tmp_path / "b"
     for r in (a, b):
         run_gpusnap("init", "--repo", r, check=True)
+    return job, expected, a, b
+
+
+@pytest.mark.criu
+def test_real_job_copied_incrementally_and_restored_from_the_copy(sample_job, tmp_path, reference):
+    job, expected, a, b = _job_and_two_repos(sample_job, tmp_path, reference)
     first = run_json("dump", job.pid, "--repo", a, "--name", "train")
     job.wait_steps(40)
     second = run_json("dump", job.pid, "--repo", a, "--name", "train")
@@ -68,12 +75,7 @@ def test_real_job_copied_incrementally_and_restored_from_the_copy(sample_job, tm
         assert c.created == s.created and c.meta["imported_from"]["id"] == s.id and c.meta["pid"] == s.meta["pid"]
     assert run_gpusnap("verify", "--repo", b).returncode == 0
     shutil.rmtree(a)                    # nothing is read from the source any more
-    restored = run_json("restore", Path(second["snapshot"]).name, "--repo", b)
-    try:
-        assert restored["pid"] == job.pid
-        assert job.result() == expected
-    finally:
-        kill_pids(job.pids)
+    restore_and_finish(job, Path(second["snapshot"]).name, b, expected)
 
 
 def _big_source(tmp_path, mib: int = 160):
@@ -274,13 +276,7 @@ def sshd(tmp_path):
 @pytest.mark.criu
 def test_copy_through_a_real_sshd(sample_job, tmp_path, reference, sshd):
     port, env = sshd
-    kw = dict(steps=300, mb=32, threads=2)
-    expected = reference(**kw)
-    job = sample_job(**kw, step_ms=20)
-    job.wait_steps(10)
-    a, b = tmp_path / "a", tmp_path / "b"
-    for r in (a, b):
-        run_gpusnap("init", "--repo", r, check=True)
+    job, expected, a, b = _job_and_two_repos(sample_job, tmp_path, reference)
     snap = run_json("dump", job.pid, "--repo", a, "--name", "remote")
     job.kill()
     remote = checkout_bin(tmp_path) / "gpusnap"      # this checkout's gpusnap as one program path
@@ -299,9 +295,4 @@ def test_copy_through_a_real_sshd(sample_job, tmp_path, reference, sshd):
     assert proc.returncode == CopyFailed.exit_code and "exited with status 255" in proc.stderr, proc.stderr
     assert run_gpusnap("verify", "--repo", b).returncode == 0
     shutil.rmtree(a)
-    restored = run_json("restore", "remote", "--repo", b)
-    try:
-        assert restored["pid"] == job.pid
-        assert job.result() == expected
-    finally:
-        kill_pids(job.pids)
+    restore_and_finish(job, "remote", b, expected)

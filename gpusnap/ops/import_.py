@@ -27,6 +27,22 @@ def present(repo, *ids: str | None):
     return None
 
 
+def received_as(m: dict, src_id: str, **origin) -> tuple[str, dict]:
+    """A snapshot that arrived from another repository (import, copy): -> (the codec it is
+    stored with: its own, when this gpusnap knows it; its meta, with `imported_from` naming
+    the source, plus `origin`)."""
+    from gpusnap.repo.codec import codec_id
+
+    compress = m.get("compress", "auto")
+    try:
+        codec_id(compress)
+    except (TypeError, ValueError):
+        compress = "auto"
+    meta = dict(m["meta"])
+    meta["imported_from"] = {"id": src_id, "repo_id": m["repo_id"], "created": m["created"], **origin}
+    return compress, meta
+
+
 def read_import(repo, f) -> dict:
     """Import the export read from `f` into `repo`, in two passes:
       1. without any lock: read the whole file and check everything (a pipe's bytes are
@@ -51,21 +67,13 @@ def read_import(repo, f) -> dict:
 def _read_import(repo, f) -> dict:
     import tempfile
 
-    from gpusnap.repo.codec import codec_id
-
     try:
         start = f.tell() if f.seekable() else None
     except OSError:
         start = None
     src = Stream(f)
     m, src_id, mbytes = read_head(src)
-    compress = m.get("compress", "auto")
-    try:
-        codec_id(compress)
-    except (TypeError, ValueError):
-        compress = "auto"
-    meta = dict(m["meta"])
-    meta["imported_from"] = {"id": src_id, "repo_id": m["repo_id"], "created": m["created"]}
+    compress, meta = received_as(m, src_id)
     if callable(repo):
         repo = repo()
     tmpdir = repo.path / "tmp"

@@ -85,15 +85,9 @@ def _receive_snapshot(ch: Channel, repo, mbytes: bytes) -> None:
 
 
 def _store(ch: Channel, repo, m: dict, src_id: str) -> None:
-    from gpusnap.repo.codec import codec_id
+    from gpusnap.ops.import_ import received_as
 
-    compress = m.get("compress", "auto")
-    try:
-        codec_id(compress)
-    except (TypeError, ValueError):
-        compress = "auto"
-    meta = dict(m["meta"])
-    meta["imported_from"] = {"id": src_id, "repo_id": m["repo_id"], "created": m["created"], "via": "copy"}
+    compress, meta = received_as(m, src_id, via="copy")
     w = repo.new_snapshot(m["name"], compress=compress, meta=meta)
     w.created = float(m["created"])     # the snapshot keeps the time its dump started (and so its dir name)
     try:

@@ -11,19 +11,20 @@ HOLD = """
 import sys, time
 from gpusnap.repo import Repository
 r = Repository.open(sys.argv[1])
-with r.writer_lock():
+with r.writer_lock(exclusive=sys.argv[2] == "exclusive"):
     print("locked", flush=True)
     time.sleep(60)
 """
 
 
-def _holder(path):
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+def _holder(path, mode="exclusive"):
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path), mode], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
     return p
 
 
-def test_second_writer_is_refused_and_named(tmp_path):
+def test_a_prune_holding_it_refuses_a_writer_and_is_named(tmp_path):
+    """The exclusive lock (prune, repair, forget --prune) keeps writers out and says who holds it."""
     repo = Repository.open(tmp_path / "r", create=True)
     p = _holder(repo.path)
     try:
@@ -35,25 +36,48 @@ def test_second_writer_is_refused_and_named(tmp_path):
         p.wait()
 
 
+def test_writers_share_it_and_keep_a_prune_out(tmp_path):
+    """Writers (dump, import, copy) take it shared: another writer goes on at once, a prune
+    is refused (here without waiting) naming the writer."""
+    repo = Repository.open(tmp_path / "r", create=True)
+    p = _holder(repo.path, "shared")
+    try:
+        with repo.writer_lock():
+            assert repo.holds_lock() and not repo.holds_exclusive()
+        with pytest.raises(RepositoryLocked, match=f"pid {p.pid}"):
+            with repo.writer_lock(exclusive=True):
+                pass
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_dead_holder_lock_is_free(tmp_path):
     repo = Repository.open(tmp_path / "r", create=True)
     p = _holder(repo.path)
     p.kill()
     p.wait()
-    with repo.writer_lock():
+    with repo.writer_lock(exclusive=True):
         with repo.writer_lock():          # re-entrant in one Repository object
-            assert repo.holds_lock()
+            assert repo.holds_exclusive()
     assert not repo.holds_lock()
+    assert [n for n in os.listdir(repo.path / "locks") if n.startswith("lock-")] == []
 
 
 def test_two_objects_in_one_process_exclude(tmp_path):
     a = Repository.open(tmp_path / "r", create=True)
     b = Repository.open(tmp_path / "r")
-    with a.writer_lock():
+    with a.writer_lock(exclusive=True):
         with pytest.raises(RepositoryLocked, match=f"pid {os.getpid()}"):
             with b.writer_lock():
                 pass
-    with b.writer_lock():
+    with a.writer_lock():
+        with b.writer_lock():                       # two writers at once
+            pass
+        with pytest.raises(RepositoryLocked, match=f"pid {os.getpid()}"):
+            with b.writer_lock(exclusive=True):
+                pass
+    with b.writer_lock(exclusive=True):
         pass
 
 

@@ -184,7 +184,7 @@ class DumpSession:
         self._open()
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(self.repo.writer_lock())
+                stack.enter_context(self.repo.writer_lock(what="dump", when_alone=self._sweep_repo_tmp))
                 self._hold(stack)
                 try:
                     self._run_criu()
@@ -201,6 +201,13 @@ class DumpSession:
         finally:
             for s, h in self._old_handlers.items():
                 signal.signal(s, h)
+
+    def _sweep_repo_tmp(self) -> None:
+        """What dead gpusnaps left in REPO/tmp (image directories, spill files), judged by
+        their PIDs: only while no other writer runs (writer_lock's when_alone), since a
+        writer on another machine sharing the repository has a PID that means nothing here."""
+        tmpdirs.remove_dead(self.repo.path / "tmp", tmpdirs.IMAGES)
+        staging_mod.sweep(self.repo.path / "tmp")
 
     def _open(self) -> None:
         """The preflight, the name, the repository (waiting for its locks), its free space."""
@@ -231,7 +238,7 @@ class DumpSession:
         self.estimate = proc.rss_bytes(self.pids)
         self.writer = repo.new_snapshot(self.name, compress=req.compress, meta=self.meta)
         stack.callback(self._abort_unless_committed)
-        tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
+        tmpdirs.sweep()    # what SIGKILLed dumps and restores left outside the repository
         self.workdir = tmpdirs.make(tmpdirs.DUMP)
         stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
         self.log = self.workdir / "criu.log"
@@ -247,7 +254,6 @@ class DumpSession:
             stack.callback(self.guardian.done)
         self.phase("preflight")
         spill_dir = repo.path / "tmp"
-        staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
         self.staging = staging_mod.Staging(spill_dir, self.budget, arena=self.arena.take())
         stack.callback(self.staging.close)
         if self.overlap:

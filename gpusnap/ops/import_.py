@@ -88,7 +88,7 @@ def _read_import(repo, f) -> dict:
         read_images(src, m, lambda name: CheckOnly(), tmpdir)
         got = present(repo, src_id)
         if got is None:
-            with repo.writer_lock():
+            with repo.writer_lock(what="import"):
                 got = present(repo, src_id)
                 if got is None:
                     return _store(repo, m, src_id, mbytes, meta, compress,

@@ -76,7 +76,7 @@ def _receive_snapshot(ch: Channel, repo, mbytes: bytes) -> None:
     origin = (m["meta"].get("imported_from") or {}).get("id")     # a copy of a copy: its origin counts too
     got = present(repo, src_id, origin)
     if got is None:
-        with repo.writer_lock():
+        with repo.writer_lock(what="copy"):
             got = present(repo, src_id, origin)
             if got is None:
                 return _store(ch, repo, m, src_id)

@@ -37,15 +37,19 @@ Fault = Callable[[str], None]
 # -- locks: the one policy ---------------------------------------------------------------------
 
 @contextlib.contextmanager
-def locked(repo, dry_run: bool = False):
+def locked(repo, dry_run: bool = False, exclusive: bool = True, what: str = "prune"):
     """The locks of prune, `forget` and a dump's --keep-last retention, in this order:
-    the writer lock (one writer; re-entrant, so a dump holding it for its commit goes on;
-    a dry run skips the open-time recovery, which could change the repository), then the
-    readers lock: exclusive when something may be deleted (a restore or verify reading
-    makes it wait up to repo.lock_wait, repo/lockwait.py, then refuse with RepositoryLocked;
-    the library alone waits 0 s), shared for a dry run (it waits for a running prune, and
+    the writer lock, exclusive when data may be deleted (it waits for every writer, up to
+    repo.lock_wait, repo/lockwait.py; a dump holding the shared one for its commit lets go
+    of it first and takes it again after; a dry run skips the open-time recovery, which
+    could change the repository, and takes it shared: it changes nothing), shared for a
+    `forget` without --prune (removing a snapshot directory takes nothing from a writer);
+    then the readers lock: exclusive when something may be deleted (a restore or verify
+    reading makes it wait up to repo.lock_wait, then refuse with RepositoryLocked; the
+    library alone waits 0 s), shared for a dry run (it waits for a running prune, and
     never blocks a restore)."""
-    with repo.writer_lock(recover=not dry_run), repo.readers_lock(exclusive=not dry_run):
+    with repo.writer_lock(recover=not dry_run, exclusive=exclusive and not dry_run, what=what), \
+            repo.readers_lock(exclusive=not dry_run):
         yield repo
 
 
@@ -125,7 +129,7 @@ def execute_prune(repo, selection: Selection, dry_run: bool = False, repack_thre
     """Plan and apply the deletion of `selection` under the writer lock alone: the entry the
     step-by-step tests drive (they hold, or deliberately skip, the readers lock); commands
     use run() / apply() inside locked()."""
-    with repo.writer_lock(recover=not dry_run):
+    with repo.writer_lock(recover=not dry_run, exclusive=not dry_run, what="prune"):
         return apply(repo, selection.delete, dry_run, repack_threshold, _fault)
 
 
@@ -139,8 +143,8 @@ def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
     """Apply `p` and nothing else. The caller holds the writer lock (and the readers lock
     exclusively: locked()); `p` must have been planned under the same writer lock."""
     fault = _fault or (lambda step: None)
-    if not repo.holds_lock():
-        raise RepositoryError("prune's execution needs the repository's writer lock (use prune.locked())")
+    if not repo.holds_exclusive():
+        raise RepositoryError("prune's execution needs the repository's exclusive lock (use prune.locked())")
     _check_current(repo, p)
     root = repo.path
     res = PruneResult.of_plan(p, dry_run=False)
@@ -158,8 +162,8 @@ def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
 
 
 def _check_current(repo, p: PrunePlan) -> None:
-    """The plan still describes the repository (nothing else writes under the writer lock;
-    this catches a plan made before the lock was taken)."""
+    """The plan still describes the repository (nothing else writes under the exclusive
+    lock; this catches a plan made before the lock was taken)."""
     sd = repo.path / "snapshots"
     for n in p.remove:
         try:

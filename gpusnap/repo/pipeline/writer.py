@@ -4,19 +4,21 @@ writer, and the commit that makes the snapshot durable and visible in a fixed or
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
-from gpusnap.errors import NoSpace, RepositoryError
+from gpusnap.errors import GpusnapError, NoSpace, RepositoryError
 from gpusnap.repo import fsutil, locations
 from gpusnap.repo.codec import codec_name
 from gpusnap.system.faults import fault
 from gpusnap.system import interrupt
 from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
-from gpusnap.repo.index import write_index_file
+from gpusnap.repo.index import named_packs, write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
 from gpusnap.repo.store import pack_path
@@ -48,7 +50,7 @@ class SnapshotWriter:
         self.claimed_pages = pagetable.PageTable()
         self.claimed_data: dict = {}
         root = repo.path
-        self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}"
+        self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}-{os.urandom(4).hex()}"
         fsutil.mkdir_private(self.tmpdir)
         self.packer = PackWriter(root, **({"target_size": pack_target} if pack_target else {}))
         self.lock = threading.Lock()
@@ -158,6 +160,7 @@ class SnapshotWriter:
             root = self.repo.path
             packs = self.packer.finish()
             fault("commit:packs-durable")
+            self.repo.check_lock()    # a stall past the lock's staleness: a prune may have run
             ires = write_index_file(root, [p for p in packs if p[0] not in self._indexed],
                                     on_name=self._set_index_dest)
             index_bytes = (ires[1] if ires else 0) + self._checkpoint_bytes
@@ -197,13 +200,8 @@ class SnapshotWriter:
             fault("commit:manifest-written")
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.created))
             snaps = root / "snapshots"
-            dest = snaps / f"{self.name}-{stamp}"
-            k = 1
-            while dest.exists():      # same name within the same second (we hold the writer lock)
-                k += 1
-                dest = snaps / f"{self.name}-{stamp}-{k}"
             self.stats = dict(stats)
-            os.rename(self.tmpdir, dest)
+            dest = self._rename_into(snaps, f"{self.name}-{stamp}")
             self.state = "committed"      # (a signal just before this line: _abort() is harmless)
             fault("commit:snapshot-renamed")
             fsutil.fsync_dir(snaps)
@@ -218,6 +216,23 @@ class SnapshotWriter:
             if isinstance(e, OSError):
                 raise RepositoryError(f"writing snapshot failed: {e}") from e
             raise
+
+    def _rename_into(self, snaps: Path, base: str) -> Path:
+        """Rename the .tmp- directory to snapshots/<base>, or <base>-2, -3, … when that
+        name is taken (same name, same second), race-free among writers: rename(2) onto a
+        directory that is not empty fails (a committed snapshot is never empty), so of two
+        writers that pick one name, one gets it and the other tries the next."""
+        k = 1
+        while True:
+            dest = snaps / (base if k == 1 else f"{base}-{k}")
+            if not os.path.lexists(dest):
+                try:
+                    os.rename(self.tmpdir, dest)
+                    return dest
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+            k += 1
 
     def _set_index_dest(self, dest: Path) -> None:
         self._index_dest = dest
@@ -235,13 +250,22 @@ class SnapshotWriter:
         snapshot), temporary pack files, and the packs this dump created only while no
         index file names them. Whether the index got into index/ is read from the
         directory, not from a flag, so a signal between the rename and any bookkeeping
-        cannot make it wrong; we hold the writer lock, so nobody else writes it."""
+        cannot make it wrong (index file names are their content's checksum: another
+        writer's index of the same packs has the same name and counts as naming them)."""
         fault("abort:start")
         for s in self.sinks:
             if isinstance(s, PagesSink):
                 s._abort()
         named = self._index_dest is not None and os.path.lexists(self._index_dest)
-        self.packer.abort(delete_finished=not named, keep=frozenset(self._indexed))
+        if not named and self.packer.done:
+            # another writer's index may name a pack of the same name (the same pages, dumped
+            # at once): packs are deleted only while no other writer runs, and only those no
+            # index names; otherwise they stay for prune (docs/format.md §5.3)
+            with contextlib.suppress(GpusnapError, OSError), self.repo.alone() as alone:
+                if alone:
+                    keep = frozenset(self._indexed) | named_packs(self.repo.path)
+                    self.packer.abort(delete_finished=True, keep=keep)
+        self.packer.abort(delete_finished=False)
         fault("abort:packs-done")
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.state = "aborted"

@@ -180,7 +180,8 @@ class Refresher:
 
     def __init__(self, locks: Path, name: str, exclusive: bool, what: str):
         self.locks, self.name, self.exclusive, self.what = locks, name, exclusive, what
-        self.created = time.time()
+        made = read(locks, name)           # (its creation time stays what create() wrote)
+        self.created = made.created if made is not None else time.time()
         self._lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpusnap-lock-refresh", daemon=True)

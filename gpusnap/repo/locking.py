@@ -26,6 +26,9 @@ from typing import Callable
 from gpusnap.errors import RepositoryError, RepositoryLocked
 from gpusnap.repo import lockfile, lockwait
 
+OPENING = " (opening)"        # `what` of a writer's open-time exclusive look (try_exclusive)
+OPENING_GRACE = 5.0           # how long a writer waits for one, whatever its --lock-wait
+
 
 class Held:
     """One process's hold on the writer side of a repository's locks: None, shared or
@@ -57,7 +60,9 @@ class Held:
 
         if self.fd is None:
             self.fd = self._open("writer")
-        if not lockwait.flock(self.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, wait, on_wait):
+        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        if not lockwait.flock(self.fd, op, wait, on_wait) and \
+                (exclusive or not self._openers_only() or not lockwait.flock(self.fd, op, OPENING_GRACE)):
             self._refuse(exclusive, wait)
         try:
             name = poll_files(self.locks, exclusive, False, what, deadline, on_wait)
@@ -110,11 +115,22 @@ class Held:
             os.close(self.fd)
             self.fd = None
 
+    def _openers_only(self) -> bool:
+        """Whether what keeps a shared lock out is only writers' open-time look
+        (try_exclusive: milliseconds), or a holder between its flock and its lock file."""
+        try:
+            infos = lockfile.conflicting(lockfile.others(self.locks, self.names()), False, False)
+        except OSError:
+            return False
+        return all(i.what.endswith(OPENING) for i in infos)
+
     def try_exclusive(self, what: str) -> bool:
         """Take the exclusive lock if nobody holds any writer lock right now (no wait). Not
-        held before; -> whether it is held (exclusive) now."""
+        held before; -> whether it is held (exclusive) now. Its lock file says OPENING: a
+        writer that meets it waits OPENING_GRACE for it whatever its --lock-wait, since
+        writers never keep each other out for longer."""
         try:
-            self.take(True, 0.0, what, lambda line: None)
+            self.take(True, 0.0, what + OPENING, lambda line: None)
             return True
         except RepositoryLocked:
             return False
@@ -125,6 +141,7 @@ class Held:
         (another's LOCK_EX may slip in between), so that part waits as a take() does."""
         assert self.refresher is not None and self.exclusive
         old = self.refresher
+        what = what.removesuffix(OPENING)
         name = lockfile.create(self.locks, False, what)
         old.stop()
         lockfile.remove(self.locks, old.name)
@@ -180,15 +197,19 @@ def poll_files(locks: Path, exclusive: bool, readers: bool, what: str, deadline:
     `ignore`: this process's other lock files (a reader inside a prune never waits for it).
     -> the lock file's name, or None if still kept out then."""
     pause = 0.05
+    grace = time.monotonic() + OPENING_GRACE
     while True:
         name = mine or lockfile.create(locks, exclusive, what)
-        if not lockfile.conflicting(lockfile.others(locks, {name} | ignore), exclusive, readers):
+        against = lockfile.conflicting(lockfile.others(locks, {name} | ignore), exclusive, readers)
+        if not against:
             return name
         if mine is None:
             lockfile.remove(locks, name)
-        left = deadline - time.monotonic()
+        openers = not exclusive and all(i.what.endswith(OPENING) for i in against)
+        left = (max(deadline, grace) if openers else deadline) - time.monotonic()
         if left <= 0:
             return None
-        on_wait()
+        if not openers:
+            on_wait()
         time.sleep(min(pause, left))
         pause = min(pause * 2, 1.0)

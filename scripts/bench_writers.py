@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,10 +77,20 @@ def one_round(base: Path, n: int, mb: int, restore: bool) -> dict:
         ps = [(subprocess.Popen([*GPUSNAP, "dump", str(p.pid), "--repo", str(repo), "--name", f"w{k}", "--json",
                                  "--lock-wait", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True), time.monotonic()) for k, (p, _) in enumerate(jobs)]
-        each, snaps, codes = [], [], []
-        for d, started in ps:
+        done: dict[int, tuple] = {}
+
+        def wait(k, d, started):             # each dump's own end, not the order they are read in
             out, err = d.communicate()
-            each.append(round(time.monotonic() - started, 2))
+            done[k] = (out, err, round(time.monotonic() - started, 2))
+        ts = [threading.Thread(target=wait, args=(k, d, st)) for k, (d, st) in enumerate(ps)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        each, snaps, codes = [], [], []
+        for k, (d, _) in enumerate(ps):
+            out, err, took = done[k]
+            each.append(took)
             codes.append(d.returncode)
             if d.returncode == 0:
                 snaps.append(json.loads(out)["snapshot"])

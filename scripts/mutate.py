@@ -66,6 +66,7 @@ T_EXPORT = "tests/test_export.py"
 T_INTEGRITY = "tests/test_integrity_checks.py"     # (helper importb's tests, where they have landed)
 T_EXPORT_FUZZ = "tests/test_export_fuzz.py"
 T_LOCK = "tests/test_repo_lock.py"
+T_CONC = "tests/test_concurrent_writers.py"
 T_HOSTLOCK = "tests/test_hostlock.py"
 T_PRUNE = "tests/test_repo_prune.py"
 T_RET = "tests/test_retention.py"
@@ -147,18 +148,26 @@ MUTATIONS: list[Mutation] = [
               f"{T_SCHED}::test_the_cron_command_dumps_keeps_the_last_n_and_logs_json"],
              "the cron line no longer says where the schedule's spec is"),
     # -- locking: the repository's writer and readers locks, the machine-wide job locks ------------
-    Mutation("writer-lock", "gpusnap/repo/repository.py",
-             "if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,",
-             "if not lockwait.flock(fd, fcntl.LOCK_SH, self.lock_wait,",
-             [T_LOCK], "two writers of one repository at once (the writer lock taken shared)",
-             extra=["occurrence=1"]),
-    Mutation("writer-lock-holder", "gpusnap/repo/repository.py",
+    Mutation("writer-lock", "gpusnap/repo/locking.py",
+             "op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH",
+             "op = fcntl.LOCK_SH",
+             [T_LOCK], "a prune runs beside a writer on this machine (the exclusive flock taken shared)"),
+    Mutation("writer-lock-holder", "gpusnap/repo/locking.py",
              "if not isinstance(info, dict) or not info:", "if True:",
-             [T_LOCK], "the locked-repository error no longer names the holder"),
+             [T_LOCK, "tests/test_old_repository.py"], "the locked-repository error no longer names an older holder"),
+    Mutation("lock-file-exclusive", "gpusnap/repo/lockfile.py",
+             "if exclusive:", "if False:",
+             [T_CONC], "an exclusive lock file is kept out only by other exclusive ones (prune beside writers)"),
+    Mutation("lock-file-stale-remote", "gpusnap/repo/lockfile.py",
+             "return now - self.refreshed > stale_after()", "return now - self.refreshed > 0",
+             [T_CONC], "another machine's lock file counts as stale although it is refreshed"),
+    Mutation("lock-file-stale-local", "gpusnap/repo/lockfile.py",
+             'return st is None or st.state in ("Z", "X") or st.starttime != self.start', "return False",
+             [T_CONC], "a dead process's lock file on this machine is never taken over"),
     Mutation("readers-lock-exclusive", "gpusnap/repo/repository.py",
-             "if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,",
-             "if not lockwait.flock(fd, fcntl.LOCK_SH, self.lock_wait,",
-             [T_LOCK], "a prune deletes data while a restore reads it (taken shared)", extra=["occurrence=2"]),
+             "ok = lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait, on_wait)",
+             "ok = lockwait.flock(fd, fcntl.LOCK_SH, self.lock_wait, on_wait)",
+             [T_LOCK], "a prune deletes data while a restore reads it (taken shared)"),
     Mutation("readers-lock-shared", "gpusnap/repo/repository.py",
              "fcntl.flock(fd, fcntl.LOCK_SH)", "pass",
              [T_LOCK], "a restore reads without holding the readers lock"),

@@ -91,6 +91,15 @@ def test_prune_waits_for_no_reader(tmp_path):
                 pass
     with repo.readers_lock(exclusive=True):                 # free again once they are done
         pass
+    import fcntl                # a reader of gpusnap before revision 1.6: its flock alone
+    fd = os.open(repo.path / "locks" / "readers", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        with pytest.raises(RepositoryLocked, match="a restore is reading"):
+            with Repository.open(tmp_path / "r").readers_lock(exclusive=True):
+                pass
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("change", ["mode 0666", "owned by nobody"])
@@ -123,3 +132,20 @@ def test_hard_linked_lock_file_is_refused_and_its_other_name_untouched(tmp_path)
         with Repository.open(repo.path).writer_lock():
             pass
     assert victim.read_text() == "keep me"
+
+
+def test_flock_alone_keeps_a_prune_out_of_a_local_writer(tmp_path):
+    """The fast path: a writer on this machine whose lock file is gone (removed by hand, or
+    by a machine that took it for stale) still keeps a prune out through its flock."""
+    repo = Repository.open(tmp_path / "r", create=True)
+    p = _holder(repo.path, "shared")
+    try:
+        for n in os.listdir(repo.path / "locks"):
+            if n.startswith("lock-"):
+                os.unlink(repo.path / "locks" / n)
+        with pytest.raises(RepositoryLocked):
+            with repo.writer_lock(exclusive=True):
+                pass
+    finally:
+        p.kill()
+        p.wait()

@@ -23,9 +23,9 @@ import pytest
 from conftest import GPUSNAP, ROOT, run_gpusnap, run_json
 from gpusnap.errors import RepositoryLocked
 from gpusnap.repo import Repository
-from gpusnap.repo.lockfile import boot_id
+from gpusnap.system.proc import boot_id
 from restore_helpers import restore_and_finish
-from test_faults import wait_criu_gone
+from test_faults import _stopped, wait_criu_gone
 
 JOB = dict(steps=400, mb=8, threads=1)
 
@@ -69,17 +69,6 @@ def test_concurrent_dumps_all_commit_verify_and_restore(sample_job, repo, refere
     for k, j in enumerate(jobs):
         j.kill()
         restore_and_finish(j, taken[k][-1], repo, reference(seed=k + 1, **JOB))
-
-
-def _stopped(p: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        st = Path(f"/proc/{p.pid}/stat").read_text()
-        if st[st.rindex(")") + 2] == "T":
-            return
-        assert p.poll() is None, p.communicate()
-        assert time.monotonic() < deadline, "the writer never reached its fault point"
-        time.sleep(0.01)
 
 
 POINTS = ["writer:open", "pack:opened", "commit:start", "pack:renamed", "commit:packs-durable",

@@ -51,14 +51,6 @@ def refresh_every() -> float:
     return stale_after() / 5
 
 
-def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 @dataclass
 class LockInfo:
     name: str
@@ -77,10 +69,10 @@ class LockInfo:
 
     def stale(self, now: float | None = None) -> bool:
         """Whether nobody holds this lock any more (see the module docstring)."""
-        if self.host == socket.gethostname() and self.boot and self.boot == boot_id():
+        if self.host == socket.gethostname() and self.boot and self.boot == proc.boot_id():
             st = proc.read_stat(self.pid)
             return st is None or st.state in ("Z", "X") or st.starttime != self.start
-        if self.host == socket.gethostname() and self.boot and boot_id() and self.boot != boot_id():
+        if self.host == socket.gethostname() and self.boot and proc.boot_id() and self.boot != proc.boot_id():
             return True             # made before this machine last booted
         now = time.time() if now is None else now
         return now - self.refreshed > stale_after()
@@ -91,7 +83,7 @@ def _mine_body(exclusive: bool, what: str, created: float) -> bytes:
     now = time.time()
     return json.dumps({"format": "gpusnap-lock", "version": 1, "exclusive": exclusive, "what": what,
                        "host": socket.gethostname(), "pid": os.getpid(),
-                       "start": st.starttime if st else 0, "boot": boot_id(),
+                       "start": st.starttime if st else 0, "boot": proc.boot_id(),
                        "created": created, "refreshed": now}, sort_keys=True).encode()
 
 

@@ -90,7 +90,8 @@ def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
 
         table = Table(box=None)
         for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared", "copies"):
-            table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left")
+            table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left",
+                             overflow="fold" if col == "copies" else "ellipsis")    # where to: never cut short
         for r in rows:
             table.add_row(plain(r["dir"]), plain(r.get("name", "")), str(r.get("id", ""))[:12],
                           utc(r.get("created", 0)), human_bytes(r.get("bytes_raw", 0)),

@@ -76,7 +76,11 @@ class Supervisor:
     def __init__(self, opts: Options, gpusnap_argv: list[str] | None = None):
         self.o = opts
         self.gpusnap = gpusnap_argv or [sys.executable, "-m", "gpusnap"]
-        self.job_dir = run_op.jobs_dir(opts.repo) / opts.name
+        # the job's output files and this log must outlive the node: with a shared tier (a path)
+        # they live in its jobs/NAME/, where a requeued job on any node finds them (a restore
+        # refuses a snapshot whose output files are gone)
+        self.home = Path(opts.copy_to) if opts.copy_to and "://" not in opts.copy_to else Path(opts.repo)
+        self.job_dir = run_op.jobs_dir(self.home) / opts.name
         self.pid: int | None = None           # the job's root (its namespace's init)
         self.runtime_base = 0.0                # job time before this segment (from the snapshot)
         self.segment_start = time.monotonic()
@@ -89,7 +93,7 @@ class Supervisor:
         rec = {"time": round(time.time(), 3), "event": kind, "name": self.o.name,
                "slurm_job": self.slurm_job, "restart": self.restarts, **fields}
         try:
-            dfd = run_op.open_job_dir(self.o.repo, self.o.name)     # private whatever the umask, no link
+            dfd = run_op.open_job_dir(self.home, self.o.name)     # private whatever the umask, no link
             try:
                 fd = fsutil.open_private_at(dfd, EVENTS, os.O_WRONLY | os.O_APPEND, self.job_dir / EVENTS)
             finally:
@@ -190,7 +194,7 @@ class Supervisor:
         return False
 
     def start_fresh(self, why: str) -> None:
-        job = run_op.start(self.o.command, self.o.repo, name=self.o.name)
+        job = run_op.start(self.o.command, self.home, name=self.o.name)
         self.pid = job.pid
         self.runtime_base = 0.0
         self.segment_start = time.monotonic()

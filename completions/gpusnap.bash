@@ -2,26 +2,26 @@
 _gpusnap_words() {
     case "$1" in
         "") echo "copy doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify --help --repo --version -h" ;;
-        "copy") echo "--all --help --json --lock-wait --name --remote-gpusnap --repo --to -h" ;;
+        "copy") echo "--all --help --json --lock-wait --name --pending --remote-gpusnap --repo --to -h" ;;
         "doctor") echo "--help --json --repo --unlock-network -h" ;;
-        "dump") echo "--compress --container --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
+        "dump") echo "--compress --container --copy-keep-last --copy-to --exit --gpu-lock-timeout --help --json --keep-last --lock-wait --match --name --pidfile --prune-uncopied --quiet --repo --staging-budget --tcp-close --tcp-established --user -h -q" ;;
         "export") echo "--help --json --output --repo -h -o" ;;
         "forget") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune --repo -h -n" ;;
         "import") echo "--help --json --lock-wait --repo -h" ;;
         "init") echo "--help --json --repo -h" ;;
         "inspect") echo "--help --images --json --repo -h" ;;
         "ls") echo "--help --json --name --repo -h" ;;
-        "prune") echo "--all --dry-run --help --json --keep-last --lock-wait --name --repo -h -n" ;;
+        "prune") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune-uncopied --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "repair") echo "--dry-run --help --json --read-data --repo -h -n" ;;
-        "restore") echo "--gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
+        "restore") echo "--copy-to --gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
-        "schedule add") echo "--container --cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
+        "schedule add") echo "--container --copy-keep-last --copy-to --cron --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
         "schedule ls") echo "--help --json -h" ;;
         "schedule rm") echo "--help --json -h" ;;
         "schedule run") echo "--config-dir --help --json -h" ;;
-        "slurm-run") echo "--every --help --keep-last --name --no-requeue --repo --requeue --resume -h" ;;
+        "slurm-run") echo "--copy-keep-last --copy-to --every --help --keep-last --name --no-requeue --repo --requeue --resume -h" ;;
         "verify") echo "--help --json --repo --structure-only -h" ;;
     esac
 }
@@ -36,6 +36,8 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "doctor|--repo") echo dir ;;
         "dump|--compress") echo codec ;;
         "dump|--container") echo text ;;
+        "dump|--copy-keep-last") echo text ;;
+        "dump|--copy-to") echo text ;;
         "dump|--gpu-lock-timeout") echo text ;;
         "dump|--keep-last") echo text ;;
         "dump|--lock-wait") echo text ;;
@@ -63,12 +65,15 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "prune|--name") echo name ;;
         "prune|--repo") echo dir ;;
         "repair|--repo") echo dir ;;
+        "restore|--copy-to") echo text ;;
         "restore|--gpu-map") echo text ;;
         "restore|--repo") echo dir ;;
         "restore|--via") echo via ;;
         "run|--name") echo name ;;
         "run|--repo") echo dir ;;
         "schedule add|--container") echo text ;;
+        "schedule add|--copy-keep-last") echo text ;;
+        "schedule add|--copy-to") echo text ;;
         "schedule add|--cron") echo text ;;
         "schedule add|--every") echo text ;;
         "schedule add|--keep-last") echo text ;;
@@ -77,6 +82,8 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "schedule add|--repo") echo dir ;;
         "schedule add|--user") echo text ;;
         "schedule run|--config-dir") echo text ;;
+        "slurm-run|--copy-keep-last") echo text ;;
+        "slurm-run|--copy-to") echo text ;;
         "slurm-run|--every") echo text ;;
         "slurm-run|--keep-last") echo text ;;
         "slurm-run|--name") echo name ;;

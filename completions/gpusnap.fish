@@ -59,6 +59,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l pending
 complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l remote-gpusnap -r -F
 complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from copy && not __fish_seen_subcommand_from doctor dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l to -x -a '(__fish_complete_directories)'
@@ -71,6 +72,8 @@ complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from doctor && not __fish_seen_subcommand_from copy dump export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l compress -x -a 'auto lz4 zstd shuffle4-zstd shuffle2-zstd none'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l container -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l copy-keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l copy-to -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l exit
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l gpu-lock-timeout -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l help
@@ -80,6 +83,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l match -x
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l pidfile -r -F
+complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l prune-uncopied
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l quiet
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from dump && not __fish_seen_subcommand_from copy doctor export forget import init inspect ls prune ps repair restore run schedule slurm-run verify' -l staging-budget -x
@@ -135,6 +139,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_sub
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l keep-last -x
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l lock-wait -x
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l name -x -a '(__gpusnap_names)'
+complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l prune-uncopied
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from prune && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls ps repair restore run schedule slurm-run verify' -s n
@@ -148,6 +153,7 @@ complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_su
 complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -l repo -x -a '(__fish_complete_directories)'
 complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from repair && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps restore run schedule slurm-run verify' -s n
+complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l copy-to -x
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l gpu-map -x
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from restore && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair run schedule slurm-run verify' -l json
@@ -170,6 +176,8 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run slurm-run verify && not __fish_seen_subcommand_from add ls rm run' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l container -x
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l copy-keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l copy-to -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l cron -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from add' -l help
@@ -193,6 +201,8 @@ complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subc
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -l json
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -s h
 complete -c gpusnap -n '__fish_seen_subcommand_from schedule && __fish_seen_subcommand_from run' -a '(__gpusnap_schedules)'
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l copy-keep-last -x
+complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l copy-to -x
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l every -x
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l help
 complete -c gpusnap -n '__fish_seen_subcommand_from slurm-run && not __fish_seen_subcommand_from copy doctor dump export forget import init inspect ls prune ps repair restore run schedule verify' -l keep-last -x

@@ -139,6 +139,13 @@ MUTATIONS: list[Mutation] = [
     Mutation("serve-frame-head", "gpusnap/ops/copy_wire.py",
              "if tag not in want or reserved or stored_len > limit or raw_len > limit:", "if False:",
              ["tests/test_copy.py"], "a copy frame of another kind, or over its limit, is accepted"),
+    # -- tiers: a snapshot not yet copied is never pruned (ops/prune.py, repo/copies.py) ------------
+    Mutation("tiers-never-prune-uncopied", "gpusnap/ops/prune.py",
+             "return (lambda: ()) if prune_uncopied else (lambda: copies.uncopied_ids(repo.path))",
+             "return lambda: ()",
+             ["tests/test_tiers.py::test_pending_records_protect_from_retention_and_are_swept",
+              "tests/test_tiers.py::test_retention_per_tier_never_deletes_an_uncopied_snapshot"],
+             "--keep-last deletes snapshots a tiered dump has not copied yet"),
     # -- the cron line ------------------------------------------------------------------------------
     Mutation("cron-config-dir", "gpusnap/ops/schedule/backends.py",
              "cmd = \" \".join([*words, \"schedule\", \"run\", s.name, \"--config-dir\", "

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from gpusnap.cli.common import JsonOpt, RepoOpt, repo_path
+from gpusnap.cli.common import CopyKeepLastOpt, CopyToOpt, JsonOpt, RepoOpt, repo_path
 from gpusnap.render.output import OUTPUT
 
 
@@ -56,6 +56,8 @@ def schedule_add(
     container: Optional[str] = typer.Option(None, "--container", metavar="NAME|ID",
                                             help="Snapshot a Podman container (as `dump --container`)."),
     repo: Optional[Path] = RepoOpt,
+    copy_to: Optional[str] = CopyToOpt,
+    copy_keep_last: Optional[int] = CopyKeepLastOpt,
     json_: bool = JsonOpt,
 ) -> None:
     """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
@@ -63,7 +65,7 @@ def schedule_add(
     from gpusnap.render import machine as show
 
     s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
-                     replace=replace, container=container)
+                     replace=replace, container=container, copy_to=copy_to, copy_keep_last=copy_keep_last)
     OUTPUT.emit({**s.to_dict(), "replaced_repo": getattr(s, "replaced_repo", None)},
                 lambda: show.schedule_added(s, OUTPUT))
 

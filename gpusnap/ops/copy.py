@@ -8,11 +8,13 @@ only those travel, compressed as an export's data records (ops/export.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpusnap.errors import CopyFailed, Interrupted, UsageError
+from gpusnap.repo import copies
 from gpusnap.ops.copy_wire import (BYE, COMMIT, DONE, HELLO, MANIFEST, NEXT, PAGELIST, PROTOCOL, READY, STATE,
                                    VERSION, WANT, Channel, unbitmap)
 
@@ -26,6 +28,7 @@ class CopyRequest:
     all: bool = False           # every snapshot
     remote_gpusnap: str | None = None
     lock_wait: float | None = None
+    pending: bool = False       # every snapshot whose copy to `to` is pending (repo/copies.py)
     done: list = field(default_factory=list)
 
 
@@ -55,10 +58,13 @@ def copy(req: CopyRequest, progress=None) -> dict:
 
     access.check_repo(req.repo)
     repo = locate.open_repository(req.repo)
-    snaps = select(repo, req.refs, req.name, req.all)
-    argv, _ = serve_command(req.to, req.remote_gpusnap, req.lock_wait)
+    argv, local = serve_command(req.to, req.remote_gpusnap, req.lock_wait)
+    to = local or req.to                # as a tiered dump records it (ops/tiers.py destination)
+    snaps = _pending(repo, req, to) if req.pending else select(repo, req.refs, req.name, req.all)
     t0 = time.monotonic()
-    with interrupt.as_exception(), repo.readers_lock():
+    with interrupt.as_exception(), repo.readers_lock(), _recorded(repo, req.done, to):
+        if not snaps:       # --pending with nothing pending: no connection needed
+            return _report(req, t0)
         peer = Peer(argv, "the destination")
         try:
             _converse(peer.channel, repo, snaps, req.done, progress)
@@ -76,10 +82,32 @@ def copy(req: CopyRequest, progress=None) -> dict:
             raise
         finally:
             peer.close()
-    sent = sum(d["bytes_sent"] for d in req.done)
+    return _report(req, t0)
+
+
+def _report(req: CopyRequest, t0: float) -> dict:
     return {"to": req.to, "snapshots": req.done, "copied": sum(not d["already_present"] for d in req.done),
-            "skipped": sum(d["already_present"] for d in req.done), "bytes_sent": sent,
+            "skipped": sum(d["already_present"] for d in req.done),
+            "bytes_sent": sum(d["bytes_sent"] for d in req.done),
             "bytes_raw": sum(d["bytes_raw"] for d in req.done), "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _pending(repo, req: CopyRequest, to: str) -> list:
+    """--pending: the snapshots whose copy to `to` a tiered dump left pending, oldest first."""
+    if req.refs or req.name or req.all:
+        raise UsageError("--pending chooses the snapshots itself", hint="give it without SNAP..., --name or --all")
+    snaps = [repo.snapshot(d) for d in copies.pending(repo, to)]
+    return sorted(snaps, key=lambda s: (s.created, s.path.name))
+
+
+@contextlib.contextmanager
+def _recorded(repo, done: list, to: str):
+    """Each snapshot that is at the destination (committed, or found there) recorded as copied
+    to `to` (REPO/copies/, repo/copies.py), whatever ends the copy: what arrived counts."""
+    try:
+        yield
+    finally:
+        copies.note_copied(repo.path, done, to)
 
 
 def _converse(ch: Channel, repo, snaps: list, done: list, progress) -> None:

@@ -25,9 +25,18 @@ _SSH = re.compile(r"ssh://(?:(?P<user>[^@/:\s]+)@)?(?P<host>\[[0-9A-Fa-f:.]+\]|[
 
 def serve_command(to: str, remote_gpusnap: str | None, lock_wait: float | None) -> tuple[list[str], str | None]:
     """-> (the command line that starts the other end, the local repository path or None)."""
+    return _command(to, remote_gpusnap, ["serve"] + ([] if lock_wait is None else ["--lock-wait", str(lock_wait)]))
+
+
+def remote_command(to: str, remote_gpusnap: str | None, tail: list[str]) -> list[str]:
+    """`gpusnap TAIL... --repo PATH` run for the repository `to` names, as `serve` is: this
+    gpusnap for a path, the other machine's through ssh (a tiered dump's --copy-keep-last)."""
+    return _command(to, remote_gpusnap, tail)[0]
+
+
+def _command(to: str, remote_gpusnap: str | None, tail: list[str]) -> tuple[list[str], str | None]:
     from gpusnap import settings
 
-    tail = ["serve"] + ([] if lock_wait is None else ["--lock-wait", str(lock_wait)])
     if "://" not in to:
         local = str(Path(to).expanduser().absolute())
         prog = [remote_gpusnap] if remote_gpusnap else [sys.executable, "-m", "gpusnap"]

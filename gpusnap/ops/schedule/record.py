@@ -49,6 +49,8 @@ class Schedule:
     files: list[str] = field(default_factory=list)    # the cron file, or the unit files
     version: int = SPEC_VERSION
     container: str | None = None      # `schedule add --container`: a Podman container (root's), by name or id
+    copy_to: str | None = None        # `--copy-to`: each run copies its snapshot (and any pending) there (ops/tiers.py)
+    copy_keep_last: int | None = None  # `--copy-keep-last`: retention there, after the copy
 
     @property
     def user(self) -> str:
@@ -142,6 +144,12 @@ def load(name: str, d: Path | None = None) -> Schedule:
         validate.check_match(s.match)
     if s.container is not None:
         validate.check_container_ref(s.container)
+    if s.copy_to is not None:
+        from gpusnap.ops import tiers
+
+        s.copy_to = tiers.destination(s.copy_to)
+    if s.copy_keep_last is not None and (type(s.copy_keep_last) is not int or s.copy_keep_last < 1):
+        raise UsageError(f"schedule {p} is damaged")
     if s.name != name or not isinstance(s.uid, int) or not isinstance(s.keep_last, int) or s.keep_last < 1:
         raise UsageError(f"schedule {p} is damaged")
     return s

@@ -76,9 +76,10 @@ class PruneResult(dict):
 # -- entry points ---------------------------------------------------------------------------------
 
 def run(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False,
-        max_unused: float = MAX_UNUSED) -> PruneResult:
+        max_unused: float = MAX_UNUSED, keep=lambda: ()) -> PruneResult:
     """`gpusnap prune`: under the locks, delete all but the `keep_last` newest snapshots per
-    name (or of `name`; none without keep_last), then free what no snapshot needs."""
+    name (or of `name`; none without keep_last), then free what no snapshot needs. `keep()`:
+    ids never deleted (snapshots not yet copied to their next tier), read under the locks."""
     with locked(repo, dry_run):
         if not dry_run:     # what SIGKILLed dumps and restores left outside the repository
             from gpusnap.system import tmpdirs
@@ -90,7 +91,8 @@ def run(repo, keep_last: int | None = None, name: str | None = None, dry_run: bo
             if name is not None and not any(s.name == name for s in snaps):
                 raise SnapshotNotFound(f"no snapshot named {name!r} in repository {repo.path}",
                                        hint="list them with: gpusnap ls")
-            remove = plan_prune(snaps, keep_last=keep_last, name=name).delete
+            kept = set(keep())
+            remove = [i for i in plan_prune(snaps, keep_last=keep_last, name=name).delete if i not in kept]
         return apply(repo, remove, dry_run, max_unused)
 
 
@@ -111,17 +113,18 @@ def measure_rewrite(repo, p: PrunePlan) -> None:
         p.rewrite_bytes = packed_size([len(b[4]) for b in _rewritten_blobs(repo.path, p)])
 
 
-def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
+def retain(repo, name: str, keep_last: int, keep=()) -> tuple[list[str], list[str]]:
     """A dump's --keep-last: keep the newest `keep_last` snapshots of `name` (the dump holds
-    the writer lock). -> (snapshot ids deleted, warnings). Raises on failure."""
-    sel = plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
+    the writer lock), and those whose id is in `keep`. -> (snapshot ids deleted, warnings).
+    Raises on failure."""
+    delete = [i for i in plan_prune(repo.snapshots(), keep_last=keep_last, name=name).delete if i not in set(keep)]
     warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
-    if sel.delete:
+    if delete:
         with locked(repo):
-            res = apply(repo, sel.delete)
+            res = apply(repo, delete)
         if res.get("data_kept"):
             warnings.append(res["data_kept"])
-    return list(sel.delete), warnings
+    return delete, warnings
 
 
 def execute_prune(repo, selection: Selection, dry_run: bool = False, repack_threshold: float = MAX_UNUSED,

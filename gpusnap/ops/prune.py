@@ -66,7 +66,7 @@ def retain(repo, name: str, keep_last: int, prune_uncopied: bool = False) -> tup
     from gpusnap.repo.maint import prune as prune_mod
 
     before = repo.snapshots()
-    deleted, warnings = prune_mod.retain(repo, name, keep_last, uncopied(repo, prune_uncopied)())
+    deleted, warnings = prune_mod.retain(repo, name, keep_last, uncopied(repo, prune_uncopied))
     if deleted:
         warnings += netlock_sweep.after_removal(before, repo.snapshots())
     return deleted, warnings

@@ -133,16 +133,18 @@ def dump(req, tier: Tier, progress=None):
 
     to = destination(tier.to)
     result = do_dump(replace(req, keep_last=None, copy_to=to), progress)
+    root = Path(result.snapshot).parent.parent
     try:
-        result.copy = catch_up(Path(result.snapshot).parent.parent, replace(tier, to=to), req.lock_wait,
-                               also=(Path(result.snapshot).name,))
+        result.copy = catch_up(root, replace(tier, to=to), req.lock_wait, also=(Path(result.snapshot).name,))
         if req.keep_last:
-            from gpusnap.repo import locate
+            from gpusnap.repo import locate, lockwait
 
-            repo = locate.open_repository(req.repo)
+            # retention deletes: the writer lock exclusive (docs/format.md §6), waited for as the
+            # dump's own was (every other writer finishes first); the dump's shared lock is long
+            # gone. Its prune also sweeps the records of snapshots that are gone (repo/copies.py).
+            repo = locate.open_repository(root).wait_for_locks(lockwait.seconds(req.lock_wait))
             result.pruned, result.prune_warnings, result.prune_error = prune.retain_after_commit(
                 repo, result.name, req.keep_last, req.prune_uncopied)
-            copies.sweep(repo)
     except (KeyboardInterrupt, Interrupted):
         raise InterruptedAfterCommit(
             f"dump interrupted after the commit, while copying to {to}: snapshot {result.snapshot} is kept "

@@ -28,8 +28,6 @@ def _record_name(snap_dir: str, to: str) -> str:
     return f"{snap_dir}.{_key(to)}"
 
 
-
-
 def write_record(root: Path, snap_dir: str, snap_id: str, to: str, state: str, **extra) -> dict:
     """REPO/copies/<snapshot dir>.<key>, replaced atomically (temporary file, fsync, rename)."""
     rec = {"version": RECORD_VERSION, "snapshot": snap_dir, "id": snap_id, "to": to, "state": state,
@@ -97,12 +95,28 @@ def uncopied_ids(root: Path) -> set[str]:
 
 
 def sweep(repo) -> None:
-    """The records of snapshots that are gone (deleted by prune or forget) go too."""
+    """The records of snapshots that are gone (deleted by prune or forget) go too. Under prune's
+    locks (maint/prune.py execute runs it; taken here when not held): the writer lock exclusive,
+    so no writer is between its commit and its pending record, and the readers lock exclusive,
+    so no copy is recording. The records are read before the snapshots, so a record is only
+    ever removed for a snapshot that was gone after the record was there."""
+    if repo.holds_exclusive():
+        _sweep(repo)
+        return
+    with repo.writer_lock(recover=False, exclusive=True, what="prune"), repo.readers_lock(exclusive=True):
+        _sweep(repo)
+
+
+def _sweep(repo) -> None:
+    recs = records(repo.path)
     have = {s.path.name for s in repo.snapshots()} | {Path(p).name for p in repo.broken_snapshots()}
-    for d, recs in records(repo.path).items():
+    for d, rs in recs.items():
         if d not in have:
-            for r in recs:
-                fsutil.unlink_quiet(Path(repo.path) / COPIES / _record_name(d, r["to"]))
+            for r in rs:
+                try:
+                    fsutil.unlink_quiet(Path(repo.path) / COPIES / _record_name(d, r["to"]))
+                except OSError:     # ignored meanwhile (records()), removed by the next prune
+                    pass
 
 
 def note_copied(root: Path, done: list[dict], to: str) -> None:

@@ -21,7 +21,7 @@ import stat
 from typing import Callable
 
 from gpusnap.errors import CorruptSnapshot, RepositoryError, SnapshotNotFound
-from gpusnap.repo import fsutil, locations
+from gpusnap.repo import copies, fsutil, locations
 from gpusnap.repo.codec import compress
 from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError
 from gpusnap.repo.maint.prune_plan import (FAILED_LOGS_KEPT, MAX_UNUSED, SMALL_PACK, PackDecision,  # noqa: F401
@@ -113,15 +113,23 @@ def measure_rewrite(repo, p: PrunePlan) -> None:
         p.rewrite_bytes = packed_size([len(b[4]) for b in _rewritten_blobs(repo.path, p)])
 
 
-def retain(repo, name: str, keep_last: int, keep=()) -> tuple[list[str], list[str]]:
-    """A dump's --keep-last: keep the newest `keep_last` snapshots of `name` (the dump holds
-    the writer lock), and those whose id is in `keep`. -> (snapshot ids deleted, warnings).
-    Raises on failure."""
-    delete = [i for i in plan_prune(repo.snapshots(), keep_last=keep_last, name=name).delete if i not in set(keep)]
+def retain(repo, name: str, keep_last: int, keep=lambda: ()) -> tuple[list[str], list[str]]:
+    """A dump's --keep-last: keep the newest `keep_last` snapshots of `name`, and those whose
+    id `keep()` gives (snapshots not yet copied to their next tier). -> (snapshot ids deleted,
+    warnings). Raises on failure. A first look (under the dump's shared lock, or none) decides
+    whether anything is to go; only then is the writer lock taken exclusive (a dump lets go of
+    its shared one first, docs/format.md §6), and the plan and `keep()` that count are made
+    again under it: another writer may have committed, or marked a snapshot pending, meanwhile."""
+    def doomed() -> list[str]:
+        kept = set(keep())
+        return [i for i in plan_prune(repo.snapshots(), keep_last=keep_last, name=name).delete if i not in kept]
+
     warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
+    delete = doomed()
     if delete:
         with locked(repo):
-            res = apply(repo, delete)
+            delete = doomed()
+            res = apply(repo, delete) if delete else {}
         if res.get("data_kept"):
             warnings.append(res["data_kept"])
     return delete, warnings
@@ -161,6 +169,7 @@ def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
         freed = _delete_packs(repo, p, fault) - written
         res["bytes_freed"] = max(freed, 0)
     res["leftovers_removed"] = _remove_leftovers(root, p.leftovers)
+    copies.sweep(repo)      # the copy records (docs/format.md §14) of snapshots that are gone
     return res
 
 

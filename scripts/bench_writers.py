@@ -25,16 +25,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from gpusnap.samples.job import steps_done  # noqa: E402 (the checkout's, as the gpusnap it runs)
+
 PY = sys.executable
 GPUSNAP = [PY, "-m", "gpusnap"]
-
-
-def _steps(out: Path) -> int:
-    try:
-        lines = (out / "job.log").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return int(lines[-1].split()[1].split("/")[0]) if lines else 0
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -56,7 +51,7 @@ def _start_jobs(base: Path, n: int, mb: int) -> list[tuple[subprocess.Popen, Pat
                              start_new_session=True)
         jobs.append((p, out))
     for _, out in jobs:
-        _wait(lambda: _steps(out) >= 2, 120, "a job did not start")
+        _wait(lambda: steps_done(out) >= 2, 120, "a job did not start")
     return jobs
 
 
@@ -110,8 +105,8 @@ def one_round(base: Path, n: int, mb: int, restore: bool) -> dict:
                 r = subprocess.run([*GPUSNAP, "restore", snap, "--repo", str(repo), "--json"], cwd=ROOT,
                                    capture_output=True, text=True)
                 if r.returncode == 0 and json.loads(r.stdout)["pid"] == p.pid:
-                    s = _steps(out)
-                    _wait(lambda: _steps(out) > s, 60, "a restored job does not run")
+                    s = steps_done(out)
+                    _wait(lambda: steps_done(out) > s, 60, "a restored job does not run")
                     restored += 1
                 _kill(pids)
         return {"writers": n, "wall_s": round(wall, 2), "dumps_per_min": round(60 * n / wall, 1),

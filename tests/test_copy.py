@@ -24,7 +24,7 @@ from gpusnap.errors import CopyFailed, CorruptSnapshot, Interrupted
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all
-from restore_helpers import restore_and_finish
+from restore_helpers import job_and_two_repos, restore_and_finish
 
 
 def _snapshot_dirs(repo: Path) -> list[str]:
@@ -38,21 +38,9 @@ def _same_images(a, b) -> None:
         assert read_all(a, im["name"]) == read_all(b, im["name"]), im["name"]
 
 
-def _job_and_two_repos(sample_job, tmp_path, reference):
-    """A running sample job (10 steps in), its uninterrupted result, and two new repositories."""
-    kw = dict(steps=300, mb=32, threads=2)
-    expected = reference(**kw)
-    job = sample_job(**kw, step_ms=20)
-    job.wait_steps(10)
-    a, b = tmp_path / "a", tmp_path / "b"
-    for r in (a, b):
-        run_gpusnap("init", "--repo", r, check=True)
-    return job, expected, a, b
-
-
 @pytest.mark.criu
 def test_real_job_copied_incrementally_and_restored_from_the_copy(sample_job, tmp_path, reference):
-    job, expected, a, b = _job_and_two_repos(sample_job, tmp_path, reference)
+    job, expected, a, b = job_and_two_repos(sample_job, tmp_path, reference)
     first = run_json("dump", job.pid, "--repo", a, "--name", "train")
     job.wait_steps(40)
     second = run_json("dump", job.pid, "--repo", a, "--name", "train")
@@ -276,7 +264,7 @@ def sshd(tmp_path):
 @pytest.mark.criu
 def test_copy_through_a_real_sshd(sample_job, tmp_path, reference, sshd):
     port, env = sshd
-    job, expected, a, b = _job_and_two_repos(sample_job, tmp_path, reference)
+    job, expected, a, b = job_and_two_repos(sample_job, tmp_path, reference)
     snap = run_json("dump", job.pid, "--repo", a, "--name", "remote")
     job.kill()
     remote = checkout_bin(tmp_path) / "gpusnap"      # this checkout's gpusnap as one program path

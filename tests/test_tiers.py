@@ -22,7 +22,7 @@ from gpusnap.ops import prune as prune_op
 from gpusnap.repo import Repository, copies
 from gpusnap.repo.maint.verify import verify
 from repo_helpers import dump as fake_dump
-from test_copy import _job_and_two_repos
+from restore_helpers import job_and_two_repos
 from test_schedule import _run_as_cron, installed_gpusnap, sched_env  # noqa: F401 (fixtures)
 
 
@@ -45,7 +45,7 @@ def _tiered(job, a: Path, to, *extra) -> dict:
 
 @pytest.mark.criu
 def test_tiered_dump_commits_then_copies_and_restores_from_the_destination(sample_job, tmp_path, reference):
-    job, expected, a, b = _job_and_two_repos(sample_job, tmp_path, reference)
+    job, expected, a, b = job_and_two_repos(sample_job, tmp_path, reference)
     d = _tiered(job, a, b)
     c = d["copy"]
     assert c["status"] == "copied" and c["copied"] == [Path(d["snapshot"]).name] and c["error"] is None, c

@@ -8,24 +8,17 @@ result of an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import PY, run_gpusnap
-from test_slurm import (JOB_ARGS, MB, STEP_MS, STEPS, THREADS, _kill_node, _requeued_and_running, _slurm_output,
+# _events(shared): slurm-run's log in the shared tier's jobs/sjob/ (with the job's output: it outlives the node)
+from test_slurm import (JOB_ARGS, MB, STEP_MS, STEPS, THREADS, _events, _lose_node_and_resume, _slurm_output,
                         _steps_done, _wait, cluster)  # noqa: F401 (the cluster fixture)
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
-
-
-def _events(shared: Path) -> list[dict]:
-    """slurm-run's log, in the shared tier's jobs/sjob/ (with the job's output: it outlives the node)."""
-    p = shared / "jobs" / "sjob" / "slurm.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
 
 
 def test_requeued_job_resumes_from_the_shared_tier_after_its_node_is_lost(cluster, tmp_path, reference):  # noqa: F811
@@ -49,15 +42,12 @@ exec {PY} -m gpusnap slurm-run --repo {local} --copy-to {shared} --name sjob --e
 
     _wait(lambda: _steps_done(out) >= 30 and len(copied()) >= 2, 120, "30 steps and two copied snapshots",
           lambda: f"{cluster.job(job)} {_events(shared)}\n{_slurm_output(tmp_path)}")
-    _kill_node(cluster)
-    last = copied()[-1]
-    shutil.rmtree(local)                 # the node-local repository goes with the node
-    time.sleep(1)
-    cluster.start_slurmd()
-    _wait(lambda: _requeued_and_running(cluster, job), 180, "requeue after the node failure",
-          lambda: f"{cluster.job(job)}\n{cluster.log('slurmctld')[-3000:]}\n{_slurm_output(tmp_path)}")
-    resumed = _wait(lambda: next((e for e in _events(shared) if e["event"] == "resumed"), None), 120,
-                    "resume", lambda: f"{_events(shared)}\n{_slurm_output(tmp_path)}")
+
+    def node_gone():
+        last = copied()[-1]
+        shutil.rmtree(local)                 # the node-local repository goes with the node
+        return last
+    last, resumed = _lose_node_and_resume(cluster, job, shared, tmp_path, node_gone)
     assert resumed["repository"] == str(shared), resumed
     assert Path(resumed["snapshot"]).name >= Path(last["snapshot"]).name, (resumed, last)
     assert [e["event"] for e in _events(shared)].count("started") == 1, _events(shared)

@@ -28,6 +28,8 @@ test-fast: setup
 bench: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.6'
 	@$(PY) scripts/bench.py
+	@$(PY) scripts/bench_writers.py
+	@$(PY) scripts/bench_tiers.py
 
 completions: setup
 	@$(PY) scripts/gen_completions.py

@@ -5,7 +5,7 @@ switched off so there is no second, different behaviour.
 
 Static scripts need no Python at completion time. What they complete beyond command and
 option names: codecs after `--compress`, podman|docker after `--engine`, directories after `--repo`, files where a file is
-expected, snapshot directory names and snapshot names for restore/inspect/verify/forget/export (read from
+expected, snapshot directory names and snapshot names for restore/inspect/verify/forget/export/copy (read from
 `REPO/snapshots/`, the repository being `--repo` on the line, else $GPUSNAP_REPO, else
 /var/lib/gpusnap: one directory listing, nothing opened), and schedule names for
 `schedule rm`/`run` (the NAME.json records in $GPUSNAP_SCHEDULE_DIR or /etc/gpusnap/schedules).
@@ -20,12 +20,13 @@ from gpusnap.repo.codec import CHOICES as CODECS  # the one list of --compress v
 DEFAULT_REPO = "/var/lib/gpusnap"
 # what the value of an option is (every other option that takes a value: free text)
 OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file",
-                 "--via": "via", "--name": "name", "--engine": "engine"}
+                 "--via": "via", "--name": "name", "--engine": "engine", "--to": "dir",
+                 "--remote-gpusnap": "file"}
 VIAS = ("auto", "stream", "files", "lazy")   # restore --via (gpusnap/ops/restore.py VIAS; a test keeps them equal)
 ENGINES = ("docker", "podman")               # --engine (gpusnap/system/engines.py ENGINES; a test keeps them equal)
 # what a command's positional arguments are
 ARGUMENTS = {"restore": "snapshot", "inspect": "snapshot", "verify": "snapshot", "forget": "snapshot",
-             "export": "snapshot", "import": "file", "schedule rm": "schedule",
+             "export": "snapshot", "copy": "snapshot", "import": "file", "schedule rm": "schedule",
              "schedule run": "schedule"}
 
 
@@ -51,7 +52,8 @@ def _tree() -> tuple[dict[str, list[str]], dict[str, dict[str, str]]]:
         return sorted(set(opts))
 
     def walk(cmd, path: str) -> None:
-        subs = sorted(getattr(cmd, "commands", {}) or {})
+        subs = sorted(n for n, c in (getattr(cmd, "commands", {}) or {}).items()
+                      if not getattr(c, "hidden", False))     # `serve`: started by `copy`, never typed
         tree[path] = subs + options(cmd, path)
         for name in subs:
             walk(cmd.commands[name], f"{path} {name}".strip())

@@ -211,6 +211,16 @@ class ContainerEngineFailed(GpusnapError):
     title = "container engine failed"
 
 
+class CopyFailed(GpusnapError):
+    """`gpusnap copy`: the connection to the destination broke (ssh failed, the other end
+    died), or the other end's gpusnap or what it sent broke the copy protocol (a malformed
+    frame, data that does not match its checksum); the snapshot in progress was not committed
+    there, what arrived in finished packs stays for the next copy."""
+
+    exit_code = 34
+    title = "copy failed"
+
+
 class NativeLibraryMissing(GpusnapError):
     """A native part of gpusnap is missing or of another version: the page library
     (build/lib/libgpusnap_pages.so) or the post-dump gate (build/bin/gpusnap-gate)."""

@@ -19,7 +19,9 @@ guarded by which test.
 
 Each mutation is one exact line of a file (it must occur exactly once, or the script stops:
 the product moved on and the list must follow) replaced by another. The scratch copy (in
-$MUTATE_DIR, default /var/tmp/gpusnap-mutate) is the tracked and untracked-but-not-ignored
+$MUTATE_DIR, default /var/tmp/gpusnap-mutate-<hash of the checkout's path>: one per checkout,
+so runs in two worktrees never refresh each other's copy; a run holds it locked) is the
+tracked and untracked-but-not-ignored
 files of the checkout (git ls-files), a link to .venv and a build of its own (the plugin
 tests build in the tree they run from); the checkout itself is never written.
 """
@@ -66,6 +68,8 @@ T_EXPORT = "tests/test_export.py"
 T_INTEGRITY = "tests/test_integrity_checks.py"     # (helper importb's tests, where they have landed)
 T_EXPORT_FUZZ = "tests/test_export_fuzz.py"
 T_LOCK = "tests/test_repo_lock.py"
+T_CONC = "tests/test_concurrent_writers.py"
+T_TIERS_W = "tests/test_tiers_writers.py"
 T_HOSTLOCK = "tests/test_hostlock.py"
 T_PRUNE = "tests/test_repo_prune.py"
 T_RET = "tests/test_retention.py"
@@ -131,6 +135,33 @@ MUTATIONS: list[Mutation] = [
              "if f.read(1):", "if False:",
              [T_EXPORT, T_INTEGRITY, T_EXPORT_FUZZ], "bytes after an export file's trailer are ignored",
              alt=[("gpusnap/ops/import_stream.py", "if src.f.read(1):", 0)]),
+    # -- integrity: copy's receiving end (gpusnap serve) --------------------------------------------
+    Mutation("serve-page-checksum", "gpusnap/ops/serve.py",
+             "if native.verify(pages, k, ids[a * 16:(a + k) * 16], b\"\\x01\" * k) >= 0:", "if False:",
+             ["tests/test_copy.py"], "copy's receiver does not check each page against its id"),
+    Mutation("serve-frame-head", "gpusnap/ops/copy_wire.py",
+             "if tag not in want or reserved or stored_len > limit or raw_len > limit:", "if False:",
+             ["tests/test_copy.py"], "a copy frame of another kind, or over its limit, is accepted"),
+    # -- tiers: a snapshot not yet copied is never pruned (ops/prune.py, repo/copies.py) ------------
+    Mutation("tiers-never-prune-uncopied", "gpusnap/ops/prune.py",
+             "return (lambda: ()) if prune_uncopied else (lambda: copies.uncopied_ids(repo.path))",
+             "return lambda: ()",
+             ["tests/test_tiers.py::test_pending_records_protect_from_retention_and_are_swept",
+              "tests/test_tiers.py::test_retention_per_tier_never_deletes_an_uncopied_snapshot"],
+             "--keep-last deletes snapshots a tiered dump has not copied yet"),
+    Mutation("tiers-pending-read-under-lock", "gpusnap/repo/maint/prune.py",
+             "delete = doomed()", "pass",
+             [f"{T_TIERS_W}::test_retention_reads_the_pending_records_under_the_exclusive_lock"],
+             "retention deletes what another writer marked pending while it waited for the exclusive lock",
+             extra=["occurrence=2"]),
+    Mutation("tiers-sweep-locked", "gpusnap/repo/copies.py",
+             "if repo.holds_exclusive():", "if True:",
+             [f"{T_TIERS_W}::test_records_of_gone_snapshots_are_swept_only_under_prunes_locks"],
+             "the copies/ records are swept while a writer may be between its commit and its record"),
+    Mutation("tiers-prune-sweeps", "gpusnap/repo/maint/prune.py",
+             "copies.sweep(repo)      # the copy records (docs/format.md §14) of snapshots that are gone", "pass",
+             [f"{T_TIERS_W}::test_records_of_gone_snapshots_are_swept_only_under_prunes_locks"],
+             "a prune leaves the copies/ records of the snapshots it deleted"),
     # -- the cron line ------------------------------------------------------------------------------
     Mutation("cron-config-dir", "gpusnap/ops/schedule/backends.py",
              "cmd = \" \".join([*words, \"schedule\", \"run\", s.name, \"--config-dir\", "
@@ -140,18 +171,32 @@ MUTATIONS: list[Mutation] = [
               f"{T_SCHED}::test_the_cron_command_dumps_keeps_the_last_n_and_logs_json"],
              "the cron line no longer says where the schedule's spec is"),
     # -- locking: the repository's writer and readers locks, the machine-wide job locks ------------
-    Mutation("writer-lock", "gpusnap/repo/repository.py",
-             "if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,",
-             "if not lockwait.flock(fd, fcntl.LOCK_SH, self.lock_wait,",
-             [T_LOCK], "two writers of one repository at once (the writer lock taken shared)",
-             extra=["occurrence=1"]),
-    Mutation("writer-lock-holder", "gpusnap/repo/repository.py",
+    Mutation("writer-lock", "gpusnap/repo/locking.py",
+             "op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH",
+             "op = fcntl.LOCK_SH",
+             [T_LOCK], "a prune runs beside a writer on this machine (the exclusive flock taken shared)"),
+    Mutation("writer-lock-holder", "gpusnap/repo/locking.py",
              "if not isinstance(info, dict) or not info:", "if True:",
-             [T_LOCK], "the locked-repository error no longer names the holder"),
+             [T_LOCK, "tests/test_old_repository.py"], "the locked-repository error no longer names an older holder"),
+    # (the lock-file ones name their tests: the whole of T_CONC runs real dumps first, and with a
+    # dead process's lock file never taken over its SIGKILL test's prune waits out its 600 s
+    # --lock-wait, so the run timed out before the test that catches it)
+    Mutation("lock-file-exclusive", "gpusnap/repo/lockfile.py",
+             "if exclusive:", "if False:",
+             [f"{T_CONC}::test_prune_waits_for_writers_and_writers_wait_for_prune"],
+             "an exclusive lock file is kept out only by other exclusive ones (prune beside writers)"),
+    Mutation("lock-file-stale-remote", "gpusnap/repo/lockfile.py",
+             "return now - self.refreshed > stale_after()", "return now - self.refreshed > 0",
+             [f"{T_CONC}::test_a_refreshed_lock_file_keeps_others_out_until_it_stops"],
+             "another machine's lock file counts as stale although it is refreshed"),
+    Mutation("lock-file-stale-local", "gpusnap/repo/lockfile.py",
+             'return st is None or st.state in ("Z", "X") or st.starttime != self.start', "return False",
+             [f"{T_CONC}::test_stale_lock_files_are_taken_over"],
+             "a dead process's lock file on this machine is never taken over"),
     Mutation("readers-lock-exclusive", "gpusnap/repo/repository.py",
-             "if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,",
-             "if not lockwait.flock(fd, fcntl.LOCK_SH, self.lock_wait,",
-             [T_LOCK], "a prune deletes data while a restore reads it (taken shared)", extra=["occurrence=2"]),
+             "ok = lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait, on_wait)",
+             "ok = lockwait.flock(fd, fcntl.LOCK_SH, self.lock_wait, on_wait)",
+             [T_LOCK], "a prune deletes data while a restore reads it (taken shared)"),
     Mutation("readers-lock-shared", "gpusnap/repo/repository.py",
              "fcntl.flock(fd, fcntl.LOCK_SH)", "pass",
              [T_LOCK], "a restore reads without holding the readers lock"),
@@ -221,6 +266,27 @@ MUTATIONS: list[Mutation] = [
              [f"{T_PF}::test_exit_dump_sigkilled_after_criu_job_runs_on"],
              "the job resumes with its CUDA processes still checkpointed and locked"),
 ]
+
+
+def default_dir() -> str:
+    """The scratch copy's home for this checkout (another worktree's run has its own)."""
+    import hashlib
+
+    return f"/var/tmp/gpusnap-mutate-{hashlib.blake2b(str(ROOT).encode(), digest_size=4).hexdigest()}"
+
+
+def hold_dir(d: Path) -> None:
+    """The scratch copy is this run's until it exits (flock on d/lock): a second run on the same
+    copy would refresh the tree under the first (its tests then "not here", or mutated code)."""
+    import fcntl
+
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SystemExit(f"another mutate run uses {d}: wait for it, or give this one --dir / $MUTATE_DIR") from None
+    globals()["_held_dir_fd"] = fd       # held until the process exits
 
 
 def refresh_tree(dst: Path) -> None:
@@ -359,7 +425,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--markdown", type=Path, help="write the table (markdown) here too")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per mutation")
-    ap.add_argument("--dir", type=Path, default=Path(os.environ.get("MUTATE_DIR", "/var/tmp/gpusnap-mutate")),
+    ap.add_argument("--dir", type=Path, default=Path(os.environ.get("MUTATE_DIR", default_dir())),
                     help="the scratch copy's home (its build/ is kept between runs)")
     ap.add_argument("--baseline", action="store_true",
                     help="run the chosen mutations' tests on the unmutated copy (they must pass)")
@@ -386,6 +452,7 @@ def main(argv=None) -> int:
         return 1
     rows, survived = [], []
     tree = a.dir / "tree"
+    hold_dir(a.dir)
     refresh_tree(tree)
     for m in chosen:      # every line is where the list says, before anything runs
         put_back(tree, m, apply(tree, m))

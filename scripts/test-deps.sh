@@ -7,6 +7,7 @@
 #   cron                                 a real cron daemon runs a schedule (test_schedule_daemon)
 #   podman runc                          a real container the preflight must recognise (test_containers)
 #   docker.io                            a dockerd the Docker tests start on their own socket (test_docker)
+#   openssh-server openssh-client        a real sshd on 127.0.0.1 that `gpusnap copy --to ssh://` goes through (test_copy)
 #   CRIU's zdtm tests                    built from Debian's CRIU source (tests/zdtm/build.sh)
 #   python3-protobuf                     the zdtm hooks import CRIU's pycriu with Debian's python3
 # Their services are never started or enabled by this: the tests start their own instances on
@@ -18,7 +19,7 @@ want=()
 for t in /usr/sbin/slurmd:slurmd /usr/sbin/slurmctld:slurmctld /usr/bin/sbatch:slurm-client \
          /usr/sbin/munged:munge /usr/bin/redis-server:redis-server /usr/bin/zsh:zsh /usr/bin/fish:fish \
          /usr/bin/tmux:tmux /usr/bin/screen:screen /usr/sbin/cron:cron /usr/bin/podman:podman \
-         /usr/sbin/runc:runc /usr/sbin/dockerd:docker.io \
+         /usr/sbin/runc:runc /usr/sbin/dockerd:docker.io /usr/sbin/sshd:openssh-server /usr/bin/ssh:openssh-client \
          /usr/lib/python3/dist-packages/google/protobuf/__init__.py:python3-protobuf; do
   [ -e "${t%%:*}" ] || want+=("${t#*:}")   # (-e: python3-protobuf is a module, not a program)
 done
@@ -47,7 +48,9 @@ trap '[ $had_policy = 1 ] || rm -f "$policy"' EXIT
 # On a systemd machine the packages enabled their units for the next boot: only those just installed.
 if [ -d /run/systemd/system ]; then
   for p in "${want[@]}"; do
-    case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;; esac
+    case $p in slurmd|slurmctld|munge|redis-server|cron) systemctl disable --quiet "$p" >/dev/null 2>&1 || true ;;
+      openssh-server) systemctl disable --quiet ssh >/dev/null 2>&1 || true ;;   # its unit is ssh.service
+    esac
   done
 fi
 # docker.io's units are docker.socket and docker.service (the tests start a dockerd of their own)

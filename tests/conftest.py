@@ -136,11 +136,9 @@ class SampleJob:
         raise AssertionError(f"job did not reach step {n} in {timeout} s")
 
     def steps_done(self) -> int:
-        try:
-            lines = (self.out / "job.log").read_text().splitlines()
-        except FileNotFoundError:
-            return 0
-        return int(lines[-1].split()[1].split("/")[0]) if lines else 0
+        from gpusnap.samples.job import steps_done
+
+        return steps_done(self.out)
 
     def alive(self) -> bool:
         try:

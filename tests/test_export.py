@@ -17,6 +17,7 @@ from gpusnap.errors import BadExportFile
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
 from repo_helpers import PAGE, dump, read_all, text_page
+from restore_helpers import job_and_two_repos
 
 
 def _tree(path) -> dict:
@@ -123,13 +124,7 @@ def test_damaged_file_is_refused_and_nothing_is_kept(tmp_path, damage):
 
 @pytest.mark.criu
 def test_real_job_exported_imported_and_restored(sample_job, tmp_path, reference):
-    kw = dict(steps=300, mb=32, threads=2)
-    expected = reference(**kw)
-    job = sample_job(**kw, step_ms=20)
-    job.wait_steps(10)
-    repo_a, repo_b = tmp_path / "a", tmp_path / "b"
-    for r in (repo_a, repo_b):
-        run_gpusnap("init", "--repo", r, check=True)
+    job, expected, repo_a, repo_b = job_and_two_repos(sample_job, tmp_path, reference)
     info = run_json("dump", job.pid, "--repo", repo_a, "--name", "moved")
     job.kill()
     exp = tmp_path / "moved.gsx"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import kill_pids, run_gpusnap, run_json, wait_for
+from gpusnap.samples.job import steps_done
 
 pytestmark = pytest.mark.criu
 
@@ -83,14 +84,6 @@ def _start(out: Path, steps: int, step_ms: float) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _steps(out: Path) -> int:
-    try:
-        lines = (out / "job.log").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return int(lines[-1].split()[1].split("/")[0]) if lines else 0
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("via", ["auto", "lazy"])
 def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_path, repo, via):
@@ -101,7 +94,7 @@ def test_private_hugetlb_job_restores_and_finishes_identically(hugepages, tmp_pa
     out = tmp_path / "job"
     job = _start(out, 400, 20)
     try:
-        wait_for(lambda: _steps(out) >= 20, "the job's first steps")
+        wait_for(lambda: steps_done(out) >= 20, "the job's first steps")
         snap = run_json("dump", job.pid, "--repo", repo, "--name", "huge")["snapshot"]
         meta = json.loads((Path(snap) / "manifest").read_text().rsplit("\nblake3:", 1)[0])["meta"]
         assert meta["hugetlb_bytes"] >= HUGE_MB << 20

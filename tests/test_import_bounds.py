@@ -187,9 +187,10 @@ def test_endless_stream_of_a_held_snapshot_is_cut_off_without_holding_the_lock(t
 
 
 def test_writer_lock_held_elsewhere_does_not_stop_the_checking_pass(tmp_path):
-    """A repository locked by another writer: the file is still read and checked in full (a
-    damaged one says so, exit 32, not 'locked'); an intact new one waits for nothing but the
-    commit, which reports the lock."""
+    """A repository locked by a prune (the exclusive lock): the file is still read and checked
+    in full (a damaged one says so, exit 32, not 'locked'); an intact new one waits for nothing
+    but the commit, which reports the lock. Another writer (the shared lock) stops nothing:
+    the import commits beside it (docs/format.md §6)."""
     _, snap = sample(tmp_path)
     good = export_bytes(snap)
     bad = bytearray(good)
@@ -197,11 +198,14 @@ def test_writer_lock_held_elsewhere_does_not_stop_the_checking_pass(tmp_path):
     (tmp_path / "bad.gsx").write_bytes(bytes(bad))
     (tmp_path / "good.gsx").write_bytes(good)
     target = Repository.open(tmp_path / "b", create=True)
-    with target.writer_lock():
+    with target.writer_lock(exclusive=True):
         p1 = run_gpusnap("import", tmp_path / "bad.gsx", "--repo", target.path)
         p2 = run_gpusnap("import", tmp_path / "good.gsx", "--repo", target.path, "--lock-wait", "0")
     assert p1.returncode == BadExportFile.exit_code, p1.stderr
     assert p2.returncode == RepositoryLocked.exit_code, p2.stderr
+    with target.writer_lock():
+        p3 = run_gpusnap("import", tmp_path / "good.gsx", "--repo", target.path, "--lock-wait", "0")
+    assert p3.returncode == 0, p3.stderr
 
 
 @pytest.mark.parametrize("meta", [{"gpu": 5}, {"cmdline": ["a"]}, {"dump_seconds": "x"}, {"pids": "1"},

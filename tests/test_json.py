@@ -121,7 +121,9 @@ def test_change_commands(world, tmp_path):
     check(SnapshotNotFound.exit_code, "forget", "nope", "--repo", r)
     check(RepositoryError.exit_code, "forget", "x", "--repo", world["notrepo"])
     repo = Repository.open(r)
-    with repo.writer_lock():
+    with repo.writer_lock():        # a writer (shared, docs/format.md §6): prune waits for it
+        check(RepositoryLocked.exit_code, "prune", "--repo", r, env={"GPUSNAP_LOCK_WAIT": "0"})
+    with repo.writer_lock(exclusive=True):      # a prune: a forget waits for it too
         check(RepositoryLocked.exit_code, "prune", "--repo", r, env={"GPUSNAP_LOCK_WAIT": "0"})
         check(RepositoryLocked.exit_code, "forget", "other", "--repo", r, "--lock-wait", "0")
     assert check(0, "prune", "--dry-run", "--repo", r)["dry_run"] is True

@@ -1,5 +1,6 @@
 """Scheduled work waits instead of failing (issue 31 item 6): a dump, prune, forget or import
-that finds the repository's writer lock held waits for it (bounded: --lock-wait SECONDS,
+that finds the repository's lock held against it (by a prune; writers no longer keep each
+other out: tests/test_concurrent_writers.py) waits for it (bounded: --lock-wait SECONDS,
 $GPUSNAP_LOCK_WAIT, default repo/lockwait.DEFAULT_WAIT), says "waiting for …", and only then
 fails with exit 10; a dump's --keep-last retention waits the same way for a restore or verify
 holding the readers lock, instead of exit 21. Two dumps into one repository started at the
@@ -25,14 +26,15 @@ HOLD = """
 import sys
 from gpusnap.repo import Repository
 r = Repository.open(sys.argv[1])
-with r.writer_lock():
+with r.writer_lock(exclusive=True):      # as a prune holds it
     print("locked", flush=True)
     sys.stdin.read()          # held until the test closes our stdin
 """
 
 
 class Holder:
-    """Another process holding the repository's writer lock until release()."""
+    """Another process holding the repository's exclusive lock (a prune) until release():
+    dumps, imports and forgets, which take it shared, wait for it as prunes do."""
 
     def __init__(self, path):
         self.p = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE,

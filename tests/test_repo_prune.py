@@ -268,7 +268,7 @@ def test_a_stale_plan_is_refused(tmp_path):
     with locked(repo), pytest.raises(RepositoryError, match="changed since prune's plan"):
         execute(repo, p)
     assert len(repo.snapshots()) == 6
-    with pytest.raises(RepositoryError, match="writer lock"):
+    with pytest.raises(RepositoryError, match="exclusive lock"):
         execute(repo, plan(repo))
 
 

@@ -203,20 +203,29 @@ def _kill_node(c: SlurmCluster) -> None:
             pass
 
 
+def _lose_node_and_resume(c: SlurmCluster, job: int, repo: Path, tmp: Path, while_down=lambda: None):
+    """The node dies (_kill_node) and comes back; `while_down()` runs in between (what else goes
+    with the node); the job is requeued and resumes. -> (while_down's value, the "resumed" event
+    of slurm-run's log in `repo`)."""
+    _kill_node(c)
+    gone = while_down()
+    time.sleep(1)
+    c.start_slurmd()
+    _wait(lambda: _requeued_and_running(c, job), 180, "requeue after the node failure",
+          lambda: f"{c.job(job)}\n{c.log('slurmctld')[-3000:]}\n{_slurm_output(tmp)}")
+    resumed = _wait(lambda: next((e for e in _events(repo) if e["event"] == "resumed"), None), 120,
+                    "resume", lambda: f"{_events(repo)}\n{_slurm_output(tmp)}")
+    return gone, resumed
+
+
 def test_node_failure_resumes_from_last_periodic_snapshot(cluster, tmp_path, reference):
     tmp_path.chmod(0o700)
     repo, out = tmp_path / "repo", tmp_path / "out"
     job = cluster.sbatch(_batch_script(tmp_path, repo, out, every="3s"))
     _wait(lambda: _steps_done(out) >= 30 and sum(e["event"] == "snapshot" for e in _events(repo)) >= 2,
           120, "30 steps and two periodic snapshots", lambda: f"{cluster.job(job)} {_events(repo)}")
-    _kill_node(cluster)
-    last = [e for e in _events(repo) if e["event"] == "snapshot"][-1]
-    time.sleep(1)
-    cluster.start_slurmd()
-    _wait(lambda: _requeued_and_running(cluster, job), 180, "requeue after the node failure",
-          lambda: f"{cluster.job(job)}\n{cluster.log('slurmctld')[-3000:]}\n{_slurm_output(tmp_path)}")
-    resumed = _wait(lambda: next((e for e in _events(repo) if e["event"] == "resumed"), None), 120,
-                    "resume", lambda: f"{_events(repo)}")
+    last, resumed = _lose_node_and_resume(
+        cluster, job, repo, tmp_path, lambda: [e for e in _events(repo) if e["event"] == "snapshot"][-1])
     # The last periodic snapshot, or a newer one whose dump committed as the node died (its event
     # line was never written); never an older one, never a half-written one.
     listed = {e.get("snapshot") for e in _events(repo) if e["event"] == "snapshot"}

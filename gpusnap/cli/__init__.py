@@ -39,6 +39,8 @@ _COMMANDS = [
     (None, "forget", repo.forget, {}),
     (None, "export", snapshots.export_cmd, {}),
     (None, "import", snapshots.import_cmd, {}),
+    (None, "copy", snapshots.copy_cmd, {}),
+    (None, "serve", snapshots.serve_cmd, {"hidden": True}),
     (None, "doctor", machine.doctor, {}),
     (None, "ps", machine.ps, {}),
     ("schedule", "add", machine.schedule_add, {}),

@@ -45,6 +45,15 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout, n
 LockWaitOpt = typer.Option(None, "--lock-wait", metavar="SECONDS", min=0.0,
                           help="Wait up to SECONDS for another gpusnap writing to the repository, then exit 10 "
                                "(default: $GPUSNAP_LOCK_WAIT, else 600; 0: fail at once).")
+CopyToOpt = typer.Option(None, "--copy-to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
+                         help="Then copy the snapshot to this repository (a shared one), after the job runs "
+                              "again; and every snapshot an earlier dump could not copy there.")
+CopyKeepLastOpt = typer.Option(None, "--copy-keep-last", metavar="N", min=1,
+                               help="After the copy, keep only the newest N snapshots of each name copied "
+                                    "in --copy-to's repository.")
+PruneUncopiedOpt = typer.Option(False, "--prune-uncopied",
+                                help="Let --keep-last delete snapshots not yet copied to their --copy-to "
+                                     "repository (kept otherwise).")
 KeepLastHelp = ("Keep the newest N snapshots of each name (only of --name NAME when given); "
                 "0 deletes them all and needs --name and --all.")
 

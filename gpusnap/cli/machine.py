@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from gpusnap.cli.common import JsonOpt, RepoOpt, repo_path
+from gpusnap.cli.common import CopyKeepLastOpt, CopyToOpt, JsonOpt, RepoOpt, repo_path
 from gpusnap.render.output import OUTPUT
 
 
@@ -58,6 +58,8 @@ def schedule_add(
     engine: Optional[str] = typer.Option(None, "--engine", metavar="podman|docker",
                                          help="With --container: the engine that has it (default: the one that knows it)."),
     repo: Optional[Path] = RepoOpt,
+    copy_to: Optional[str] = CopyToOpt,
+    copy_keep_last: Optional[int] = CopyKeepLastOpt,
     json_: bool = JsonOpt,
 ) -> None:
     """Snapshot a job periodically (a systemd timer, or a file in /etc/cron.d), keeping the newest N."""
@@ -65,7 +67,8 @@ def schedule_add(
     from gpusnap.render import machine as show
 
     s = schedule.add(name, match, every=every, cron=cron, keep_last=keep_last, repo=repo, user=user,
-                     replace=replace, container=container, engine=engine)
+                     replace=replace, container=container, engine=engine, copy_to=copy_to,
+                     copy_keep_last=copy_keep_last)
     OUTPUT.emit({**s.to_dict(), "replaced_repo": getattr(s, "replaced_repo", None)},
                 lambda: show.schedule_added(s, OUTPUT))
 

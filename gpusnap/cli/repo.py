@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from gpusnap.cli.common import (JsonOpt, KeepLastHelp, LockWaitOpt, RepoOpt, open_snapshot,
+from gpusnap.cli.common import (JsonOpt, KeepLastHelp, LockWaitOpt, PruneUncopiedOpt, RepoOpt, open_snapshot,
                                 open_writer_repo, repo_root)
 
 from gpusnap.render.output import OUTPUT
@@ -98,11 +98,13 @@ def prune(
     name: Optional[str] = typer.Option(None, "--name", help="Only snapshots with this name."),
     all_: bool = typer.Option(False, "--all", help="Allow --keep-last 0: delete every snapshot of --name."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Say what would go; change nothing."),
+    prune_uncopied: bool = PruneUncopiedOpt,
     repo: Optional[Path] = RepoOpt,
     json_: bool = JsonOpt,
     lock_wait: Optional[float] = LockWaitOpt,
 ) -> None:
-    """Free the stored data no snapshot needs; with --keep-last, first delete old snapshots.
+    """Free the stored data no snapshot needs; with --keep-last, first delete old snapshots
+    (never one not yet copied to its --copy-to repository, unless --prune-uncopied).
 
     `gpusnap forget` drops chosen snapshots; prune then frees their data.
     """
@@ -110,7 +112,8 @@ def prune(
     from gpusnap.render import maint as show
 
     keep_last = prune_op.check_args(keep_last, name, all_)
-    result = prune_op.prune(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run)
+    result = prune_op.prune(open_writer_repo(repo, lock_wait, dry_run), keep_last=keep_last, name=name, dry_run=dry_run,
+                            prune_uncopied=prune_uncopied)
     OUTPUT.emit(result, lambda: show.prune(result, OUTPUT))
 
 

@@ -1,4 +1,5 @@
-"""Commands that make and use snapshots of jobs: dump, restore, export, import, run, slurm-run.
+"""Commands that make and use snapshots of jobs: dump, restore, export, import, copy (and serve,
+its other end), run, slurm-run.
 
 Each parses, calls one library operation (gpusnap.ops), and hands the result to
 render.snapshots / render.machine through the one output (render.output.OUTPUT).
@@ -6,12 +7,14 @@ render.snapshots / render.machine through the one output (render.output.OUTPUT).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from gpusnap.cli.common import JsonOpt, LockWaitOpt, RepoOpt, repo_path, open_snapshot, resolve_pid, with_progress
+from gpusnap.cli.common import (CopyKeepLastOpt, CopyToOpt, JsonOpt, LockWaitOpt, PruneUncopiedOpt, RepoOpt, repo_path,
+                                open_snapshot, resolve_pid, with_progress)
 from gpusnap.errors import UsageError
 from gpusnap.render.output import OUTPUT
 
@@ -49,11 +52,17 @@ def dump(
         help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
              "file in the repository. Default: a quarter of the available memory, at most 2G."),
     lock_wait: Optional[float] = LockWaitOpt,
+    copy_to: Optional[str] = CopyToOpt,
+    copy_keep_last: Optional[int] = CopyKeepLastOpt,
+    prune_uncopied: bool = PruneUncopiedOpt,
 ) -> None:
     """Snapshot a running process tree. The job keeps running unless --exit.
 
     Prints the snapshot directory. Every dump is incremental: pages already in the
-    repository, from any earlier snapshot, are not stored again.
+    repository, from any earlier snapshot, are not stored again. With --copy-to the snapshot
+    is then copied to a second repository (and every one an earlier dump could not copy);
+    an unreachable one is a warning, not a failure (exit 0: the snapshot is kept, marked
+    not copied yet).
     """
     from gpusnap.ops.dump import DumpRequest, dump as do_dump, retention_error
     from gpusnap.render import snapshots as show
@@ -64,9 +73,12 @@ def dump(
         raise UsageError("--tcp-close and --tcp-established contradict each other", hint="give one of them")
     if engine is not None and container is None:
         raise UsageError("--engine only says whose --container it is")
+    tier = _tier(copy_to, copy_keep_last)
     if container is not None:
         from gpusnap.ops.dump_container import dump_container
 
+        if tier is not None:
+            raise UsageError("--container takes no --copy-to yet", hint="dump it, then `gpusnap copy NAME --to REPO`")
         given = [o for o, v in (("PID", pid), ("--match", match), ("--pidfile", pidfile), ("--tcp-close", tcp_close),
                                 ("--tcp-established", tcp_established), ("--staging-budget", staging_budget),
                                 ("--gpu-lock-timeout", lock_timeout)) if v]
@@ -90,9 +102,24 @@ def dump(
     req = DumpRequest(pid=target, repo=repo_path(repo), name=name, leave_running=not exit_,
                       compress=compress, lock_timeout_ms=lock_timeout, tcp_established=tcp_established,
                       tcp_close=tcp_close,
-                      keep_last=keep_last, staging_budget=budget, lock_wait=lock_wait)
+                      keep_last=keep_last, staging_budget=budget, lock_wait=lock_wait, prune_uncopied=prune_uncopied)
+    if tier is not None:
+        from gpusnap.ops import tiers
+
+        do_dump = partial(tiers.dump, tier=tier)
     result = with_progress(f"dumping {target}", not (json_ or quiet), lambda **kw: do_dump(req, **kw))
     OUTPUT.emit(result, lambda: show.dump(result, OUTPUT, quiet=quiet), failure=retention_error(result))
+
+
+def _tier(copy_to: Optional[str], copy_keep_last: Optional[int]):
+    """--copy-to (and --copy-keep-last, which needs it) as an ops.tiers.Tier, or None."""
+    from gpusnap.ops.tiers import Tier
+
+    if copy_to is None:
+        if copy_keep_last is not None:
+            raise UsageError("--copy-keep-last is the retention of --copy-to's repository", hint="give --copy-to REPO")
+        return None
+    return Tier(to=copy_to, keep_last=copy_keep_last)
 
 
 def restore(
@@ -111,6 +138,9 @@ def restore(
     tcp_close: bool = typer.Option(False, "--tcp-close",
                                    help="Restore established TCP connections closed (the job sees a reset "
                                         "and reconnects); the default when their peer is gone."),
+    copy_to: Optional[str] = typer.Option(None, "--copy-to", metavar="REPO",
+                                          help="Also look in the repository dumps copy to (a path): restore "
+                                               "the newest snapshot of NAME that verifies, in either."),
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -126,10 +156,16 @@ def restore(
     from gpusnap.render import snapshots as show
     from gpusnap.system.faults import fault
 
+    skipped: list[dict] = []
+    if copy_to is not None:     # which snapshot, in which repository: the newest that verifies
+        from gpusnap.ops import tiers
+
+        repo, snapshot, skipped = tiers.choose(snapshot, repo_path(repo), copy_to)
     with restore_interrupt.guard() as held:    # once the job runs, a signal waits until its PID is out
         result = with_progress("restoring", not (json_ or quiet),
                                lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
                                                        via=via, terminal_want="new" if json_ else "auto", **kw))
+        result.notes[:0] = [f"skipped {s['snapshot']}: {s['reason']}" for s in skipped]
         fault("restore:report")
         note_interrupt(held, result)
         OUTPUT.emit(result, lambda: show.restore(result, OUTPUT, quiet=quiet))
@@ -171,6 +207,45 @@ def import_cmd(
     OUTPUT.emit(result, lambda: show.imported(result, OUTPUT))
 
 
+def copy_cmd(
+    snapshots: Optional[list[str]] = typer.Argument(None, metavar="[SNAP...]", help="Snapshots to copy."),
+    to: str = typer.Option(..., "--to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
+                           help="The repository to copy to: a path, or one on another machine through ssh."),
+    name: Optional[str] = typer.Option(None, "--name", help="Copy every snapshot of this name."),
+    all_: bool = typer.Option(False, "--all", help="Copy every snapshot."),
+    pending: bool = typer.Option(False, "--pending",
+                                 help="Copy every snapshot a `dump --copy-to` could not copy to --to yet."),
+    remote_gpusnap: Optional[str] = typer.Option(None, "--remote-gpusnap", metavar="PATH",
+                                                 help="The gpusnap program at the other end (default: gpusnap)."),
+    repo: Optional[Path] = RepoOpt,
+    json_: bool = JsonOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
+) -> None:
+    """Copy snapshots to another repository, sending only the data it lacks.
+
+    Every page and blob is checked as it arrives; each snapshot is committed there atomically
+    and keeps its name and time. Snapshots already there are skipped; an interrupted copy
+    resumes without sending again what arrived.
+    """
+    from gpusnap.ops.copy import CopyRequest, copy
+    from gpusnap.render import snapshots as show
+
+    req = CopyRequest(refs=list(snapshots or []), repo=repo_path(repo), to=to, name=name, all=all_,
+                      remote_gpusnap=remote_gpusnap, lock_wait=lock_wait, pending=pending)
+    result = with_progress(f"copying to {to}", not json_, lambda **kw: copy(req, **kw))
+    OUTPUT.emit(result, lambda: show.copied(result, OUTPUT))
+
+
+def serve_cmd(
+    repo: Optional[Path] = RepoOpt,
+    lock_wait: Optional[float] = LockWaitOpt,
+) -> None:
+    """The receiving end of `gpusnap copy`, on stdin and stdout (copy starts it, also through ssh)."""
+    from gpusnap.ops.serve import serve
+
+    raise typer.Exit(serve(repo_path(repo), lock_wait))
+
+
 def run(
     command: list[str] = typer.Argument(..., metavar="-- CMD [ARGS...]", help="The job's command line."),
     name: Optional[str] = typer.Option(None, "--name", help="Job name (default: the command's name); "
@@ -205,6 +280,11 @@ def slurm_run(
                                     "always, or never."),
     requeue: bool = typer.Option(True, "--requeue/--no-requeue",
                                  help="After the final snapshot, ask Slurm to requeue the job."),
+    copy_to: Optional[str] = typer.Option(None, "--copy-to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
+                                          help="Copy each snapshot to this (shared) repository after the job "
+                                               "runs again; after a requeue, resume from the newest snapshot "
+                                               "that verifies here or there (there: a path only)."),
+    copy_keep_last: Optional[int] = CopyKeepLastOpt,
 ) -> None:
     """Run a batch job that survives preemption, time limits and node failures (inside sbatch).
 
@@ -215,7 +295,9 @@ def slurm_run(
 
     if resume not in ("auto", "always", "never"):
         raise UsageError(f"--resume {resume!r}: use auto, always or never")
+    tier = _tier(copy_to, copy_keep_last)
     opts = slurm_run.Options(name=name, repo=repo_path(repo), command=command,
                              every_s=slurm_run.parse_interval(every) if every else None, keep_last=keep_last,
-                             resume=resume, requeue=requeue)
+                             resume=resume, requeue=requeue, copy_to=tier and tier.destination(),
+                             copy_keep_last=copy_keep_last)
     raise typer.Exit(slurm_run.Supervisor(opts).run())

@@ -57,6 +57,8 @@ class DumpRequest:
     keep_last: int | None = None  # retention for this name, applied right after the commit
     staging_budget: int | None = None  # bytes of memory staging may use (None: staging.default_budget())
     lock_wait: float | None = None  # seconds to wait for the repository's locks (None: repo/lockwait.py's default)
+    prune_uncopied: bool = False  # --keep-last may delete snapshots not yet copied to their next tier
+    copy_to: str | None = None  # the next tier (ops/tiers.py): the snapshot is marked pending right after its commit
 
 
 @dataclass
@@ -89,6 +91,8 @@ class DumpResult:
     # budget, arena_bytes, staged_bytes, memory_peak, spilled_bytes, spill_peak, overlap
     staging: dict = field(default_factory=dict)
     peak_rss_bytes: int | None = None   # this process's VmHWM at the end
+    committed_at: float | None = None   # wall-clock time of the commit (a tiered dump's copy starts after it)
+    copy: dict | None = None            # --copy-to: what ops/tiers.py catch_up did
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,6 +168,7 @@ class DumpSession:
         self._mark = t0
         self._old_handlers: dict = {}
         self.snap = None                # the committed snapshot
+        self.committed_at = 0.0
         self.stopped = False            # --exit: CRIU left the tree SIGSTOPped, ours to kill after the commit
         self.retention_started = False
         self.criu: subprocess.Popen | None = None
@@ -184,7 +189,7 @@ class DumpSession:
         self._open()
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(self.repo.writer_lock())
+                stack.enter_context(self.repo.writer_lock(what="dump", when_alone=self._sweep_repo_tmp))
                 self._hold(stack)
                 try:
                     self._run_criu()
@@ -201,6 +206,13 @@ class DumpSession:
         finally:
             for s, h in self._old_handlers.items():
                 signal.signal(s, h)
+
+    def _sweep_repo_tmp(self) -> None:
+        """What dead gpusnaps left in REPO/tmp (image directories, spill files), judged by
+        their PIDs: only while no other writer runs (writer_lock's when_alone), since a
+        writer on another machine sharing the repository has a PID that means nothing here."""
+        tmpdirs.remove_dead(self.repo.path / "tmp", tmpdirs.IMAGES)
+        staging_mod.sweep(self.repo.path / "tmp")
 
     def _open(self) -> None:
         """The preflight, the name, the repository (waiting for its locks), its free space."""
@@ -231,7 +243,7 @@ class DumpSession:
         self.estimate = proc.rss_bytes(self.pids)
         self.writer = repo.new_snapshot(self.name, compress=req.compress, meta=self.meta)
         stack.callback(self._abort_unless_committed)
-        tmpdirs.sweep(repo.path)    # what SIGKILLed dumps and restores left outside the repository
+        tmpdirs.sweep()    # what SIGKILLed dumps and restores left outside the repository
         self.workdir = tmpdirs.make(tmpdirs.DUMP)
         stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
         self.log = self.workdir / "criu.log"
@@ -247,7 +259,6 @@ class DumpSession:
             stack.callback(self.guardian.done)
         self.phase("preflight")
         spill_dir = repo.path / "tmp"
-        staging_mod.sweep(spill_dir)      # spill files of dumps that were SIGKILLed
         self.staging = staging_mod.Staging(spill_dir, self.budget, arena=self.arena.take())
         stack.callback(self.staging.close)
         if self.overlap:
@@ -313,6 +324,11 @@ class DumpSession:
         self.snap = self.writer.commit(extra_meta={"cuda_pids": self.cuda_pids,
                                                    "dump_seconds": time.monotonic() - self.t0,
                                                    "frozen_seconds": self.frozen, **extra})
+        self.committed_at = time.time()
+        if self.req.copy_to:    # at once: a pending snapshot is never pruned before it is copied
+            from gpusnap.repo import copies
+
+            copies.mark_pending(self.repo.path, self.snap, self.req.copy_to)
         self.kept = repo_logs.keep_log(self.repo.path, self.log, f"{Path(self.snap.path).name}-dump")
         self.phase("commit")
         if self.stopped:
@@ -332,7 +348,7 @@ class DumpSession:
         self.retention_started = True
         # the snapshot is safe: a failure is said, and the command exits non-zero (cli)
         self.pruned, self.prune_warnings, self.prune_error = prune.retain_after_commit(
-            self.repo, self.snap.name, self.req.keep_last)
+            self.repo, self.snap.name, self.req.keep_last, self.req.prune_uncopied)
         self.phase("retention")
 
     def _interrupted(self) -> None:
@@ -382,4 +398,4 @@ class DumpSession:
             cuda_pids=self.cuda_pids, log=self.kept, pruned=self.pruned, prune_error=self.prune_error,
             prune_warnings=self.prune_warnings, phases=self.phases, frozen_seconds=self.frozen,
             staging={**self.staging.stats(), "overlap": self.overlap}, peak_rss_bytes=proc.peak_rss_self(),
-            criu_options=list(self.plan.dump_options))
+            criu_options=list(self.plan.dump_options), committed_at=round(self.committed_at, 3))

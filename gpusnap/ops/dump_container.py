@@ -53,7 +53,7 @@ def _dump_container(req: DumpRequest, container: str, eng, progress=None) -> Dum
     meta = {"container": {k: info[k] for k in ("engine", "id", "name", "image")}, "pid": info["pid"],
             "leave_running": req.leave_running, "compress": req.compress}
     phases: dict[str, float] = {}
-    with interrupt.as_exception(), repo.writer_lock():
+    with interrupt.as_exception(), repo.writer_lock(what="dump"):
         writer = repo.new_snapshot(name, compress=req.compress, meta=meta)
         snap = None
         work = tmpdirs.make(tmpdirs.DUMP)

@@ -35,7 +35,7 @@ class _Out:
         self.write(payload)
 
 
-def _pages_payload(snap, im):
+def pages_payload(snap, im):
     """The bytes of a pages image that the page list does not already say: its non-zero pages
     and its tail, in order (from the checked reader: zero runs are skipped, not sent)."""
     from gpusnap.repo.format import PAGE_SIZE
@@ -67,7 +67,7 @@ def _pages_payload(snap, im):
         chunks.close()
 
 
-def _data_records(out: _Out, pieces) -> None:
+def data_records(out: _Out, pieces) -> None:
     from gpusnap.repo.codec import CODEC_AUTO, compress
 
     pending: list = []
@@ -102,9 +102,9 @@ def write_export(snap, f) -> dict:
     for im in snap.manifest["images"]:
         if im["type"] == "pages":
             out.record(TAG_PAGELIST, snap.pagelist_bytes(im["name"]))
-            _data_records(out, _pages_payload(snap, im))
+            data_records(out, pages_payload(snap, im))
         else:
-            _data_records(out, snap.read_image(im["name"]))
+            data_records(out, snap.read_image(im["name"]))
     digest = out.h.digest()
     out.record(TAG_END, digest)
     return {"bytes": out.n, "checksum": digest.hex()}

@@ -109,11 +109,12 @@ def select(repo, refs: list[str], name: str | None = None, keep_last: int | None
 def forget(repo, refs: list[str], name: str | None = None, keep_last: int | None = None,
            all_: bool = False, dry_run: bool = False, prune: bool = False) -> ForgetResult:
     """Select, then remove under prune's locks (a restore may be reading a snapshot about to
-    go); with `prune`, the removal is part of one prune plan that also frees the data
-    nothing needs (with dry_run: exactly what it would do)."""
+    go; the writer lock shared, as a dump's: removing a directory takes nothing from a
+    writer); with `prune`, the removal is part of one prune plan that also frees the data
+    nothing needs, under the exclusive lock (with dry_run: exactly what it would do)."""
     from gpusnap.repo.maint import prune as prune_mod
 
-    with prune_mod.locked(repo, dry_run):
+    with prune_mod.locked(repo, dry_run, exclusive=prune, what="forget"):
         doomed, kept = select(repo, refs, name=name, keep_last=keep_last, all_=all_)
         res = ForgetResult(dry_run=dry_run, kept=[s.path.name for s in kept],
                            forgotten=[{"dir": s.path.name, "id": s.id, "name": s.name, "created": s.created}

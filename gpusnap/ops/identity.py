@@ -69,11 +69,7 @@ def jobs_dir(repo: Path) -> Path:
 
 
 def boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    return proc.boot_id()
 
 
 def load(repo: Path, name: str) -> Job | None:

@@ -17,12 +17,30 @@ from gpusnap.ops.import_stream import CheckOnly, Stream, bad, read_head, read_im
 from gpusnap.repo.format.export import HEADER, MAGIC, RECORD, TAG_MANIFEST, VERSION
 
 
-def _present(repo, src_id: str):
-    """The snapshot of `repo` that is the exported one (or an import of it), or None."""
-    for s in repo.snapshots():   # importing the same snapshot twice keeps one copy
-        if s.id == src_id or (s.meta.get("imported_from") or {}).get("id") == src_id:
+def present(repo, *ids: str | None):
+    """The snapshot of `repo` that is one of the snapshots `ids` (or an import or copy of
+    one), or None."""
+    want = {i for i in ids if i}
+    for s in repo.snapshots():   # importing (copying) the same snapshot twice keeps one copy
+        if s.id in want or (s.meta.get("imported_from") or {}).get("id") in want:
             return s
     return None
+
+
+def received_as(m: dict, src_id: str, **origin) -> tuple[str, dict]:
+    """A snapshot that arrived from another repository (import, copy): -> (the codec it is
+    stored with: its own, when this gpusnap knows it; its meta, with `imported_from` naming
+    the source, plus `origin`)."""
+    from gpusnap.repo.codec import codec_id
+
+    compress = m.get("compress", "auto")
+    try:
+        codec_id(compress)
+    except (TypeError, ValueError):
+        compress = "auto"
+    meta = dict(m["meta"])
+    meta["imported_from"] = {"id": src_id, "repo_id": m["repo_id"], "created": m["created"], **origin}
+    return compress, meta
 
 
 def read_import(repo, f) -> dict:
@@ -49,21 +67,13 @@ def read_import(repo, f) -> dict:
 def _read_import(repo, f) -> dict:
     import tempfile
 
-    from gpusnap.repo.codec import codec_id
-
     try:
         start = f.tell() if f.seekable() else None
     except OSError:
         start = None
     src = Stream(f)
     m, src_id, mbytes = read_head(src)
-    compress = m.get("compress", "auto")
-    try:
-        codec_id(compress)
-    except (TypeError, ValueError):
-        compress = "auto"
-    meta = dict(m["meta"])
-    meta["imported_from"] = {"id": src_id, "repo_id": m["repo_id"], "created": m["created"]}
+    compress, meta = received_as(m, src_id)
     if callable(repo):
         repo = repo()
     tmpdir = repo.path / "tmp"
@@ -76,10 +86,10 @@ def _read_import(repo, f) -> dict:
             src.spool = spool
         # -- pass 1: read and check everything, store nothing, hold no lock
         read_images(src, m, lambda name: CheckOnly(), tmpdir)
-        got = _present(repo, src_id)
+        got = present(repo, src_id)
         if got is None:
-            with repo.writer_lock():
-                got = _present(repo, src_id)
+            with repo.writer_lock(what="import"):
+                got = present(repo, src_id)
                 if got is None:
                     return _store(repo, m, src_id, mbytes, meta, compress,
                                   spool if spool is not None else f, start or 0, tmpdir, src.n)

@@ -23,7 +23,7 @@ SNAPSHOT_BYTES_MAX = 64 << 40     # sum of the images' sizes: more than RAM + sw
 PAGELIST_IN_MEMORY = 1 << 20      # a longer page list waits in an anonymous file in REPO/tmp
 
 
-def _pagelist_max(size: int) -> int:
+def pagelist_max(size: int) -> int:
     """The longest page list an image of `size` bytes can have: a record per page at worst
     (21 bytes for a one-page run), and a tail record."""
     from gpusnap.repo.format import PAGE_SIZE
@@ -85,11 +85,15 @@ class Stream:
         return codec, raw_len, self.exact(stored_len, what)
 
 
-class _Data:
-    """The image bytes carried by consecutive data records, handed out in exact amounts."""
+class DataRecords:
+    """The image bytes carried by consecutive data records, handed out in exact amounts.
+    `src.record(tag, limit, what)` reads the next record (an export file's Stream, or a
+    copy's frames through `read`); `error(what)` makes the error for damaged data."""
 
-    def __init__(self, src: Stream):
+    def __init__(self, src, read=None, error=None):
         self.src = src
+        self.read = read or src.record
+        self.bad = error or bad
         self.buf = memoryview(b"")
 
     def take(self, n: int, what: str) -> bytes:
@@ -99,12 +103,11 @@ class _Data:
         parts = []
         while n:
             if not self.buf:
-                codec, raw_len, payload = self.src.record(TAG_DATA, READER_DATA_MAX, what)
+                codec, raw_len, payload = self.read(TAG_DATA, READER_DATA_MAX, what)
                 try:
                     self.buf = memoryview(decompress(payload, codec, raw_len))
                 except FormatError as e:
-                    raise BadExportFile(f"export file is damaged: {what}: {e}",
-                                        hint="copy the file again; nothing was imported") from None
+                    raise self.bad(f"{what}: {e}") from None
             k = min(n, len(self.buf))
             parts.append(self.buf[:k])
             self.buf = self.buf[k:]
@@ -113,7 +116,7 @@ class _Data:
 
     def at_boundary(self, what: str) -> None:
         if self.buf:
-            raise bad(f"{what} carries {len(self.buf)} bytes too many")
+            raise self.bad(f"{what} carries {len(self.buf)} bytes too many")
 
 
 def bad(what: str) -> BadExportFile:
@@ -137,7 +140,7 @@ def _read_pagelist(src: Stream, im: dict, tmpdir):
     import tempfile
 
     name = im["name"]
-    _, _, n = src.head(TAG_PAGELIST, _pagelist_max(im["size"]), f"the page list of {name}")
+    _, _, n = src.head(TAG_PAGELIST, pagelist_max(im["size"]), f"the page list of {name}")
     if n != im["pagelist_size"]:
         raise bad(f"the page list of {name} does not match its checksum")
     buf = io.BytesIO() if n <= PAGELIST_IN_MEMORY else tempfile.TemporaryFile(dir=tmpdir)
@@ -155,7 +158,7 @@ def _read_pagelist(src: Stream, im: dict, tmpdir):
     return buf
 
 
-def _feed_pages(sink, im: dict, read, data: _Data) -> None:
+def _feed_pages(sink, im: dict, read, data: DataRecords) -> None:
     from gpusnap.repo import native
     from gpusnap.repo.format import PAGE_SIZE, FormatError, iter_pagelist
 
@@ -182,7 +185,7 @@ def _feed_pages(sink, im: dict, read, data: _Data) -> None:
         raise bad(f"page list of {name}: {e}") from None
 
 
-def _feed_blob(sink, im: dict, data: _Data) -> None:
+def _feed_blob(sink, im: dict, data: DataRecords) -> None:
     h = blake3.blake3()
     left = im["size"]
     while left:
@@ -197,10 +200,6 @@ def _feed_blob(sink, im: dict, data: _Data) -> None:
 def read_head(src: Stream) -> tuple[dict, str, bytes]:
     """Header and manifest -> (manifest, source snapshot id, manifest bytes), every declared
     size held to the limits above."""
-    import json
-
-    from gpusnap.repo.format import FormatError, parse_manifest
-
     magic, version, flags, reserved = HEADER.unpack(src.exact(HEADER.size, "the header"))
     if magic != MAGIC:
         raise BadExportFile("not a gpusnap export file (bad magic)",
@@ -213,6 +212,18 @@ def read_head(src: Stream) -> tuple[dict, str, bytes]:
                             "it needs a gpusnap that knows them",
                             hint="import it with the gpusnap that wrote it (or a newer one); nothing was imported")
     _, _, mbytes = src.record(TAG_MANIFEST, IMPORT_MANIFEST_MAX, "the manifest")
+    m, src_id = check_manifest(mbytes)
+    return m, src_id, mbytes
+
+
+def check_manifest(mbytes: bytes, bad=bad) -> tuple[dict, str]:
+    """A manifest that arrived from outside (an export file, a copy's stream) -> (manifest,
+    its snapshot id): its own checksum and fields, every declared size held to the limits
+    above. bad(what) makes the error to raise."""
+    import json
+
+    from gpusnap.repo.format import FormatError, parse_manifest
+
     try:
         m, src_id = parse_manifest(mbytes)
     except FormatError as e:
@@ -228,15 +239,15 @@ def read_head(src: Stream) -> tuple[dict, str, bytes]:
         raise bad(f"the manifest declares {total} bytes of images (a snapshot holds at most "
                    f"{SNAPSHOT_BYTES_MAX >> 40} TiB)")
     for im in m["images"]:
-        if im["type"] == "pages" and im["pagelist_size"] > _pagelist_max(im["size"]):
+        if im["type"] == "pages" and im["pagelist_size"] > pagelist_max(im["size"]):
             raise bad(f"the page list of {im['name']} is longer than an image of its size can have")
-    return m, src_id, mbytes
+    return m, src_id
 
 
 def read_images(src: Stream, m: dict, sink_for, tmpdir) -> None:
     """Every image, each checked against the manifest, into sink_for(name); then the
     trailer and the end of the file."""
-    data = _Data(src)
+    data = DataRecords(src)
     for im in m["images"]:
         sink = sink_for(im["name"])
         if im["type"] == "pages":

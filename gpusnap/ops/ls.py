@@ -1,7 +1,8 @@
 """`gpusnap ls` and `gpusnap schedule ls`: the rows to list, in their order.
 
 `snapshots()` returns exactly what `ls --json` prints: the repository, one row per snapshot
-(oldest first) with its unique and shared sizes, the repository's totals, and its named jobs
+(oldest first) with its unique and shared sizes and where it was copied (repo/copies.py: local
+only, copied, not copied yet), the repository's totals, and its named jobs
 (which PID carries each name now, forks). The usage of a
 repository without snapshots is not computed (that would load numpy for nothing).
 """
@@ -20,6 +21,8 @@ def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
     repository at `root` (already checked readable); only snapshots of `name` when given.
     The default location with nothing there yet is an empty listing; anywhere else no
     repository, a file, or a directory that is none is an error (Repository.open says which)."""
+    from gpusnap.repo import copies as copy_records
+
     rows: list[dict[str, Any]] = []
     damaged: list[dict[str, str]] = []
     totals: dict[str, Any] = dict(EMPTY_TOTALS)
@@ -32,9 +35,11 @@ def snapshots(root: Path, name: str | None = None) -> dict[str, Any]:
         repository = Repository.open(root)
         by_dir = usage.repo_usage(repository) if _has_snapshots(root) else {}
         totals = usage.repo_totals(repository, by_dir)
+        copies = copy_records.records(root)
         for dirname, row in by_dir.items():
             if name is None or row.get("name") == name:
-                rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row})
+                rows.append({"dir": dirname, "path": str(root / "snapshots" / dirname), **row,
+                             "copies": copy_records.copy_state(copies.get(dirname, []))})
         rows.sort(key=lambda r: (r.get("created", 0), r["dir"]))
         if _entries(root) != len(by_dir):   # some entry is no readable snapshot: say which, and why
             damaged = [{"path": str(p), "reason": why} for p, why in sorted(repository.broken_snapshots().items())]

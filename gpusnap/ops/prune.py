@@ -35,13 +35,22 @@ def check_args(keep_last: int | None, name: str | None, all_: bool) -> int | Non
     return keep_last
 
 
-def retain_after_commit(repo, name: str, keep_last: int | None) -> tuple[list[str], list[str], str | None]:
+def uncopied(repo, prune_uncopied: bool):
+    """What retention keeps whatever its count: the snapshots still to be copied to their next
+    tier (repo/copies.py), unless --prune-uncopied. A callable, read under prune's locks."""
+    from gpusnap.repo import copies
+
+    return (lambda: ()) if prune_uncopied else (lambda: copies.uncopied_ids(repo.path))
+
+
+def retain_after_commit(repo, name: str, keep_last: int | None,
+                        prune_uncopied: bool = False) -> tuple[list[str], list[str], str | None]:
     """A dump's --keep-last right after its commit: (ids deleted, warnings, the failure's
     message or None). A failure never undoes the snapshot: the dump reports it (exit 30)."""
     if not keep_last:
         return [], [], None
     try:
-        deleted, warnings = retain(repo, name, keep_last)
+        deleted, warnings = retain(repo, name, keep_last, prune_uncopied)
     except GpusnapError as e:
         return [], [], e.message
     except OSError as e:
@@ -49,27 +58,31 @@ def retain_after_commit(repo, name: str, keep_last: int | None) -> tuple[list[st
     return deleted, warnings, None
 
 
-def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
-    """A dump's --keep-last (gpusnap/repo/maint/prune.py retain), then the network locks only
-    the deleted snapshots needed: (snapshot ids deleted, warnings and notes)."""
+def retain(repo, name: str, keep_last: int, prune_uncopied: bool = False) -> tuple[list[str], list[str]]:
+    """A dump's --keep-last (gpusnap/repo/maint/prune.py retain), never a snapshot not yet
+    copied (unless prune_uncopied), then the network locks only the deleted snapshots needed:
+    (snapshot ids deleted, warnings and notes)."""
     from gpusnap.ops import netlock_sweep
     from gpusnap.repo.maint import prune as prune_mod
 
     before = repo.snapshots()
-    deleted, warnings = prune_mod.retain(repo, name, keep_last)
+    deleted, warnings = prune_mod.retain(repo, name, keep_last, uncopied(repo, prune_uncopied))
     if deleted:
         warnings += netlock_sweep.after_removal(before, repo.snapshots())
     return deleted, warnings
 
 
-def prune(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False):
-    """`gpusnap prune` (gpusnap/repo/maint/prune.py), then the network locks that only the
-    deleted snapshots needed (gpusnap/ops/netlock_sweep.py): a PruneResult, with "notes"."""
+def prune(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False,
+          prune_uncopied: bool = False):
+    """`gpusnap prune` (gpusnap/repo/maint/prune.py; --keep-last keeps the snapshots not yet
+    copied unless prune_uncopied), then the network locks that only the deleted snapshots
+    needed (gpusnap/ops/netlock_sweep.py): a PruneResult, with "notes"."""
     from gpusnap.ops import netlock_sweep
     from gpusnap.repo.maint import prune as prune_mod
 
     before = repo.snapshots() if not dry_run else []
-    result = prune_mod.run(repo, keep_last=keep_last, name=name, dry_run=dry_run)
+    result = prune_mod.run(repo, keep_last=keep_last, name=name, dry_run=dry_run,
+                           keep=uncopied(repo, prune_uncopied))
     if not dry_run:
         notes = netlock_sweep.after_removal(before, repo.snapshots())
         if notes:

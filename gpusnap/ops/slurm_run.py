@@ -51,6 +51,8 @@ class Options:
     keep_last: int | None = None
     resume: str = "auto"  # auto (after a Slurm requeue), always, never
     requeue: bool = True  # ask Slurm to requeue after the final snapshot
+    copy_to: str | None = None  # the shared tier (ops/tiers.py): each snapshot is copied there; resumes look there too
+    copy_keep_last: int | None = None
     extra_env: dict = field(default_factory=dict)
 
 
@@ -74,7 +76,11 @@ class Supervisor:
     def __init__(self, opts: Options, gpusnap_argv: list[str] | None = None):
         self.o = opts
         self.gpusnap = gpusnap_argv or [sys.executable, "-m", "gpusnap"]
-        self.job_dir = run_op.jobs_dir(opts.repo) / opts.name
+        # the job's output files and this log must outlive the node: with a shared tier (a path)
+        # they live in its jobs/NAME/, where a requeued job on any node finds them (a restore
+        # refuses a snapshot whose output files are gone)
+        self.home = Path(opts.copy_to) if opts.copy_to and "://" not in opts.copy_to else Path(opts.repo)
+        self.job_dir = run_op.jobs_dir(self.home) / opts.name
         self.pid: int | None = None           # the job's root (its namespace's init)
         self.runtime_base = 0.0                # job time before this segment (from the snapshot)
         self.segment_start = time.monotonic()
@@ -87,7 +93,7 @@ class Supervisor:
         rec = {"time": round(time.time(), 3), "event": kind, "name": self.o.name,
                "slurm_job": self.slurm_job, "restart": self.restarts, **fields}
         try:
-            dfd = run_op.open_job_dir(self.o.repo, self.o.name)     # private whatever the umask, no link
+            dfd = run_op.open_job_dir(self.home, self.o.name)     # private whatever the umask, no link
             try:
                 fd = fsutil.open_private_at(dfd, EVENTS, os.O_WRONLY | os.O_APPEND, self.job_dir / EVENTS)
             finally:
@@ -112,8 +118,8 @@ class Supervisor:
         return self.runtime_base + (time.monotonic() - self.segment_start)
 
     # --- gpusnap subcommands ------------------------------------------------------------------
-    def _gpusnap(self, *args: str, timeout: float | None = None) -> tuple[int, dict]:
-        argv = [*self.gpusnap, *args, "--repo", str(self.o.repo), "--json"]
+    def _gpusnap(self, *args: str, timeout: float | None = None, repo: Path | None = None) -> tuple[int, dict]:
+        argv = [*self.gpusnap, *args, "--repo", str(repo or self.o.repo), "--json"]
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                                env=dict(os.environ, **self.o.extra_env))
@@ -142,31 +148,28 @@ class Supervisor:
             pass
         return 0.0
 
-    def candidates(self) -> list[tuple[str, float]]:
-        """Snapshots of this name, newest first: (directory, created)."""
-        from gpusnap.repo.repository import Repository
+    def candidates(self) -> list[tuple[Path, str, float]]:
+        """Snapshots of this name, newest first: (repository, directory, created), in this
+        repository and in --copy-to's when it is a path (the shared tier: a requeued job on
+        another node, or on this one after its local repository was lost, finds them there)."""
+        from gpusnap.ops import tiers
 
-        root = Path(self.o.repo)
-        if not (root / "config").exists():
-            return []
-        out = []
-        for snap in Repository.open(root).snapshots():
-            if snap.name == self.o.name:
-                out.append((str(snap.path), snap.created))
-        out.sort(key=lambda t: t[1], reverse=True)
-        return out
+        roots = [Path(self.o.repo)]
+        if self.o.copy_to and "://" not in self.o.copy_to:
+            roots.append(Path(self.o.copy_to))
+        return tiers.candidates(self.o.name, roots)
 
     # --- the job ------------------------------------------------------------------------------
     def resume(self) -> bool:
         """Restore the newest snapshot that verifies and restores; False when none does."""
-        for path, created in self.candidates():
+        for root, path, created in self.candidates():
             t0 = time.monotonic()
-            rc, v = self._gpusnap("verify", path)
+            rc, v = self._gpusnap("verify", path, repo=root)
             if rc:
                 self.event("skip", f"snapshot {path} does not verify ({v.get('message', rc)}); trying an older one",
                            snapshot=path, exit_code=rc)
                 continue
-            rc, r = self._gpusnap("restore", path)
+            rc, r = self._gpusnap("restore", path, repo=root)
             if rc or "pid" not in r:
                 self.event("skip", f"snapshot {path} did not restore ({r.get('message', rc)}); trying an older one",
                            snapshot=path, exit_code=rc)
@@ -182,7 +185,7 @@ class Supervisor:
             self.event("resumed", f"resumed {self.o.name} from snapshot {path} (taken {age:.0f} s ago; "
                                   f"{self.runtime_base:.0f} s of work saved) in {secs:.1f} s, PID {self.pid}"
                                   + (f"; {term.get('line')}" if term else ""),
-                       snapshot=path, pid=self.pid, restore_seconds=round(secs, 3),
+                       snapshot=path, repository=str(root), pid=self.pid, restore_seconds=round(secs, 3),
                        work_saved_s=round(self.runtime_base, 1), snapshot_age_s=round(age, 1),
                        terminal=term)
             self.comment(f"gpusnap: resumed from {Path(path).name} (restart {self.restarts}, "
@@ -191,7 +194,7 @@ class Supervisor:
         return False
 
     def start_fresh(self, why: str) -> None:
-        job = run_op.start(self.o.command, self.o.repo, name=self.o.name)
+        job = run_op.start(self.o.command, self.home, name=self.o.name)
         self.pid = job.pid
         self.runtime_base = 0.0
         self.segment_start = time.monotonic()
@@ -204,6 +207,10 @@ class Supervisor:
             args.append("--exit")
         if self.o.keep_last:
             args += ["--keep-last", str(self.o.keep_last)]
+        if self.o.copy_to:
+            args += ["--copy-to", self.o.copy_to]
+            if self.o.copy_keep_last:
+                args += ["--copy-keep-last", str(self.o.copy_keep_last)]
         t0 = time.monotonic()
         runtime = self.runtime()
         # A shared repository has one writer at a time: another job's dump holds it for a few
@@ -221,7 +228,11 @@ class Supervisor:
                              f"(frozen {r.get('frozen_seconds', 0):.2f} s)",
                        snapshot=r.get("snapshot"), seconds=round(secs, 3),
                        frozen_seconds=r.get("frozen_seconds"), job_runtime_s=round(runtime, 1),
-                       bytes_stored=r.get("bytes_stored"), exit_code=rc)
+                       bytes_stored=r.get("bytes_stored"), exit_code=rc, copy=r.get("copy"))
+            c = r.get("copy") or {}
+            if c.get("status") == "pending":
+                self.event("copy-pending", f"not copied to {c.get('to')} yet: {c.get('error')}; the next snapshot "
+                                           "copies it", snapshot=r.get("snapshot"), error=c.get("error"))
             return True
         self.event(f"{kind}-failed", f"{'final ' if final else ''}snapshot failed (exit {rc}): "
                                      f"{r.get('message', '')}; the job {'keeps running' if not final else 'was left running'}",
@@ -262,6 +273,12 @@ class Supervisor:
         from gpusnap.repo import locate
 
         run_op.require_root("slurm-run")
+        if self.o.copy_to and not os.path.lexists(self.o.repo):
+            # node-local storage (a fresh node's tmpfs or scratch disk) starts empty: the shared
+            # tier holds what matters, so the local repository is made here
+            from gpusnap.repo.repository import Repository
+
+            Repository.init(Path(self.o.repo))
         locate.open_repository(self.o.repo, create_at_default=True)   # a typo fails now, not at each dump
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:

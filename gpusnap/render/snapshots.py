@@ -17,6 +17,8 @@ def dump(result, o, quiet: bool = False) -> None:
     o.out.print(result.snapshot, markup=False)
     for w in result.prune_warnings:   # stderr even with --quiet: a cron log must show it
         o.warn(f"retention: {w}")
+    if result.copy is not None:
+        copy_outcome(result.copy, o, quiet)
     if quiet or not o.err.is_terminal or result.prune_error is not None:
         return
     ratio = result.bytes_stored / result.bytes_raw if result.bytes_raw else 0
@@ -26,6 +28,21 @@ def dump(result, o, quiet: bool = False) -> None:
                 f"{human_bytes(result.bytes_raw)} from CRIU, {human_bytes(result.bytes_stored)} stored "
                 f"({ratio:.1%}), {result.seconds:.2f} s{frozen}; job "
                 f"{'still running' if result.job_running else 'stopped'}")
+
+
+def copy_outcome(c: dict[str, Any], o, quiet: bool = False) -> None:
+    """A tiered dump's copy: a failure on stderr always (a cron log must show it), success on
+    a terminal."""
+    if c["status"] != "copied":
+        o.warn(f"not copied to {c['to']} yet: {c['error']}; the snapshot is kept here, marked not copied "
+               f"({len(c['pending'])} waiting); the next dump with --copy-to, or `gpusnap copy --pending "
+               f"--to {c['to']}`, copies them")
+    elif not quiet and o.err.is_terminal:
+        o.err.print(f"copied to {c['to']}: {len(c['copied'])} snapshot(s), {human_bytes(c['bytes_sent'])} sent "
+                    f"in {c['seconds']:.2f} s (after the job ran again)", markup=False)
+    err = (c.get("retention") or {}).get("error")
+    if err:
+        o.warn(f"retention in {c['to']} (--copy-keep-last): {err}")
 
 
 def restore(result, o, quiet: bool = False) -> None:
@@ -72,12 +89,14 @@ def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
         from rich.table import Table
 
         table = Table(box=None)
-        for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared"):
-            table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left")
+        for col in ("snapshot", "name", "id", "created (UTC)", "from CRIU", "unique", "shared", "copies"):
+            table.add_column(col, justify="right" if col in ("from CRIU", "unique", "shared") else "left",
+                             overflow="fold" if col == "copies" else "ellipsis")    # where to: never cut short
         for r in rows:
             table.add_row(plain(r["dir"]), plain(r.get("name", "")), str(r.get("id", ""))[:12],
                           utc(r.get("created", 0)), human_bytes(r.get("bytes_raw", 0)),
-                          human_bytes(r.get("bytes_unique", 0)), human_bytes(r.get("bytes_shared", 0)))
+                          human_bytes(r.get("bytes_unique", 0)), human_bytes(r.get("bytes_shared", 0)),
+                          plain(_copies(r.get("copies") or {})))
         o.out.print(table)
     job_list(listing.get("jobs") or [], o)
     for d in listing.get("damaged", []):     # not listed above: each says why (gpusnap verify tells more)
@@ -87,6 +106,15 @@ def snapshot_list(listing: dict[str, Any], o, name: str | None = None) -> None:
         o.err.print(f"{totals['snapshots']} snapshot(s) of {totals['names']} name(s): "
                     f"{human_bytes(totals['bytes_raw'])} from CRIU, {human_bytes(totals['bytes_stored'])} "
                     f"in the repository{ratio}", markup=False)
+
+
+def _copies(c: dict[str, Any]) -> str:
+    """ls's copies column: local only, copied to X, or not copied to X yet."""
+    if c.get("pending_to"):
+        return "not copied yet: " + ", ".join(p["to"] for p in c["pending_to"])
+    if c.get("copied_to"):
+        return "copied: " + ", ".join(p["to"] for p in c["copied_to"])
+    return "local only"
 
 
 def job_list(jobs: list[dict[str, Any]], o) -> None:
@@ -112,6 +140,18 @@ def exported(result: dict[str, Any], o, to_stdout: bool) -> None:
 
 def imported(result: dict[str, Any], o) -> None:
     o.out.print(result["snapshot"], markup=False)
+
+
+def copied(result: dict[str, Any], o) -> None:
+    """One line per snapshot (the destination's directory first, as import prints it), then the sum."""
+    for s in result["snapshots"]:
+        if s["already_present"]:
+            o.out.print(f"{s['snapshot']}: already there ({s['name']}, {s['source_id']}), skipped", markup=False)
+        else:
+            o.out.print(f"{s['snapshot']}: {s['name']} ({s['source_id']} -> {s['id']}), "
+                        f"{human_bytes(s['bytes_sent'])} sent for {human_bytes(s['bytes_raw'])} from CRIU", markup=False)
+    o.out.print(f"{result['copied']} copied, {result['skipped']} already there; {human_bytes(result['bytes_sent'])} "
+                f"sent in {result['seconds']:.1f} s", markup=False)
 
 
 # ---------------------------------------------------------------- inspect

@@ -42,6 +42,20 @@ def write_index_file(root: Path, packs: list[tuple[bytes, list]], on_name=None) 
     return dest, len(data)
 
 
+def named_packs(root: Path) -> set[bytes]:
+    """Every pack some index file in index/ names, from the files' headers alone (one whose
+    header cannot be read is skipped; prune refuses to delete packs while one is damaged)."""
+    out: set[bytes] = set()
+    for n in os.listdir(root / "index"):
+        if n.startswith("."):
+            continue
+        try:
+            out.update(index_pack_names(root / "index" / n))
+        except (OSError, FormatError):
+            continue
+    return out
+
+
 def index_pack_names(path: Path) -> list[bytes]:
     """The pack names an index file lists, from its header alone (no checksum check: a
     cheap look for recovery; the full parse checks everything). Raises OSError, FormatError."""

@@ -9,16 +9,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
-import socket
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from gpusnap.errors import CorruptSnapshot, GpusnapError, RepositoryError, RepositoryLocked, SnapshotNotFound, UsageError
-from gpusnap.repo import fsutil, lockwait, pathcheck, recovery
+from gpusnap.repo import fsutil, lockfile, locking, lockwait, pathcheck, recovery
 from gpusnap.repo.codec import codec_id
 from gpusnap.repo.format import SNAPSHOT_NAME, FormatError, make_config, encode_config, parse_config
 from gpusnap.repo.index import RepoIndex
@@ -42,7 +40,7 @@ class Repository:
         self.config = config
         self._lock_mutex = threading.Lock()
         self._lock_depth = 0
-        self._lock_fd: int | None = None
+        self._held = locking.Held(path, self._lock_file)
         self._index: RepoIndex | None = None
         self._index_names: list[str] | None = None
         self._index_checked = False
@@ -146,53 +144,89 @@ class Repository:
         fsutil.write_file_atomic(path / "tmp", path / "config", encode_config(cfg))
         fsutil.fsync_dir(path)
 
-    # -- locking ---------------------------------------------------------------------------
+    # -- locking (repo/locking.py, docs/format.md §6) ------------------------------------------
     @contextlib.contextmanager
-    def writer_lock(self, recover: bool = True):
-        """One writer per repository (flock on locks/writer: the kernel drops it when the
-        holder dies). Re-entrant within this Repository object. Taking it runs the
-        open-time recovery (recover(); recover=False for a dry run that must change
-        nothing)."""
+    def writer_lock(self, recover: bool = True, exclusive: bool = False, what: str = "writer",
+                    when_alone: Callable[[], None] | None = None):
+        """The writer side of the repository's locks: shared by the writers that only add
+        (dump, import, a copy's receiver: any number at once), exclusive for what deletes
+        (prune, repair, forget --prune: it waits for every writer). Re-entrant within this
+        Repository object; an exclusive one asked for inside a shared one lets go of the
+        shared one first (two dumps' retentions never wait for each other) and takes it
+        again after. Taking it runs the open-time recovery (recover(); recover=False for a
+        dry run that must change nothing) only when exclusive: a writer first tries the
+        exclusive lock without waiting, and when nobody else writes runs the recovery and
+        `when_alone` (sweeps of what dead writers left) before going down to shared."""
         with self._lock_mutex:
+            upgraded = False
             if self._lock_depth == 0:
-                fd = self._lock_file("writer")
-                if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,
-                                      lambda: self.notice(f"waiting for {self._holder(fd)} "
-                                                          f"to release repository {self.path} "
-                                                          f"(up to {self.lock_wait:g} s)")):
-                    try:
-                        holder = self._holder(fd)
-                    finally:
-                        os.close(fd)
-                    waited = f" (waited {self.lock_wait:g} s)" if self.lock_wait > 0 else ""
-                    raise RepositoryLocked(
-                        f"repository {self.path} is locked by {holder}{waited}",
-                        "wait for that gpusnap to finish, or give it longer (--lock-wait SECONDS, "
-                        "$GPUSNAP_LOCK_WAIT); a lock held by a dead process is released automatically")
-                # who holds it is information only: a full disk must not stop the writer
-                # (a prune is what frees space)
-                with contextlib.suppress(OSError):
-                    os.fchmod(fd, 0o600)
-                    os.ftruncate(fd, 0)
-                    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "what": "writer",
-                                              "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}).encode(), 0)
-                self._lock_fd = fd
-                first = True
-            else:
-                first = False
+                try:
+                    self._take_first(recover, exclusive, what, when_alone)
+                except BaseException:
+                    self._held.close()      # (a full disk while going down to shared)
+                    raise
+            elif exclusive and not self._held.exclusive:
+                self._held.release()
+                try:
+                    self._held.take(True, self.lock_wait, what, self.notice)
+                except BaseException:
+                    with contextlib.suppress(GpusnapError, OSError):
+                        self._held.take(False, self.lock_wait, what, self.notice)
+                    raise
+                upgraded = True
             self._lock_depth += 1
         try:
-            if first and recover:
-                self._recover_quietly()
             yield self
         finally:
             with self._lock_mutex:
                 self._lock_depth -= 1
                 if self._lock_depth == 0:
-                    fd, self._lock_fd = self._lock_fd, None
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(fd, 0)
-                    os.close(fd)     # closing the only fd releases the flock
+                    self._held.close()
+                elif upgraded and self._held.held:
+                    with contextlib.suppress(GpusnapError, OSError):
+                        self._held.downgrade(self.lock_wait, what, self.notice)
+
+    def _take_first(self, recover: bool, exclusive: bool, what: str, when_alone) -> None:
+        if exclusive:
+            self._held.take(True, self.lock_wait, what, self.notice)
+            if recover:
+                self._recover_quietly()
+        elif recover and self._held.try_exclusive(what):
+            try:
+                self._recover_quietly()
+                if when_alone is not None:
+                    when_alone()
+            finally:
+                self._held.downgrade(self.lock_wait, what, self.notice)
+        else:
+            self._held.take(False, self.lock_wait, what, self.notice)
+
+    @contextlib.contextmanager
+    def alone(self, what: str = "writer"):
+        """Inside writer_lock(): yields whether this process is now the only writer (the
+        exclusive lock taken without waiting; nobody can start until the block ends), e.g.
+        to delete packs of an aborted dump that another writer could otherwise name. Back
+        to the shared lock after."""
+        got = upgraded = False
+        with self._lock_mutex:
+            if self._lock_depth and self._held.exclusive:
+                got = True
+            elif self._lock_depth and self._held.held:
+                self._held.release()
+                got = upgraded = self._held.try_exclusive(what)
+                if not got:
+                    self._held.take(False, self.lock_wait, what, self.notice)
+        try:
+            yield got
+        finally:
+            if upgraded:
+                with self._lock_mutex:
+                    self._held.downgrade(self.lock_wait, what, self.notice)
+
+    def check_lock(self) -> None:
+        """RepositoryError if this process's lock file was taken over as stale (it stalled
+        for longer than the staleness timeout): a writer checks before naming its packs."""
+        self._held.check()
 
     def wait_for_locks(self, seconds: float, notice: Callable[[str], None] | None = None) -> "Repository":
         """Make this repository's writers wait up to `seconds` for a lock another gpusnap
@@ -202,25 +236,16 @@ class Repository:
             self.notice = notice
         return self
 
-    @staticmethod
-    def _holder(fd: int) -> str:
-        """Who holds the writer lock, as its holder wrote it (information only)."""
-        info = {}
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads(os.pread(fd, 4096, 0).decode(errors="replace").strip())
-        if not isinstance(info, dict) or not info:
-            return "pid ?"
-        return (f"pid {info.get('pid', '?')} on {info.get('host')} ({info.get('what')}, "
-                f"since {info.get('since')})")
-
     @contextlib.contextmanager
     def readers_lock(self, exclusive: bool = False):
         """Restores read shared (they wait for a prune to finish); prune takes it exclusive
         and waits (lock_wait) for a restore or verify to finish, then refuses, so it never
-        deletes data under a reader. Dumps only add data and do not take it. On a repository
-        this process cannot write (a read-only mount, a backup copy) a reader takes the
-        existing lock file read-only (flock needs no write access; a bind mount shares the
-        lock with its writable view), or no lock where there is none, and says so."""
+        deletes data under a reader. Writers that only add do not take it. Each side is a
+        flock on locks/readers and a lock file (repo/locking.py). On a repository this
+        process cannot write (a read-only mount, a backup copy) a reader takes the existing
+        lock file read-only (flock needs no write access; a bind mount shares the lock with
+        its writable view), or no lock where there is none, and says so, and leaves no
+        lock file."""
         if exclusive:
             fd = self._lock_file("readers")
         else:
@@ -228,19 +253,48 @@ class Repository:
             if fd is None:
                 yield self
                 return
+        name = None
         try:
             if exclusive:
-                if not lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait,
-                                      lambda: self.notice(f"waiting for a restore or verify reading "
-                                                          f"repository {self.path} to finish (up to {self.lock_wait:g} s)")):
-                    raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
-                                           "prune again when it has finished, or give it longer "
-                                           "(--lock-wait SECONDS, $GPUSNAP_LOCK_WAIT)")
+                self._readers_exclusive(fd)
             else:
                 fcntl.flock(fd, fcntl.LOCK_SH)
+                name = self._reader_file()
             yield self
         finally:
+            if name is not None:
+                name.stop()
+                lockfile.remove(self.path / "locks", name.name)
             os.close(fd)
+
+    def _readers_exclusive(self, fd: int) -> None:
+        deadline = time.monotonic() + self.lock_wait
+        told = []
+
+        def on_wait():
+            if not told:
+                told.append(1)
+                self.notice(f"waiting for a restore or verify reading repository {self.path} "
+                            f"to finish (up to {self.lock_wait:g} s)")
+        mine = self._held.refresher.name if self._held.refresher is not None else None
+        ok = lockwait.flock(fd, fcntl.LOCK_EX, self.lock_wait, on_wait)
+        if ok and mine is not None:
+            ok = locking.poll_files(self.path / "locks", True, True, "prune", deadline, on_wait, mine) is not None
+        if not ok:
+            raise RepositoryLocked(f"a restore is reading repository {self.path} (or a verify is checking it)",
+                                   "prune again when it has finished, or give it longer "
+                                   "(--lock-wait SECONDS, $GPUSNAP_LOCK_WAIT)")
+
+    def _reader_file(self) -> "lockfile.Refresher | None":
+        """A reader's lock file, once no exclusive one is there (waiting for a prune on
+        another machine as flock waits for one here); none where none can be written."""
+        locks = self.path / "locks"
+        try:
+            name = locking.poll_files(locks, False, False, lockfile.READ, time.monotonic() + lockwait.MAX_WAIT,
+                                      lambda: None, ignore=frozenset(self._held.names()))
+        except OSError:
+            return None          # a read-only repository: the flock above is all there is
+        return lockfile.Refresher(locks, name, False, lockfile.READ)
 
     def _reader_fd(self) -> int | None:
         """The readers lock file for a shared lock; on a repository this process cannot
@@ -275,7 +329,10 @@ class Repository:
             raise
 
     def holds_lock(self) -> bool:
-        return self._lock_depth > 0
+        return self._lock_depth > 0 and self._held.held
+
+    def holds_exclusive(self) -> bool:
+        return self.holds_lock() and self._held.exclusive
 
     # -- index -----------------------------------------------------------------------------
     @property

@@ -23,6 +23,7 @@ from gpusnap.ops.dump import DumpRequest, dump
 from gpusnap.errors import GpusnapError
 from gpusnap.ops.restore import restore
 from gpusnap.repo.repository import Repository
+from gpusnap.samples.job import steps_done
 
 console = Console(highlight=False)
 
@@ -43,14 +44,6 @@ def _wait_for(path: Path, timeout: float) -> str:
             return path.read_text().strip()
         time.sleep(0.1)
     raise SystemExit(f"demo: {path} did not appear within {timeout:.0f} s")
-
-
-def _steps(out: Path) -> int:
-    try:
-        last = (out / "job.log").read_text().splitlines()[-1]
-        return int(last.split()[1].split("/")[0])
-    except (FileNotFoundError, IndexError):
-        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,20 +74,20 @@ def main(argv: list[str] | None = None) -> int:
         with open(out / "stdio.txt", "wb") as stdio:
             job = subprocess.Popen(_job_cmd(out, args) + ["--step-ms", "15"], stdin=subprocess.DEVNULL,
                                    stdout=stdio, stderr=stdio, start_new_session=True)
-        while _steps(out) < args.steps // 5:
+        while steps_done(out) < args.steps // 5:
             if job.poll() is not None:
                 raise SystemExit("demo: the sample job died early: " + (out / "stdio.txt").read_text())
             time.sleep(0.05)
         pids = [int(x) for x in (out / "pid").read_text().split()]
-        console.print(f"2. job running as PID {job.pid}, at step {_steps(out)}")
+        console.print(f"2. job running as PID {job.pid}, at step {steps_done(out)}")
 
         first = dump(DumpRequest(pid=job.pid, repo=repo, name="demo"))
-        at = _steps(out)
+        at = steps_done(out)
         console.print(f"3. dumped at step ~{at} in {first.seconds:.2f} s → {first.snapshot}")
         time.sleep(0.5)
         second = dump(DumpRequest(pid=job.pid, repo=repo, name="demo"))
         console.print(f"4. dumped again (incremental by content) in {second.seconds:.2f} s; "
-                      f"job still running: {second.job_running}, now at step {_steps(out)}")
+                      f"job still running: {second.job_running}, now at step {steps_done(out)}")
 
         for pid in pids:
             os.kill(pid, signal.SIGKILL)

@@ -26,6 +26,16 @@ import time
 PAGE = 4096
 
 
+def steps_done(out) -> int:
+    """How many steps the job writing into directory `out` has logged (its job.log's last
+    line, "step N/TOTAL"); 0 before the first."""
+    try:
+        lines = open(os.path.join(out, "job.log")).read().splitlines()
+    except FileNotFoundError:
+        return 0
+    return int(lines[-1].split()[1].split("/")[0]) if lines else 0
+
+
 def make_memory(mb: int, seed: int) -> bytearray:
     size = mb << 20
     quarter = (size // 4) // PAGE * PAGE

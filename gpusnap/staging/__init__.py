@@ -73,7 +73,8 @@ def parse_size(text: str) -> int:
 
 def sweep(spill_dir: Path) -> list[str]:
     """Remove spill files left by dumps that died (their PID is gone). The caller holds the
-    repository's writer lock, so no live dump of this repository can own one."""
+    repository's exclusive lock (a dump: while it is the only writer), so no live dump of
+    this repository, on this machine or another, can own one."""
     removed = []
     try:
         names = os.listdir(spill_dir)

@@ -39,6 +39,16 @@ def read_stat(pid: int) -> ProcStat | None:
                     starttime=int(rest[19]) if len(rest) > 19 else 0)
 
 
+def boot_id() -> str:
+    """This boot's id (/proc/sys/kernel/random/boot_id): with a PID and its start time, names
+    one process of one machine for good."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def exists(pid: int) -> bool:
     """True if `pid` names a process that is not a zombie."""
     st = read_stat(pid)

@@ -1,10 +1,12 @@
 """Whether a repository lives on a filesystem other machines share, and whether its locks hold there.
 
-The repository's locks are flock(2) locks (one writer; readers shared). On a local filesystem
-the kernel enforces them. On NFS, Linux maps flock to byte-range locks the server enforces
-across clients, unless the mount keeps locks local to this client (`nolock`,
-`local_lock=flock|all`): then two nodes could write the same repository at once. Other network
-filesystems differ per mount option; doctor names them so the user checks.
+The repository's locks are flock(2) locks and, since format revision 1.6, lock files under
+REPO/locks/ (docs/format.md §6). On a local filesystem the kernel enforces the flocks. On NFS,
+Linux maps flock to byte-range locks the server enforces across clients, unless the mount
+keeps locks local to this client (`nolock`, `local_lock=flock|all`): then the lock files
+alone keep a prune from running under another node's writers, which needs the nodes' clocks
+in step and every node on gpusnap >= the revision 1.6 (an older one only flocks). Other
+network filesystems differ per mount option; doctor names them so the user checks.
 """
 
 from __future__ import annotations
@@ -63,13 +65,14 @@ def check(path: Path, mountinfo: str | None = None) -> tuple[str, str, str | Non
     if m.fstype in NFS:
         local = {o for o in m.options if o in ("nolock", "local_lock=flock", "local_lock=all")}
         if local:
-            return ("fail", f"{where}, mounted with {', '.join(sorted(local))}: its locks are local to this "
-                            "machine, so gpusnap on two nodes could write the repository at once",
-                    "mount it without nolock/local_lock (NFSv4 enforces flock on the server), or give each "
-                    "node a repository of its own")
+            return ("warn", f"{where}, mounted with {', '.join(sorted(local))}: flock is local to this "
+                            "machine, so only gpusnap's lock files (REPO/locks/lock-*) keep a prune on one node "
+                            "from running under another node's dumps",
+                    "keep the nodes' clocks in sync (the files go stale after $GPUSNAP_LOCK_STALE s) and every "
+                    "node on this gpusnap version (an older one only flocks); or mount without nolock/local_lock")
         return "ok", f"{where}: locks are enforced by the server, so nodes can share it", None
     if m.fstype in OTHER_SHARED or m.fstype.startswith("fuse."):
-        return ("warn", f"{where}: shared with other machines? gpusnap's locks are flock(2); check that "
-                        "this filesystem enforces them across nodes",
+        return ("warn", f"{where}: shared with other machines? gpusnap's lock files hold there, its flock(2) "
+                        "fast path only if the filesystem enforces flock across nodes",
                 "see docs/slurm.md, 'A shared repository'")
     return "ok", f"{where} (local)", None

@@ -19,7 +19,7 @@ from gpusnap.ops.schedule.record import (Schedule, gpusnap_executable, load, log
 def add(name: str, match: str | None, *, every: str | None = None, cron: str | None = None,
         keep_last: int = 4, repo: Path | None = None, exit_after: bool = False,
         user: str | int | None = None, replace: bool = False, container: str | None = None,
-        engine: str | None = None) -> Schedule:
+        engine: str | None = None, copy_to: str | None = None, copy_keep_last: int | None = None) -> Schedule:
     """Check everything as `dump` would, then record and install the schedule."""
     from gpusnap.repo import locate
 
@@ -39,6 +39,7 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
         validate.check_match(match)
     if type(keep_last) is not int or keep_last < 1:
         raise UsageError("--keep-last must be at least 1")
+    copy_to = _copy_to(copy_to, copy_keep_last, container)
     if bool(every) == bool(cron):
         raise UsageError("give exactly one of --every (e.g. 30m, 2h, 1d) or --cron 'M H DOM MON DOW'")
     repo_path = locate.repo_path(validate.check_repo_arg(repo))
@@ -50,15 +51,7 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
     if not locate.is_default(repo_path):
         locate.open_repository(repo_path)   # a typo is that one error, before anything else
     backend = require_scheduler()
-    if cron:
-        when = cronexpr.check(cron)
-        if backend == "systemd":
-            cronexpr.cron_to_oncalendar(when)
-    elif backend == "cron":
-        when = cronexpr.every_to_cron(every)
-    else:
-        cronexpr.parse_every(every)
-        when = f"every {every}"
+    when = _when(backend, every, cron)
     uid, engine = _owner(name, match, user, container, engine, repo_path)
     # a repository every run would refuse: say so now. At the default location a missing one is
     # made now: the runs (from cron, without this $GPUSNAP_REPO) could not make it there
@@ -67,8 +60,8 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
     s = Schedule(name=name, match=match, container=container, engine=engine, uid=uid, docker_host=_docker_host(engine),
                  repo=str(repo_path), keep_last=keep_last, backend=backend,
                  when=when, every=every, cron=cronexpr.check(cron) if cron else None, exit_after=exit_after,
-                 created=time.time(), exe=gpusnap_executable(), config_dir=str(sd.absolute()),
-                 log=str((ld / f"schedule-{name}.log").absolute()))
+                 created=time.time(), exe=gpusnap_executable(), config_dir=str(sd.absolute()), copy_to=copy_to,
+                 copy_keep_last=copy_keep_last, log=str((ld / f"schedule-{name}.log").absolute()))
     safe_word("--config-dir", s.config_dir)
     safe_word("log path", s.log)
     try:
@@ -96,6 +89,32 @@ def add(name: str, match: str | None, *, every: str | None = None, cron: str | N
         systemctl("enable", "--now", f"{PREFIX}{name}.timer")
     s.replaced_repo = old.repo if old is not None and old.repo != s.repo else None  # type: ignore[attr-defined]
     return s
+
+
+def _when(backend: str, every: str | None, cron: str | None) -> str:
+    """The schedule's time, as the backend takes it (checked: a bad one is refused now)."""
+    if cron:
+        when = cronexpr.check(cron)
+        if backend == "systemd":
+            cronexpr.cron_to_oncalendar(when)
+        return when
+    if backend == "cron":
+        return cronexpr.every_to_cron(every)
+    cronexpr.parse_every(every)
+    return f"every {every}"
+
+
+def _copy_to(copy_to: str | None, copy_keep_last: int | None, container: str | None) -> str | None:
+    """--copy-to checked (ops/tiers.py) and recorded as every run will use it."""
+    from gpusnap.ops import tiers
+
+    if copy_to is None:
+        if copy_keep_last is not None:
+            raise UsageError("--copy-keep-last is the retention of --copy-to's repository", hint="give --copy-to REPO")
+        return None
+    if container is not None:
+        raise UsageError("--container takes no --copy-to yet", hint="copy its snapshots with `gpusnap copy`")
+    return tiers.destination(copy_to)
 
 
 def _run_job_owner(name: str, repo: Path, user) -> int:

@@ -52,6 +52,8 @@ class Schedule:
     container: str | None = None      # `schedule add --container`: a Podman or Docker container (root's), by name or id
     engine: str | None = None         # its engine: podman, docker (None: podman, as before Docker was known)
     docker_host: str | None = None    # DOCKER_HOST when the schedule was added (cron runs without it)
+    copy_to: str | None = None        # `--copy-to`: each run copies its snapshot (and any pending) there (ops/tiers.py)
+    copy_keep_last: int | None = None  # `--copy-keep-last`: retention there, after the copy
 
     @property
     def user(self) -> str:
@@ -148,6 +150,12 @@ def load(name: str, d: Path | None = None) -> Schedule:
         if s.engine not in (None, "podman", "docker") or not (s.docker_host is None or (
                 isinstance(s.docker_host, str) and s.docker_host.isprintable())):
             raise UsageError(f"schedule {p} is damaged: engine {s.engine!r}, DOCKER_HOST {s.docker_host!r}")
+    if s.copy_to is not None:
+        from gpusnap.ops import tiers
+
+        s.copy_to = tiers.destination(s.copy_to)
+    if s.copy_keep_last is not None and (type(s.copy_keep_last) is not int or s.copy_keep_last < 1):
+        raise UsageError(f"schedule {p} is damaged")
     if s.name != name or not isinstance(s.uid, int) or not isinstance(s.keep_last, int) or s.keep_last < 1:
         raise UsageError(f"schedule {p} is damaged")
     return s

@@ -57,7 +57,7 @@ def read_log(s: Schedule, last: int = 50) -> list[dict]:
 def run(name: str, config_dir: Path | None = None) -> dict:
     """What the cron line or timer runs: find the job among its owner's processes, dump with
     retention, log one JSON line. Returns the record; raises the dump's error after logging."""
-    from gpusnap.ops.dump import DumpRequest, dump, retention_error
+    from gpusnap.ops.dump import DumpRequest, retention_error
 
     s = load(name, config_dir)
     t0 = time.time()
@@ -76,13 +76,15 @@ def run(name: str, config_dir: Path | None = None) -> dict:
             pid = validate.find_job(s.match, s.uid)
         if s.container is None:
             rec["pid"] = pid
-            res = dump(DumpRequest(pid=pid, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
-                                   keep_last=s.keep_last))
+            res = _dump(s, DumpRequest(pid=pid, repo=Path(s.repo), name=s.name, leave_running=not s.exit_after,
+                                       keep_last=s.keep_last))
         rec.update({"snapshot": res.snapshot, "id": res.id, "pages_total": res.pages_total,
                     "pages_dedup": res.pages_dedup, "bytes_raw": res.bytes_raw, "bytes_stored": res.bytes_stored,
                     "pruned": len(res.pruned), "dump_seconds": res.seconds})
         if res.prune_warnings:
             rec["warnings"] = res.prune_warnings
+        if res.copy is not None:
+            rec["copy"] = _copy_outcome(res.copy)
         error = retention_error(res)
         rec["outcome"] = "ok" if error is None else "retention-failed"
     except ProcessNotFound as e:
@@ -114,6 +116,29 @@ def run(name: str, config_dir: Path | None = None) -> dict:
     if error is not None:
         raise error
     return rec
+
+
+def _dump(s: Schedule, req):
+    """A run's dump: tiered when the schedule has --copy-to (ops/tiers.py)."""
+    from gpusnap.ops import tiers
+    from gpusnap.ops.dump import dump
+
+    if s.copy_to is None:
+        return dump(req)
+    return tiers.dump(req, tiers.Tier(to=s.copy_to, keep_last=s.copy_keep_last))
+
+
+def _copy_outcome(c: dict) -> dict:
+    """The copy in the run's log line: copied, or pending (and why); counts, not lists."""
+    out = {"to": c["to"], "status": c["status"], "copied": len(c["copied"]), "pending": len(c["pending"]),
+           "bytes_sent": c["bytes_sent"], "seconds": c.get("seconds")}
+    if c.get("error"):
+        out["error"] = c["error"]
+    if c.get("retention"):
+        out["pruned_there"] = len(c["retention"]["deleted"])
+        if c["retention"].get("error"):
+            out["retention_error"] = c["retention"]["error"]
+    return out
 
 
 def _dump_container(s: Schedule, rec: dict):
@@ -150,7 +175,8 @@ def status(s: Schedule, now: float | None = None) -> dict:
     pid = current_job(s)     # the job now (after a restore, found before the next run)
     out = {"name": s.name, "backend": s.backend, "when": s.when, "match": s.match, "container": s.container,
            "user": s.user,
-           "repo": s.repo, "keep_last": s.keep_last, "last_run": last.get("time") if last else None,
+           "repo": s.repo, "keep_last": s.keep_last, "copy_to": s.copy_to, "copy_keep_last": s.copy_keep_last,
+           "last_copy": last.get("copy") if last else None, "last_run": last.get("time") if last else None,
            "result": last.get("outcome") if last else None,
            "last_message": last.get("message") if last else None,
            "job_pid": pid, "runs_without_job": streak if pid is None else 0, "job_gone": streak >= GONE_AFTER and pid is None,

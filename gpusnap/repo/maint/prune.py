@@ -21,7 +21,7 @@ import stat
 from typing import Callable
 
 from gpusnap.errors import CorruptSnapshot, RepositoryError, SnapshotNotFound
-from gpusnap.repo import fsutil, locations
+from gpusnap.repo import copies, fsutil, locations
 from gpusnap.repo.codec import compress
 from gpusnap.repo.format import CODEC_LZ4, CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE, FormatError
 from gpusnap.repo.maint.prune_plan import (FAILED_LOGS_KEPT, MAX_UNUSED, SMALL_PACK, PackDecision,  # noqa: F401
@@ -37,15 +37,19 @@ Fault = Callable[[str], None]
 # -- locks: the one policy ---------------------------------------------------------------------
 
 @contextlib.contextmanager
-def locked(repo, dry_run: bool = False):
+def locked(repo, dry_run: bool = False, exclusive: bool = True, what: str = "prune"):
     """The locks of prune, `forget` and a dump's --keep-last retention, in this order:
-    the writer lock (one writer; re-entrant, so a dump holding it for its commit goes on;
-    a dry run skips the open-time recovery, which could change the repository), then the
-    readers lock: exclusive when something may be deleted (a restore or verify reading
-    makes it wait up to repo.lock_wait, repo/lockwait.py, then refuse with RepositoryLocked;
-    the library alone waits 0 s), shared for a dry run (it waits for a running prune, and
+    the writer lock, exclusive when data may be deleted (it waits for every writer, up to
+    repo.lock_wait, repo/lockwait.py; a dump holding the shared one for its commit lets go
+    of it first and takes it again after; a dry run skips the open-time recovery, which
+    could change the repository, and takes it shared: it changes nothing), shared for a
+    `forget` without --prune (removing a snapshot directory takes nothing from a writer);
+    then the readers lock: exclusive when something may be deleted (a restore or verify
+    reading makes it wait up to repo.lock_wait, then refuse with RepositoryLocked; the
+    library alone waits 0 s), shared for a dry run (it waits for a running prune, and
     never blocks a restore)."""
-    with repo.writer_lock(recover=not dry_run), repo.readers_lock(exclusive=not dry_run):
+    with repo.writer_lock(recover=not dry_run, exclusive=exclusive and not dry_run, what=what), \
+            repo.readers_lock(exclusive=not dry_run):
         yield repo
 
 
@@ -72,9 +76,10 @@ class PruneResult(dict):
 # -- entry points ---------------------------------------------------------------------------------
 
 def run(repo, keep_last: int | None = None, name: str | None = None, dry_run: bool = False,
-        max_unused: float = MAX_UNUSED) -> PruneResult:
+        max_unused: float = MAX_UNUSED, keep=lambda: ()) -> PruneResult:
     """`gpusnap prune`: under the locks, delete all but the `keep_last` newest snapshots per
-    name (or of `name`; none without keep_last), then free what no snapshot needs."""
+    name (or of `name`; none without keep_last), then free what no snapshot needs. `keep()`:
+    ids never deleted (snapshots not yet copied to their next tier), read under the locks."""
     with locked(repo, dry_run):
         if not dry_run:     # what SIGKILLed dumps and restores left outside the repository
             from gpusnap.system import tmpdirs
@@ -86,7 +91,8 @@ def run(repo, keep_last: int | None = None, name: str | None = None, dry_run: bo
             if name is not None and not any(s.name == name for s in snaps):
                 raise SnapshotNotFound(f"no snapshot named {name!r} in repository {repo.path}",
                                        hint="list them with: gpusnap ls")
-            remove = plan_prune(snaps, keep_last=keep_last, name=name).delete
+            kept = set(keep())
+            remove = [i for i in plan_prune(snaps, keep_last=keep_last, name=name).delete if i not in kept]
         return apply(repo, remove, dry_run, max_unused)
 
 
@@ -107,17 +113,26 @@ def measure_rewrite(repo, p: PrunePlan) -> None:
         p.rewrite_bytes = packed_size([len(b[4]) for b in _rewritten_blobs(repo.path, p)])
 
 
-def retain(repo, name: str, keep_last: int) -> tuple[list[str], list[str]]:
-    """A dump's --keep-last: keep the newest `keep_last` snapshots of `name` (the dump holds
-    the writer lock). -> (snapshot ids deleted, warnings). Raises on failure."""
-    sel = plan_prune(repo.snapshots(), keep_last=keep_last, name=name)
+def retain(repo, name: str, keep_last: int, keep=lambda: ()) -> tuple[list[str], list[str]]:
+    """A dump's --keep-last: keep the newest `keep_last` snapshots of `name`, and those whose
+    id `keep()` gives (snapshots not yet copied to their next tier). -> (snapshot ids deleted,
+    warnings). Raises on failure. A first look (under the dump's shared lock, or none) decides
+    whether anything is to go; only then is the writer lock taken exclusive (a dump lets go of
+    its shared one first, docs/format.md §6), and the plan and `keep()` that count are made
+    again under it: another writer may have committed, or marked a snapshot pending, meanwhile."""
+    def doomed() -> list[str]:
+        kept = set(keep())
+        return [i for i in plan_prune(repo.snapshots(), keep_last=keep_last, name=name).delete if i not in kept]
+
     warnings = [f"unreadable entry skipped: {w}" for w in repo.broken_snapshots().values()]
-    if sel.delete:
+    delete = doomed()
+    if delete:
         with locked(repo):
-            res = apply(repo, sel.delete)
+            delete = doomed()
+            res = apply(repo, delete) if delete else {}
         if res.get("data_kept"):
             warnings.append(res["data_kept"])
-    return list(sel.delete), warnings
+    return delete, warnings
 
 
 def execute_prune(repo, selection: Selection, dry_run: bool = False, repack_threshold: float = MAX_UNUSED,
@@ -125,7 +140,7 @@ def execute_prune(repo, selection: Selection, dry_run: bool = False, repack_thre
     """Plan and apply the deletion of `selection` under the writer lock alone: the entry the
     step-by-step tests drive (they hold, or deliberately skip, the readers lock); commands
     use run() / apply() inside locked()."""
-    with repo.writer_lock(recover=not dry_run):
+    with repo.writer_lock(recover=not dry_run, exclusive=not dry_run, what="prune"):
         return apply(repo, selection.delete, dry_run, repack_threshold, _fault)
 
 
@@ -139,8 +154,8 @@ def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
     """Apply `p` and nothing else. The caller holds the writer lock (and the readers lock
     exclusively: locked()); `p` must have been planned under the same writer lock."""
     fault = _fault or (lambda step: None)
-    if not repo.holds_lock():
-        raise RepositoryError("prune's execution needs the repository's writer lock (use prune.locked())")
+    if not repo.holds_exclusive():
+        raise RepositoryError("prune's execution needs the repository's exclusive lock (use prune.locked())")
     _check_current(repo, p)
     root = repo.path
     res = PruneResult.of_plan(p, dry_run=False)
@@ -154,12 +169,13 @@ def execute(repo, p: PrunePlan, _fault: Fault | None = None) -> PruneResult:
         freed = _delete_packs(repo, p, fault) - written
         res["bytes_freed"] = max(freed, 0)
     res["leftovers_removed"] = _remove_leftovers(root, p.leftovers)
+    copies.sweep(repo)      # the copy records (docs/format.md §14) of snapshots that are gone
     return res
 
 
 def _check_current(repo, p: PrunePlan) -> None:
-    """The plan still describes the repository (nothing else writes under the writer lock;
-    this catches a plan made before the lock was taken)."""
+    """The plan still describes the repository (nothing else writes under the exclusive
+    lock; this catches a plan made before the lock was taken)."""
     sd = repo.path / "snapshots"
     for n in p.remove:
         try:

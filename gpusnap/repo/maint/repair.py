@@ -73,7 +73,7 @@ def repair(repo: Repository, dry_run: bool = False, read_data: bool = False) -> 
     """Rebuild the index from the packs (module docstring). Holds the writer lock, and (to
     change anything) the readers lock exclusively, as prune does."""
     rep = RepairReport(dry_run=dry_run, read_data=read_data)
-    with repo.writer_lock(recover=not dry_run), \
+    with repo.writer_lock(recover=not dry_run, exclusive=not dry_run, what="repair"), \
             (contextlib.nullcontext() if dry_run else repo.readers_lock(exclusive=True)):
         root = repo.path
         idir = root / "index"

@@ -156,7 +156,11 @@ class PackWriter:
         self._sync_dirs()
         return self.done
 
-    def abort(self, delete_finished: bool = True) -> None:
+    def finished(self) -> list[tuple[bytes, list[Blob]]]:
+        """The packs finished so far (fsynced and renamed; their directories not yet fsynced)."""
+        return list(self.done)
+
+    def abort(self, delete_finished: bool = True, keep: frozenset = frozenset()) -> None:
         """Stop; remove the temporary pack files, and, with delete_finished, the packs this
         writer created. The caller decides that only when no index file names them (an
         index is written after finish(), so before it exists nothing names them: their pages
@@ -174,7 +178,7 @@ class PackWriter:
         self._tmps = []
         if delete_finished:
             for ph, _ in self.done:
-                if ph in self._created:
+                if ph in self._created and ph not in keep:    # keep: an index file names them
                     fsutil.unlink_quiet(pack_path(self.root, ph))
         self.done = []
 

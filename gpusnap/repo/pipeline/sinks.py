@@ -2,7 +2,11 @@
 known, new), groups the new ones, compresses them in worker threads and hands them to the
 pack writer, writing the image's page list as it goes; DataSink (datasink.py) stores any
 other image as content-addressed data blobs. Both report their image's manifest entry to their
-SnapshotWriter (repo/pipeline/writer.py) when closed."""
+SnapshotWriter (repo/pipeline/writer.py) when closed.
+
+Over 400 lines because PagesSink's ways in (bytes, zero runs, a copy's known pages by id),
+its scan, its groups and its compressor threads share one state (the buffer, the pending
+zero run, the open group, the page list) that must change in one order."""
 
 from __future__ import annotations
 
@@ -179,16 +183,38 @@ class PagesSink(ImageSink):
             buf += data[take:]
 
     def _zero_pages(self, n: int) -> None:
-        buf = self.buf
-        if len(buf) % PAGE_SIZE:       # a partial page is the image's tail: nothing follows it
-            raise RepositoryError(f"zero pages after a partial page in {self.filename}")
-        if buf:                         # the whole pages written before come first
-            self.buf = bytearray()
-            self._process(buf, len(buf))
+        self._whole_pages_first()
         self.size += n * PAGE_SIZE
         self.c.pages_total += n
         self.c.pages_zero += n
         self.zero_pending += n
+
+    def write_known(self, ids: bytes) -> None:
+        """The next pages, by their ids alone: pages known_pages or claimed_pages holds (a
+        copy's pages the destination has, ops/serve.py). Page-list records only, counted as
+        deduplicated; the commit's locations file must find each id (else it fails)."""
+        if self.closed:
+            raise RepositoryError(f"write to closed image {self.filename}")
+        n = len(ids) // ID_LEN
+        self._whole_pages_first()
+        out = [encode_pl_zero(self.zero_pending)] if self.zero_pending else []
+        self.zero_pending = 0
+        for o in range(0, n, 1 << 20):      # a page-list record holds at most 2^20 pages
+            k = min(1 << 20, n - o)
+            out += [PL_RECORD.pack(PL_PAGES, k), ids[o * ID_LEN:(o + k) * ID_LEN]]
+        self._pl_write(b"".join(out))
+        self.size += n * PAGE_SIZE
+        self.c.pages_total += n
+        self.c.pages_dedup += n
+
+    def _whole_pages_first(self) -> None:
+        """Before pages said without bytes: the buffered whole pages go first."""
+        buf = self.buf
+        if len(buf) % PAGE_SIZE:       # a partial page is the image's tail: nothing follows it
+            raise RepositoryError(f"pages after a partial page in {self.filename}")
+        if buf:
+            self.buf = bytearray()
+            self._process(buf, len(buf))
 
     def _process(self, buf, end: int, hold=None) -> None:
         """The hot loop. buf[0:end] is whole pages; buf (bytes or a writable buffer) is only

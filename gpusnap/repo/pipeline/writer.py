@@ -4,21 +4,24 @@ writer, and the commit that makes the snapshot durable and visible in a fixed or
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import threading
 import time
 from pathlib import Path
 
-from gpusnap.errors import NoSpace, RepositoryError
+from gpusnap.errors import GpusnapError, NoSpace, RepositoryError
 from gpusnap.repo import fsutil, locations
 from gpusnap.repo.codec import codec_name
 from gpusnap.system.faults import fault
 from gpusnap.system import interrupt
 from gpusnap.repo.format import FORMAT_VERSION, encode_manifest
-from gpusnap.repo.index import write_index_file
+from gpusnap.repo.index import named_packs, write_index_file
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.repo.pipeline.packwriter import PackWriter
+from gpusnap.repo.store import pack_path
 from gpusnap.repo.format.names import is_pages_image
 from gpusnap.repo.pipeline.datasink import DataSink
 from gpusnap.repo.pipeline.sinks import GROUP_PAGES, Counters, ImageSink, PagesSink
@@ -47,7 +50,7 @@ class SnapshotWriter:
         self.claimed_pages = pagetable.PageTable()
         self.claimed_data: dict = {}
         root = repo.path
-        self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}"
+        self.tmpdir = root / "snapshots" / f".tmp-{name}-{os.getpid()}-{int(self.created * 1e6)}-{os.urandom(4).hex()}"
         fsutil.mkdir_private(self.tmpdir)
         self.packer = PackWriter(root, **({"target_size": pack_target} if pack_target else {}))
         self.lock = threading.Lock()
@@ -57,6 +60,8 @@ class SnapshotWriter:
         self.stats: dict = {}
         self.state = "open"
         self._index_dest: Path | None = None   # the dump's index file, once its name is known
+        self._indexed: set[bytes] = set()      # packs an index file of checkpoint() names
+        self._checkpoint_bytes = 0
         fault("writer:open")
 
     def _load_index(self) -> None:
@@ -100,6 +105,26 @@ class SnapshotWriter:
             self.sinks.append(s)
             return s
 
+    def checkpoint(self) -> int:
+        """Name the packs finished so far in an index file of their own, so that they outlive
+        an interruption (a copy resumes without sending them again, ops/serve.py): their
+        directories fsynced first, then the index written as at a commit (docs/format.md
+        §5.3 steps 1-2, §13). From then on abort() keeps them, like any data an index names
+        that no snapshot uses yet. -> how many packs it named."""
+        if len(self.packer.done) == len(self._indexed):     # (called per frame: the cheap case first)
+            return 0
+        new = [p for p in self.packer.finished() if p[0] not in self._indexed]
+        if not new:
+            return 0
+        root = self.repo.path
+        for d in sorted({pack_path(root, ph).parent for ph, _ in new}) + [root / "packs"]:
+            fsutil.fsync_dir(d)
+        res = write_index_file(root, new)
+        self._indexed.update(ph for ph, _ in new)
+        self._checkpoint_bytes += res[1]
+        fault("writer:checkpoint")
+        return len(new)
+
     def _image_done(self, sink: ImageSink, entry: dict) -> None:
         with self.lock:
             self.images[sink.filename] = entry
@@ -135,8 +160,10 @@ class SnapshotWriter:
             root = self.repo.path
             packs = self.packer.finish()
             fault("commit:packs-durable")
-            ires = write_index_file(root, packs, on_name=self._set_index_dest)
-            index_bytes = ires[1] if ires else 0
+            self.repo.check_lock()    # a stall past the lock's staleness: a prune may have run
+            ires = write_index_file(root, [p for p in packs if p[0] not in self._indexed],
+                                    on_name=self._set_index_dest)
+            index_bytes = (ires[1] if ires else 0) + self._checkpoint_bytes
             fault("commit:index-renamed")
             # -- locations hook (gpusnap/repo/locations.py, docs/format.md §5.4) --
             loc_bytes = locations.write_at_commit(self, packs)
@@ -173,13 +200,8 @@ class SnapshotWriter:
             fault("commit:manifest-written")
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self.created))
             snaps = root / "snapshots"
-            dest = snaps / f"{self.name}-{stamp}"
-            k = 1
-            while dest.exists():      # same name within the same second (we hold the writer lock)
-                k += 1
-                dest = snaps / f"{self.name}-{stamp}-{k}"
             self.stats = dict(stats)
-            os.rename(self.tmpdir, dest)
+            dest = self._rename_into(snaps, f"{self.name}-{stamp}")
             self.state = "committed"      # (a signal just before this line: _abort() is harmless)
             fault("commit:snapshot-renamed")
             fsutil.fsync_dir(snaps)
@@ -194,6 +216,23 @@ class SnapshotWriter:
             if isinstance(e, OSError):
                 raise RepositoryError(f"writing snapshot failed: {e}") from e
             raise
+
+    def _rename_into(self, snaps: Path, base: str) -> Path:
+        """Rename the .tmp- directory to snapshots/<base>, or <base>-2, -3, … when that
+        name is taken (same name, same second), race-free among writers: rename(2) onto a
+        directory that is not empty fails (a committed snapshot is never empty), so of two
+        writers that pick one name, one gets it and the other tries the next."""
+        k = 1
+        while True:
+            dest = snaps / (base if k == 1 else f"{base}-{k}")
+            if not os.path.lexists(dest):
+                try:
+                    os.rename(self.tmpdir, dest)
+                    return dest
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+            k += 1
 
     def _set_index_dest(self, dest: Path) -> None:
         self._index_dest = dest
@@ -211,13 +250,22 @@ class SnapshotWriter:
         snapshot), temporary pack files, and the packs this dump created only while no
         index file names them. Whether the index got into index/ is read from the
         directory, not from a flag, so a signal between the rename and any bookkeeping
-        cannot make it wrong; we hold the writer lock, so nobody else writes it."""
+        cannot make it wrong (index file names are their content's checksum: another
+        writer's index of the same packs has the same name and counts as naming them)."""
         fault("abort:start")
         for s in self.sinks:
             if isinstance(s, PagesSink):
                 s._abort()
         named = self._index_dest is not None and os.path.lexists(self._index_dest)
-        self.packer.abort(delete_finished=not named)
+        if not named and self.packer.done:
+            # another writer's index may name a pack of the same name (the same pages, dumped
+            # at once): packs are deleted only while no other writer runs, and only those no
+            # index names; otherwise they stay for prune (docs/format.md §5.3)
+            with contextlib.suppress(GpusnapError, OSError), self.repo.alone() as alone:
+                if alone:
+                    keep = frozenset(self._indexed) | named_packs(self.repo.path)
+                    self.packer.abort(delete_finished=True, keep=keep)
+        self.packer.abort(delete_finished=False)
         fault("abort:packs-done")
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.state = "aborted"

@@ -128,6 +128,34 @@ def test_interrupted_copy_leaves_nothing_and_resumes(tmp_path, how):
     _same_images(snap, rb.snapshot(snap.path.name))
 
 
+def test_two_copies_of_one_snapshot_at_once_commit_it_once(tmp_path):
+    """Two catch-ups of one tiered snapshot race: both receivers find it absent and store it;
+    the one that commits second finds the first's commit (docs/format.md §6) and keeps that."""
+    src, snap = _big_source(tmp_path, mib=48)
+    b = tmp_path / "b"
+    run_gpusnap("init", "--repo", b, check=True)
+    env = dict(os.environ, GPUSNAP_FAULT="writer:checkpoint:STOP")
+    p = subprocess.Popen([*GPUSNAP, "copy", "big", "--repo", src.path, "--to", b, "--json"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(_state(c) == "T" for c in _children(p.pid)), "the first receiver to stop mid-copy")
+        serve = _children(p.pid)[0]
+        second = run_json("copy", "big", "--repo", src.path, "--to", b)
+        assert second["copied"] == 1 and len(_snapshot_dirs(b)) == 1
+        os.kill(serve, signal.SIGCONT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    first = json.loads(out)
+    assert first["copied"] == 0 and first["skipped"] == 1, first
+    assert first["snapshots"][0]["snapshot"] == second["snapshots"][0]["snapshot"]
+    assert len(_snapshot_dirs(b)) == 1
+    rb = Repository.open(b)
+    assert verify(rb).ok
+    _same_images(snap, rb.snapshots()[0])
+
+
 def test_speed_and_untouched_second_copy(tmp_path):
     """A full copy of a 160 MiB snapshot, timed (docs/benchmark.md quotes it), then the same
     copy again: skipped, only the manifest travels."""

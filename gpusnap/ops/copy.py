@@ -148,7 +148,9 @@ def _send_snapshot(ch: Channel, snap, tick) -> dict:
     ch.record(COMMIT)
     ch.flush()
     r = ch.recv_json(DONE, "the commit")
-    return {**out, "already_present": False, "snapshot": _text(r.get("snapshot")), "id": _text(r.get("id")),
+    # present: another copy of the same snapshot committed there while this one was sent
+    return {**out, "already_present": r.get("present") is True, "snapshot": _text(r.get("snapshot")),
+            "id": _text(r.get("id")),
             "bytes_sent": ch.sent - sent0, "bytes_raw": raw,
             **{k: r.get(k) if isinstance(r.get(k), int) else 0 for k in ("bytes_stored", "pages_total", "pages_dedup")}}
 

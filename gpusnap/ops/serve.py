@@ -79,13 +79,13 @@ def _receive_snapshot(ch: Channel, repo, mbytes: bytes) -> None:
         with repo.writer_lock(what="copy"):
             got = present(repo, src_id, origin)
             if got is None:
-                return _store(ch, repo, m, src_id)
+                return _store(ch, repo, m, src_id, origin)
     ch.send_json(STATE, {"present": True, "snapshot": str(got.path), "id": got.id, "name": got.name})
     ch.flush()
 
 
-def _store(ch: Channel, repo, m: dict, src_id: str) -> None:
-    from gpusnap.ops.import_ import received_as
+def _store(ch: Channel, repo, m: dict, src_id: str, origin: str | None) -> None:
+    from gpusnap.ops.import_ import commit_once, received_as
 
     compress, meta = received_as(m, src_id, via="copy")
     w = repo.new_snapshot(m["name"], compress=compress, meta=meta)
@@ -97,12 +97,12 @@ def _store(ch: Channel, repo, m: dict, src_id: str) -> None:
         for im in m["images"]:
             _receive_image(ch, w, im)
         ch.recv((COMMIT,), 0, "the commit")
-        snap = w.commit()
+        snap, there = commit_once(repo, w, src_id, origin)
     except BaseException:
         w.abort()
         raise
-    st = w.stats
-    ch.send_json(DONE, {"snapshot": str(snap.path), "id": snap.id, "name": snap.name,
+    st = {} if there else w.stats
+    ch.send_json(DONE, {"snapshot": str(snap.path), "id": snap.id, "name": snap.name, "present": there,
                         **{k: st.get(k, 0) for k in ("bytes_raw", "bytes_stored", "pages_total", "pages_dedup")}})
     ch.flush()
 

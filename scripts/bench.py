@@ -249,6 +249,8 @@ def gpusnap_dump(pid: int, repo: Path, job: "Job | None" = None, budget: str | N
     if job is not None:
         job.gap()
     extra = ["--staging-budget", budget] if budget else []
+    if not repo.exists():       # (a dump no longer creates its repository: `gpusnap init` does)
+        check(timed([PY, "-m", "gpusnap", "init", "--repo", str(repo)], cwd=ROOT), "gpusnap init")
     r = check(timed([PY, "-m", "gpusnap", "dump", str(pid), "--repo", str(repo), "--name", "bench", "--json", *extra],
                     poll_hwm=True, cwd=ROOT), "gpusnap dump")
     if job is not None:

@@ -11,7 +11,9 @@ drained into staging first, and the pipeline (the "ingest") reads from there:
   are kept as bytes. Both count against the budget. The faulting-in (~0.1 s per 256 MiB)
   runs in a thread of its own (Arena), started as the dump begins, so it overlaps the
   preflight on another core instead of adding to it.
-* beyond the budget: a spill file on the repository's filesystem (REPO/tmp), filled by
+* beyond the budget: a spill file on the repository's filesystem (REPO/tmp), written with
+  O_DIRECT from a few bounce buffers, two writes in flight (spill.py: no page cache to
+  allocate inside the freeze), or where the filesystem refuses O_DIRECT, filled by
   splice(2) from the pipe (the kernel copies into the page cache, as raw CRIU does). The
   file has no name while in use (O_TMPFILE, or created exclusively 0600 and unlinked at
   once), so no exit path, SIGKILL included, can leave it behind; `sweep()` removes a named
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
+from gpusnap.staging import spill as spill_mod
 from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
@@ -117,6 +120,9 @@ class Staging:
         self._spill_live = 0
         self._spill_fd: int | None = None
         self._spill_end = 0
+        self._direct: spill_mod.DirectWriter | None = None   # the spill's O_DIRECT writer, if any
+        self._direct_fd: int | None = None
+        self.spill_mode = ""               # "direct" or "splice", once something spilled
         self.spill_named: str | None = None   # set only between a named file's creation and unlink
         if arena is None:
             arena = Arena.sized(self.budget, prealloc)
@@ -168,8 +174,19 @@ class Staging:
                 self.staged += n
             if counter is not None:
                 counter(n)
+        self._written(image, wait=True)    # "drained" means on disk: the gate opens after this
         image.end()
         return total
+
+    def _written(self, image: StagedImage, wait: bool) -> None:
+        """Forget image's direct spill writes that have ended (wait: for every one); raise
+        the first write's failure."""
+        if wait:
+            for seg in image.writing:
+                seg.ready.wait()
+        image.writing = [s for s in image.writing if not s.ready.is_set()]
+        if self._direct is not None and self._direct.error is not None:
+            raise self._direct.error
 
     def _stage_pages(self, fd: int, image: StagedImage) -> int:
         """Fill one arena slot (or fresh memory, within the budget); -1: no memory left."""
@@ -221,6 +238,8 @@ class Staging:
     def _stage_spill(self, fd: int, image: StagedImage) -> int:
         """splice one extent of the pipe into the spill file; 0 at EOF."""
         sfd = self._spill()
+        if self._direct is not None:
+            return self._stage_direct(fd, image)
         with self._lock:
             off = self._spill_end
             self._spill_end += SEG
@@ -238,11 +257,50 @@ class Staging:
             image.put(Segment(got, offset=off))
         return got
 
+    def _stage_direct(self, fd: int, image: StagedImage) -> int:
+        """Copy one extent of the pipe into a bounce buffer, and have it written with
+        O_DIRECT while the next is read; 0 at EOF."""
+        w = self._direct
+        self._written(image, wait=False)
+        i, view = w.take()
+        got = 0
+        try:
+            while got < SEG:
+                n = os.readv(fd, [view[got:]])
+                if not n:
+                    break
+                got += n
+        except BaseException:
+            w.give_back(i)
+            raise
+        finally:
+            view.release()
+        if not got:
+            w.give_back(i)
+            return 0
+        with self._lock:
+            off = self._spill_end
+            self._spill_end += SEG
+            self.spilled += got
+            self._spill_live += got
+            self.spill_peak = max(self.spill_peak, self._spill_live)
+        seg = Segment(got, offset=off)
+        seg.ready = threading.Event()
+        image.writing.append(seg)
+        w.submit(i, seg, got)
+        image.put(seg)
+        return got
+
     def _spill(self) -> int:
         with self._lock:
             if self._spill_fd is not None:
                 return self._spill_fd
             self._spill_fd = self._open_spill()
+            if settings.get("GPUSNAP_STAGING_DIRECT") != "0":    # "0": splice (tests, comparisons)
+                self._direct_fd = spill_mod.open_direct(self._spill_fd)
+            if self._direct_fd is not None:
+                self._direct = spill_mod.DirectWriter(self._direct_fd)
+            self.spill_mode = "direct" if self._direct is not None else "splice"
             return self._spill_fd
 
     def _open_spill(self) -> int:
@@ -270,6 +328,14 @@ class Staging:
             return self._slot_view(seg.slot, seg.length)
         if seg.data is not None:
             return seg.data
+        if seg.ready is not None:
+            seg.ready.wait()
+            if self._direct is not None and self._direct.error is not None:
+                raise OSError(errno.EIO, f"the staging file's write failed: {self._direct.error}")
+            try:   # the next extents (most likely this image's next) read ahead meanwhile
+                os.posix_fadvise(self._spill_fd, seg.offset + SEG, 2 * SEG, os.POSIX_FADV_WILLNEED)
+            except (OSError, TypeError):
+                pass
         parts = []
         got = 0
         while got < seg.length:
@@ -343,12 +409,18 @@ class Staging:
 
     def stats(self) -> dict:
         return {"budget": self.budget, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
-                "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak}
+                "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak,
+                "spill_mode": self.spill_mode}
 
     def close(self) -> None:
         """Free everything (idempotent). Views handed out must be released first."""
         with self._lock:
             fd, self._spill_fd = self._spill_fd, None
+            direct, dfd, self._direct, self._direct_fd = self._direct, self._direct_fd, None, None
+        if direct is not None:
+            direct.close()           # (waits for the writes in flight)
+        if dfd is not None:
+            os.close(dfd)
         if fd is not None:
             os.close(fd)
         with self._lock:             # (_free_slot takes the arena under the lock)

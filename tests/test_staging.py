@@ -301,3 +301,18 @@ def test_direct_spill_keeps_stream_order_with_writes_in_flight(tmp_path, monkeyp
     finally:
         s.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_default_budget_choice(monkeypatch):
+    """A quarter of the available memory, at most 2 GiB, never more than the job (+16 MiB),
+    and the reason said; GPUSNAP_STAGING_BUDGET wins."""
+    monkeypatch.delenv("GPUSNAP_STAGING_BUDGET", raising=False)
+    budget, why = st.choose_budget()
+    avail = st._mem_available()
+    assert budget == min(st.DEFAULT_CAP, avail // 4) and why
+    small, why = st.choose_budget(job_bytes=8 << 20)
+    assert small == (8 << 20) + st.JOB_MARGIN and why.startswith("the job's 8 MiB")
+    assert st.choose_budget(job_bytes=1 << 40)[0] == budget
+    monkeypatch.setenv("GPUSNAP_STAGING_BUDGET", "96M")
+    assert st.choose_budget(job_bytes=1 << 20) == (96 << 20, "GPUSNAP_STAGING_BUDGET")
+    assert st.default_budget() == 96 << 20

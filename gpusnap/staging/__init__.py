@@ -36,42 +36,13 @@ from pathlib import Path
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
 from gpusnap.staging import spill as spill_mod
+from gpusnap.staging.budget import DEFAULT_CAP, JOB_MARGIN, _mem_available, choose_budget, default_budget, parse_size  # noqa: F401
 from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
 PREFIX = "staging-"
 _MADV_DONTNEED = 4
 _FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-
-
-def default_budget() -> int:
-    """A quarter of the memory available now, at most 2 GiB (GPUSNAP_STAGING_BUDGET=bytes,
-    with an optional K/M/G suffix, overrides)."""
-    env = settings.get("GPUSNAP_STAGING_BUDGET", "").strip()
-    if env:
-        return parse_size(env)
-    avail = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) << 10
-                break
-    except (OSError, ValueError):
-        pass
-    return min(2 << 30, avail // 4) if avail else 256 << 20
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMG" else t
-    try:
-        n = int(float(num) * mult)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (bytes, or a number with K, M or G)") from None
-    if n < 0:
-        raise ValueError(f"not a size: {text!r}")
-    return n
 
 
 def sweep(spill_dir: Path) -> list[str]:
@@ -108,6 +79,7 @@ class Staging:
     def __init__(self, spill_dir: Path, budget: int, prealloc: int = 0, arena: Arena | None = None):
         self.spill_dir = Path(spill_dir)
         self.budget = max(0, int(budget))
+        self.budget_choice = "given"       # how the budget was chosen (choose_budget), reported
         self.cancelled = False
         self.go = threading.Event()        # the ingest may run (set at the gate, or at once)
         self.sealed = False                # everything is staged: slots released are not reused
@@ -408,7 +380,7 @@ class Staging:
         self.go.set()
 
     def stats(self) -> dict:
-        return {"budget": self.budget, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
+        return {"budget": self.budget, "budget_choice": self.budget_choice, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
                 "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak,
                 "spill_mode": self.spill_mode}
 

@@ -44,7 +44,8 @@ class DirectWriter:
     once the bytes are on disk (or the write failed: `error` says so). close() waits for
     every write, then frees the buffers."""
 
-    def __init__(self, fd: int, nbuf: int = NBUF, nthreads: int = NTHREADS):
+    def __init__(self, fd: int, nbuf: int | None = None, nthreads: int | None = None):
+        nbuf, nthreads = nbuf or NBUF, nthreads or NTHREADS
         self.fd = fd
         self.error: BaseException | None = None
         self.map = mmap.mmap(-1, nbuf * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

@@ -316,3 +316,30 @@ def test_default_budget_choice(monkeypatch):
     monkeypatch.setenv("GPUSNAP_STAGING_BUDGET", "96M")
     assert st.choose_budget(job_bytes=1 << 20) == (96 << 20, "GPUSNAP_STAGING_BUDGET")
     assert st.default_budget() == 96 << 20
+
+
+def test_a_cancelled_staging_stops_waiting_for_direct_writes(tmp_path):
+    """An unwinding dump cancels the staging: neither a read waiting for an extent's write
+    nor a drain waiting for a free bounce buffer stays blocked (the writer may be closed)."""
+    from gpusnap.staging import spill
+
+    s = st.Staging(tmp_path, budget=0)
+    fd = os.open(tmp_path, os.O_RDWR | os.O_TMPFILE, 0o600)
+    dfd = spill.open_direct(fd)
+    w = spill.DirectWriter(dfd, nbuf=1, nthreads=1)
+    try:
+        seg = st.Segment(4096, offset=0)
+        seg.ready = threading.Event()            # a write that never ends
+        held = w.take()                          # the only buffer, not given back
+        s.cancel()
+        with pytest.raises(st.StagingCancelled):
+            s.read(seg)
+        with pytest.raises(st.StagingCancelled):
+            w.take(lambda: s.cancelled)
+        held[1].release()
+        w.give_back(held[0])
+    finally:
+        w.close()
+        os.close(dfd)
+        os.close(fd)
+        s.close()

@@ -155,7 +155,7 @@ class Staging:
         the first write's failure."""
         if wait:
             for seg in image.writing:
-                seg.ready.wait()
+                self._wait_written(seg)
         image.writing = [s for s in image.writing if not s.ready.is_set()]
         if self._direct is not None and self._direct.error is not None:
             raise self._direct.error
@@ -229,12 +229,19 @@ class Staging:
             image.put(Segment(got, offset=off))
         return got
 
+    def _wait_written(self, seg: Segment) -> None:
+        """Until seg's direct write has ended; a cancelled staging stops waiting (its writer
+        may be closed already)."""
+        while not seg.ready.wait(0.2):
+            if self.cancelled:
+                raise StagingCancelled()
+
     def _stage_direct(self, fd: int, image: StagedImage) -> int:
         """Copy one extent of the pipe into a bounce buffer, and have it written with
         O_DIRECT while the next is read; 0 at EOF."""
         w = self._direct
         self._written(image, wait=False)
-        i, view = w.take()
+        i, view = w.take(lambda: self.cancelled)
         got = 0
         try:
             while got < SEG:
@@ -301,7 +308,7 @@ class Staging:
         if seg.data is not None:
             return seg.data
         if seg.ready is not None:
-            seg.ready.wait()
+            self._wait_written(seg)
             if self._direct is not None and self._direct.error is not None:
                 raise OSError(errno.EIO, f"the staging file's write failed: {self._direct.error}")
             try:   # the next extents (most likely this image's next) read ahead meanwhile

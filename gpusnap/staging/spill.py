@@ -21,6 +21,7 @@ import queue
 import threading
 
 from gpusnap.staging.arena import SEG, populate
+from gpusnap.staging.segments import StagingCancelled
 
 NBUF = 4            # bounce buffers: the drain fills one while up to NBUF - 1 are written
 NTHREADS = 2        # writes in flight
@@ -60,8 +61,16 @@ class DirectWriter:
         for t in self._threads:
             t.start()
 
-    def take(self) -> tuple[int, memoryview]:
-        i = self._free.get()
+    def take(self, cancelled=lambda: False) -> tuple[int, memoryview]:
+        """A free buffer, waiting while all are being written; StagingCancelled once
+        cancelled() (a closed writer returns no more buffers)."""
+        while True:
+            try:
+                i = self._free.get(timeout=0.2)
+                break
+            except queue.Empty:
+                if cancelled():
+                    raise StagingCancelled() from None
         return i, self._view[i * SEG:(i + 1) * SEG]
 
     def give_back(self, i: int) -> None:

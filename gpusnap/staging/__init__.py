@@ -40,6 +40,7 @@ from gpusnap.staging.budget import DEFAULT_CAP, JOB_MARGIN, _mem_available, choo
 from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
+READAHEAD = 2            # spill extents read ahead of the one the ingest reads
 PREFIX = "staging-"
 _MADV_DONTNEED = 4
 _FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
@@ -312,7 +313,7 @@ class Staging:
             if self._direct is not None and self._direct.error is not None:
                 raise OSError(errno.EIO, f"the staging file's write failed: {self._direct.error}")
             try:   # the next extents (most likely this image's next) read ahead meanwhile
-                os.posix_fadvise(self._spill_fd, seg.offset + SEG, 2 * SEG, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self._spill_fd, seg.offset + SEG, READAHEAD * SEG, os.POSIX_FADV_WILLNEED)
             except (OSError, TypeError):
                 pass
         parts = []

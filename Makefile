@@ -4,7 +4,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup install uninstall demo test test-fast bench completions fresh-machine clean mutate
+.PHONY: setup install uninstall demo test test-fast bench bench-growth completions fresh-machine clean mutate
 
 setup:
 	@bash scripts/setup.sh
@@ -30,6 +30,11 @@ bench: setup
 	@$(PY) scripts/bench.py
 	@$(PY) scripts/bench_writers.py
 	@$(PY) scripts/bench_tiers.py
+	@$(PY) scripts/bench.py --sizes 0.5,1,2,4,8 --kinds random,fp32
+
+bench-growth: setup
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q 'matplotlib>=3.6'
+	@$(PY) scripts/bench.py --sizes 0.5,1,2,4,8 --kinds random,fp32
 
 completions: setup
 	@$(PY) scripts/gen_completions.py

@@ -4,6 +4,8 @@
     python scripts/bench.py [--mb 512] [--reps 4] [--kinds fp32,inference,random,relocate]
                             [--dir /var/tmp/gpusnap-bench] [--json FILE] [--no-verify]
                             [--settle 2]
+    python scripts/bench.py --sizes 0.5,1,2,4,8 [--kinds random,fp32] ...
+                            (the growth curve: scripts/bench_growth.py)
 
 For every workload of tests/jobs/workloads.py and every repetition, on a fresh job that
 ticks every 2 ms in a thread of its own (--tick-ms):
@@ -249,6 +251,8 @@ def gpusnap_dump(pid: int, repo: Path, job: "Job | None" = None, budget: str | N
     if job is not None:
         job.gap()
     extra = ["--staging-budget", budget] if budget else []
+    if not repo.exists():       # (a dump no longer creates its repository: `gpusnap init` does)
+        check(timed([PY, "-m", "gpusnap", "init", "--repo", str(repo)], cwd=ROOT), "gpusnap init")
     r = check(timed([PY, "-m", "gpusnap", "dump", str(pid), "--repo", str(repo), "--name", "bench", "--json", *extra],
                     poll_hwm=True, cwd=ROOT), "gpusnap dump")
     if job is not None:
@@ -614,6 +618,10 @@ def table(summaries: list[dict], mb: int) -> str:
 
 def main() -> int:
     global SETTLE
+    if any(a == "--sizes" or a.startswith("--sizes=") for a in sys.argv[1:]):
+        import bench_growth     # the growth curve (issue 33): its own options, see its docstring
+
+        return bench_growth.main(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--reps", type=int, default=4)

@@ -42,6 +42,9 @@ def test_tiny_budget_spills_to_a_file_and_the_restored_job_finishes_identically(
     job.wait_steps(10)
     info = _dump_and_check(job, repo, "1M")
     assert info["staging"]["spilled_bytes"] > (KW["mb"] << 20) * 0.9   # (nearly) all of it spilled
+    # written around the page cache from bounce buffers (the test's filesystem takes O_DIRECT)
+    assert info["staging"]["spill_mode"] == "direct"
+    assert info["staging"]["budget_choice"] == "--staging-budget"
     at = job.steps_done()
     job.wait_steps(at + 5)                      # it runs on after the dump
     job.kill()
@@ -58,8 +61,13 @@ def test_large_budget_stages_in_memory_only_and_inspect_shows_the_freeze(sample_
     shown = run_json("inspect", info["snapshot"], "--repo", repo)
     assert shown["meta"]["frozen_seconds"] == info["frozen_seconds"]
     assert shown["meta"]["dump_seconds"] >= info["frozen_seconds"]
+    tp = shown["meta"]["throughput"]
+    assert tp == info["throughput"] and tp["bytes"] == info["bytes_raw"]
+    assert tp["criu_mb_s"] > 0 and tp["storing_mb_s"] > 0 and tp["dump_mb_s"] > 0
+    assert tp["spill_mode"] is None and tp["spilled_bytes"] == 0 and tp["staging_budget"] == 1 << 30
     text = run_gpusnap("inspect", info["snapshot"], "--repo", repo, check=True).stdout
     assert f"job stood frozen {info['frozen_seconds']:.2f} s" in text
+    assert "MB/s from CRIU into staging" in text and "(--staging-budget)" in text
     job.kill()
     restore_and_finish(job, info["snapshot"], repo, expected)
 
@@ -208,3 +216,16 @@ def test_a_gate_on_a_path_with_a_space_still_protects_the_pages(sample_job, repo
     job.kill()
     restore_and_finish(job, info["snapshot"], repo, expected)
 
+
+
+def test_default_budget_is_chosen_from_the_machine_and_never_more_than_the_job(sample_job, repo):
+    """No --staging-budget: a quarter of the available memory, at most 2 GiB, at most the
+    job's own memory plus 16 MiB; the choice is reported. A 96 MiB job gets about its size."""
+    job = sample_job(**KW, step_ms=20)
+    job.wait_steps(10)
+    info = run_json("dump", job.pid, "--repo", repo)
+    stg = info["staging"]
+    assert stg["budget_choice"].startswith("the job's ") and "MiB of memory + 16 MiB" in stg["budget_choice"]
+    assert (KW["mb"] << 20) <= stg["budget"] < 512 << 20      # (the interpreter adds its own)
+    assert stg["spilled_bytes"] == 0 and stg["memory_peak"] <= stg["budget"]
+    job.kill()

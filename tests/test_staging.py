@@ -71,14 +71,21 @@ def test_within_the_budget_everything_stays_in_memory(tmp_path, pages):
 
 
 @pytest.mark.parametrize("named", ["0", "1"])
-def test_beyond_the_budget_bytes_spill_to_an_unnamed_file(tmp_path, monkeypatch, named):
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_beyond_the_budget_bytes_spill_to_an_unnamed_file(tmp_path, monkeypatch, named, direct):
+    """direct "1": the spill is written with O_DIRECT from bounce buffers (ext4, XFS: the
+    test's filesystem must take O_DIRECT), "0": spliced through the page cache."""
     monkeypatch.setenv("GPUSNAP_STAGING_NAMED", named)      # "1": created 0600 by name, then unlinked
+    monkeypatch.setenv("GPUSNAP_STAGING_DIRECT", direct)
     data = _pattern(6 * st.SEG + 4096 * 3 + 17)
     s = st.Staging(tmp_path, budget=2 * st.SEG, prealloc=2 * st.SEG)
     try:
         image = _stage(s, data, pages=True)
         assert s.peak_memory <= s.budget
         assert s.spilled >= len(data) - 2 * st.SEG and s.staged == len(data)
+        assert s.stats()["spill_mode"] == ("direct" if direct == "1" else "splice")
+        # "drained" means written: every extent's write has ended once stage_pipe returns
+        assert not image.writing
         fd = s._spill_fd
         link = os.readlink(f"/proc/self/fd/{fd}")
         assert link.startswith(str(tmp_path)) and link.endswith("(deleted)"), link
@@ -269,3 +276,70 @@ def test_a_dump_pointing_into_reused_slots_stores_exactly_its_pages(tmp_path, mo
             s.close()
     assert s.staged == len(data) and s.memory_in_use() == 0     # every claim let go
     assert b"".join(snap.read_image("pages-1.img")) == data
+
+
+def test_direct_spill_keeps_stream_order_with_writes_in_flight(tmp_path, monkeypatch):
+    """Many extents through the direct writer (two writes in flight, four bounce buffers,
+    completing in any order) while an ingest takes them as they come: the bytes come out
+    in the pipe's order, and a read waits for its extent's write."""
+    monkeypatch.setenv("GPUSNAP_STAGING_DIRECT", "1")
+    data = _pattern(24 * st.SEG + 8192, seed=11)
+    s = st.Staging(tmp_path, budget=0)
+    out: list[bytes] = []
+    threads: list[threading.Thread] = []
+
+    def started(image):
+        t = threading.Thread(target=lambda: out.append(_ingest(s, image)))
+        t.start()
+        threads.append(t)
+    try:
+        _stage(s, data, pages=True, chunk=1 << 20, started=started)
+        for t in threads:
+            t.join()
+        assert s.spilled == len(data) and s.stats()["spill_mode"] == "direct"
+        assert out == [data]
+    finally:
+        s.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_default_budget_choice(monkeypatch):
+    """A quarter of the available memory, at most 2 GiB, never more than the job (+16 MiB),
+    and the reason said; GPUSNAP_STAGING_BUDGET wins."""
+    monkeypatch.delenv("GPUSNAP_STAGING_BUDGET", raising=False)
+    budget, why = st.choose_budget()
+    avail = st._mem_available()
+    assert budget == min(st.DEFAULT_CAP, avail // 4) and why
+    small, why = st.choose_budget(job_bytes=8 << 20)
+    assert small == (8 << 20) + st.JOB_MARGIN and why.startswith("the job's 8 MiB")
+    assert st.choose_budget(job_bytes=1 << 40)[0] == budget
+    monkeypatch.setenv("GPUSNAP_STAGING_BUDGET", "96M")
+    assert st.choose_budget(job_bytes=1 << 20) == (96 << 20, "GPUSNAP_STAGING_BUDGET")
+    assert st.default_budget() == 96 << 20
+
+
+def test_a_cancelled_staging_stops_waiting_for_direct_writes(tmp_path):
+    """An unwinding dump cancels the staging: neither a read waiting for an extent's write
+    nor a drain waiting for a free bounce buffer stays blocked (the writer may be closed)."""
+    from gpusnap.staging import spill
+
+    s = st.Staging(tmp_path, budget=0)
+    fd = os.open(tmp_path, os.O_RDWR | os.O_TMPFILE, 0o600)
+    dfd = spill.open_direct(fd)
+    w = spill.DirectWriter(dfd, nbuf=1, nthreads=1)
+    try:
+        seg = st.Segment(4096, offset=0)
+        seg.ready = threading.Event()            # a write that never ends
+        held = w.take()                          # the only buffer, not given back
+        s.cancel()
+        with pytest.raises(st.StagingCancelled):
+            s.read(seg)
+        with pytest.raises(st.StagingCancelled):
+            w.take(lambda: s.cancelled)
+        held[1].release()
+        w.give_back(held[0])
+    finally:
+        w.close()
+        os.close(dfd)
+        os.close(fd)
+        s.close()

@@ -9,7 +9,8 @@ snapshot's atomic commit; a signal after it ends the dump saying the snapshot is
 Here: the request and result types, and DumpSession, one dump as an object: what it holds is
 entered into one ExitStack as it is acquired, so it is released in the reverse order whatever
 ends the dump. The pieces it puts in order (the look at the job, CRIU's command line and
-figures, errors, handing the job back) are in dump_parts.py.
+figures, errors, handing the job back) are in dump_parts.py; its staging's budget, early
+arena and throughput in dump_staging.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from gpusnap.system import hostlock, proc, tmpdirs
-from gpusnap.ops import dump_parts as parts, identity, preflight, prune, validate
+from gpusnap.ops import dump_parts as parts, dump_staging, identity, preflight, prune, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
 from gpusnap.criu.streamer import CaptureServer
@@ -91,6 +92,8 @@ class DumpResult:
     # budget, arena_bytes, staged_bytes, memory_peak, spilled_bytes, spill_peak, overlap
     staging: dict = field(default_factory=dict)
     peak_rss_bytes: int | None = None   # this process's VmHWM at the end
+    # MB/s per phase, the staging's choices (dump_staging.throughput); also in the snapshot's meta
+    throughput: dict = field(default_factory=dict)
     committed_at: float | None = None   # wall-clock time of the commit (a tiered dump's copy starts after it)
     copy: dict | None = None            # --copy-to: what ops/tiers.py catch_up did
 
@@ -127,17 +130,17 @@ def dump(req: DumpRequest, progress: parts.Progress | None = None) -> DumpResult
     if req.name:
         validate.check_name(req.name)
     wait = lockwait.seconds(req.lock_wait)
-    budget = req.staging_budget if req.staging_budget is not None else staging_mod.default_budget()
+    budget, choice = dump_staging.staging_budget(req)
     # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
     # the staging takes it over, and whatever path this dump ends on, it is freed here
-    arena = parts.EarlyArena(req.pid, budget)
+    arena = dump_staging.EarlyArena(req.pid, budget, choice)
     try:
         return _dump(req, progress, t0, budget, arena, wait)
     finally:
         arena.release(final=True)
 
 
-def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: parts.EarlyArena, wait: float) -> DumpResult:
+def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: dump_staging.EarlyArena, wait: float) -> DumpResult:
     """One dump of a job at a time on this machine (another gpusnap may be dumping it into
     another repository): wait for it, then look at the job afresh. Without the privileges or
     a valid PID (the preflight says so, in its words) there is nothing to lock."""
@@ -162,7 +165,7 @@ class DumpSession:
     aborted; before it, the job is handed back running and nothing stays visible."""
 
     def __init__(self, req: DumpRequest, progress: parts.Progress | None, t0: float, budget: int,
-                 arena: parts.EarlyArena, wait: float):
+                 arena: dump_staging.EarlyArena, wait: float):
         self.req, self.progress, self.t0, self.budget, self.arena, self.wait = req, progress, t0, budget, arena, wait
         self.phases: dict[str, float] = {}
         self._mark = t0
@@ -174,6 +177,7 @@ class DumpSession:
         self.criu: subprocess.Popen | None = None
         self.gpu_problems: list[str] = []
         self.frozen: float | None = None
+        self.throughput: dict = {}
         self.cuda_pids: list[int] = []
         self.kept: str | None = None
         self.pruned: list[str] = []
@@ -184,6 +188,10 @@ class DumpSession:
         now = time.monotonic()
         self.phases[name] = round(now - self._mark, 3)
         self._mark = now
+
+    def rates(self) -> dict:
+        self.throughput = dump_staging.throughput(self.staging, self.phases, self.t0)
+        return self.throughput
 
     def run(self) -> DumpResult:
         self._open()
@@ -231,7 +239,7 @@ class DumpSession:
                           hint="free some space or run `gpusnap prune`, then dump again")
         self.stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         env_overlap = settings.get("GPUSNAP_INGEST_OVERLAP", "")
-        self.overlap = env_overlap == "1" if env_overlap in ("0", "1") else (os.cpu_count() or 1) >= OVERLAP_MIN_CPUS
+        self.overlap = env_overlap == "1" if env_overlap in ("0", "1") else proc.usable_cores() >= OVERLAP_MIN_CPUS
 
     def _hold(self, stack: contextlib.ExitStack) -> None:
         """Under the writer lock: everything the dump holds, each released by `stack`."""
@@ -260,6 +268,7 @@ class DumpSession:
         self.phase("preflight")
         spill_dir = repo.path / "tmp"
         self.staging = staging_mod.Staging(spill_dir, self.budget, arena=self.arena.take())
+        self.staging.budget_choice = self.arena.choice
         stack.callback(self.staging.close)
         if self.overlap:
             self.staging.go.set()
@@ -323,7 +332,8 @@ class DumpSession:
         extra = self.freeze.meta(self.writer)
         self.snap = self.writer.commit(extra_meta={"cuda_pids": self.cuda_pids,
                                                    "dump_seconds": time.monotonic() - self.t0,
-                                                   "frozen_seconds": self.frozen, **extra})
+                                                   "frozen_seconds": self.frozen,
+                                                   "throughput": self.rates(), **extra})
         self.committed_at = time.time()
         if self.req.copy_to:    # at once: a pending snapshot is never pruned before it is copied
             from gpusnap.repo import copies
@@ -398,4 +408,5 @@ class DumpSession:
             cuda_pids=self.cuda_pids, log=self.kept, pruned=self.pruned, prune_error=self.prune_error,
             prune_warnings=self.prune_warnings, phases=self.phases, frozen_seconds=self.frozen,
             staging={**self.staging.stats(), "overlap": self.overlap}, peak_rss_bytes=proc.peak_rss_self(),
+            throughput=self.throughput,
             criu_options=list(self.plan.dump_options), committed_at=round(self.committed_at, 3))

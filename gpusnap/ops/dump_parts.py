@@ -2,8 +2,8 @@
 job (the preflight and what the snapshot records), CRIU's command line and environment, CRIU's own figures (the frozen time in its stats-dump), the CUDA plugin's
 report, the most useful error of a failed run, which snapshot a signal left committed and what
 the dump then says, handing the job back (resume, kill, GPU processes settled), the storing
-phase's progress, the early staging arena (given back while
-the dump waits for another gpusnap), and the test hold points.
+phase's progress, and the test hold points (the staging's budget, early arena and
+throughput: dump_staging.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from gpusnap.criu import config as criu_config
 from gpusnap.criu import images
 from gpusnap.criu import runner
 from gpusnap.errors import CriuFailed, GpuCheckpointFailed, GpusnapError, NoSpace
-from gpusnap import staging as staging_mod
 from gpusnap.ops import restore_needs, validate
 from gpusnap.ops import preflight
 from gpusnap.system import paths, proc
@@ -221,41 +220,6 @@ def finish_with_progress(server: CaptureServer, progress: Progress) -> None:
     progress(server.bytes, server.bytes, "storing")
     if err:
         raise err[0]
-
-
-def early_arena(pid: int, budget: int):
-    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams) and
-    16 MiB for the rest, its faulting-in started; None where the preflight will refuse anyway
-    (not root, no process) or not one slot fits the budget (everything then spills)."""
-    if os.geteuid() != 0 or not proc.exists(pid):
-        return None
-    return staging_mod.Arena.sized(budget, proc.anon_bytes(proc.tree(pid)) + (16 << 20))
-
-
-class EarlyArena:
-    """The early arena, given back while this dump waits for another gpusnap (the job's
-    host lock, the repository's writer lock: up to minutes) and made again once it may go on."""
-
-    def __init__(self, pid: int, budget: int):
-        self.pid, self.budget = pid, budget
-        self.arena = early_arena(pid, budget)
-        self.released = False
-        self.in_use = False     # the staging has it (from then on only the end frees it)
-
-    def take(self):
-        self.in_use = True
-        return self.arena
-
-    def release(self, final: bool = False) -> None:
-        if self.arena is not None and (final or not self.in_use):
-            self.arena.close()
-            self.arena = None
-            self.released = True
-
-    def again(self) -> None:
-        if self.released and self.arena is None:
-            self.arena = early_arena(self.pid, self.budget)
-            self.released = False
 
 
 class WaitingNotice:

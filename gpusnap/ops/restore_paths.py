@@ -238,7 +238,7 @@ def restore_threads(stream: bool) -> int:
     env = settings.get("GPUSNAP_RESTORE_THREADS", "")
     if env.isdigit() and 0 < int(env) <= 64:
         return int(env)
-    cores = os.cpu_count() or 2
+    cores = proc.usable_cores()
     return max(1, min(8, cores - 1 if stream else cores))
 
 

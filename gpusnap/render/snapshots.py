@@ -170,6 +170,15 @@ def snapshot_stats(r: dict[str, Any], console, images: bool = True) -> None:
         frozen = meta.get("frozen_seconds")
         console.print(f"dump: {meta['dump_seconds']:.2f} s until stored"
                       + (f", of which the job stood frozen {frozen:.2f} s" if frozen is not None else ""))
+    tp = meta.get("throughput") or {}
+    if tp.get("dump_mb_s") is not None:
+        def mbs(v):
+            return f"{v:.0f} MB/s" if v is not None else "-"
+        spill = (f"; {human_bytes(tp['spilled_bytes'])} spilled ({tp.get('spill_mode')})"
+                 if tp.get("spilled_bytes") else "")
+        console.print(f"throughput: {mbs(tp.get('criu_mb_s'))} from CRIU into staging, "
+                      f"{mbs(tp.get('storing_mb_s'))} storing after CRIU, {mbs(tp['dump_mb_s'])} over the dump; "
+                      f"staging budget {human_bytes(tp.get('staging_budget') or 0)} ({tp.get('budget_choice')}){spill}")
     for im in r["images"] if images else []:
         if im["type"] == "pages":
             console.print(plain(f"  {im['name']}: {human_bytes(im['size'])}, {im['pages']} pages "

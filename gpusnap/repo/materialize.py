@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, Interrupted, NoSpace
-from gpusnap.system import tmpdirs
+from gpusnap.system import proc, tmpdirs
 from gpusnap.system.access import read_only_reason
 from gpusnap import settings
 
@@ -171,7 +171,7 @@ def write_images(snap, d: Path, threads: int | None = None, progress=None, total
 
     from gpusnap.repo import parallel_read
 
-    threads = threads or max(2, min(8, os.cpu_count() or 2))
+    threads = threads or max(2, min(8, proc.usable_cores()))
     stop = threading.Event()
     done = [0]
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpusnap-materialize") as ex:

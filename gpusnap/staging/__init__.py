@@ -11,7 +11,9 @@ drained into staging first, and the pipeline (the "ingest") reads from there:
   are kept as bytes. Both count against the budget. The faulting-in (~0.1 s per 256 MiB)
   runs in a thread of its own (Arena), started as the dump begins, so it overlaps the
   preflight on another core instead of adding to it.
-* beyond the budget: a spill file on the repository's filesystem (REPO/tmp), filled by
+* beyond the budget: a spill file on the repository's filesystem (REPO/tmp), written with
+  O_DIRECT from a few bounce buffers, two writes in flight (spill.py: no page cache to
+  allocate inside the freeze), or where the filesystem refuses O_DIRECT, filled by
   splice(2) from the pipe (the kernel copies into the page cache, as raw CRIU does). The
   file has no name while in use (O_TMPFILE, or created exclusively 0600 and unlinked at
   once), so no exit path, SIGKILL included, can leave it behind; `sweep()` removes a named
@@ -33,42 +35,15 @@ from pathlib import Path
 
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
+from gpusnap.staging import spill as spill_mod
+from gpusnap.staging.budget import DEFAULT_CAP, JOB_MARGIN, _mem_available, choose_budget, default_budget, parse_size  # noqa: F401
 from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
+READAHEAD = 2            # spill extents read ahead of the one the ingest reads
 PREFIX = "staging-"
 _MADV_DONTNEED = 4
 _FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-
-
-def default_budget() -> int:
-    """A quarter of the memory available now, at most 2 GiB (GPUSNAP_STAGING_BUDGET=bytes,
-    with an optional K/M/G suffix, overrides)."""
-    env = settings.get("GPUSNAP_STAGING_BUDGET", "").strip()
-    if env:
-        return parse_size(env)
-    avail = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) << 10
-                break
-    except (OSError, ValueError):
-        pass
-    return min(2 << 30, avail // 4) if avail else 256 << 20
-
-
-def parse_size(text: str) -> int:
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    num = t[:-1] if t[-1:] in "KMG" else t
-    try:
-        n = int(float(num) * mult)
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (bytes, or a number with K, M or G)") from None
-    if n < 0:
-        raise ValueError(f"not a size: {text!r}")
-    return n
 
 
 def sweep(spill_dir: Path) -> list[str]:
@@ -105,6 +80,7 @@ class Staging:
     def __init__(self, spill_dir: Path, budget: int, prealloc: int = 0, arena: Arena | None = None):
         self.spill_dir = Path(spill_dir)
         self.budget = max(0, int(budget))
+        self.budget_choice = "given"       # how the budget was chosen (choose_budget), reported
         self.cancelled = False
         self.go = threading.Event()        # the ingest may run (set at the gate, or at once)
         self.sealed = False                # everything is staged: slots released are not reused
@@ -117,6 +93,9 @@ class Staging:
         self._spill_live = 0
         self._spill_fd: int | None = None
         self._spill_end = 0
+        self._direct: spill_mod.DirectWriter | None = None   # the spill's O_DIRECT writer, if any
+        self._direct_fd: int | None = None
+        self.spill_mode = ""               # "direct" or "splice", once something spilled
         self.spill_named: str | None = None   # set only between a named file's creation and unlink
         if arena is None:
             arena = Arena.sized(self.budget, prealloc)
@@ -168,8 +147,19 @@ class Staging:
                 self.staged += n
             if counter is not None:
                 counter(n)
+        self._written(image, wait=True)    # "drained" means on disk: the gate opens after this
         image.end()
         return total
+
+    def _written(self, image: StagedImage, wait: bool) -> None:
+        """Forget image's direct spill writes that have ended (wait: for every one); raise
+        the first write's failure."""
+        if wait:
+            for seg in image.writing:
+                self._wait_written(seg)
+        image.writing = [s for s in image.writing if not s.ready.is_set()]
+        if self._direct is not None and self._direct.error is not None:
+            raise self._direct.error
 
     def _stage_pages(self, fd: int, image: StagedImage) -> int:
         """Fill one arena slot (or fresh memory, within the budget); -1: no memory left."""
@@ -221,6 +211,8 @@ class Staging:
     def _stage_spill(self, fd: int, image: StagedImage) -> int:
         """splice one extent of the pipe into the spill file; 0 at EOF."""
         sfd = self._spill()
+        if self._direct is not None:
+            return self._stage_direct(fd, image)
         with self._lock:
             off = self._spill_end
             self._spill_end += SEG
@@ -238,11 +230,57 @@ class Staging:
             image.put(Segment(got, offset=off))
         return got
 
+    def _wait_written(self, seg: Segment) -> None:
+        """Until seg's direct write has ended; a cancelled staging stops waiting (its writer
+        may be closed already)."""
+        while not seg.ready.wait(0.2):
+            if self.cancelled:
+                raise StagingCancelled()
+
+    def _stage_direct(self, fd: int, image: StagedImage) -> int:
+        """Copy one extent of the pipe into a bounce buffer, and have it written with
+        O_DIRECT while the next is read; 0 at EOF."""
+        w = self._direct
+        self._written(image, wait=False)
+        i, view = w.take(lambda: self.cancelled)
+        got = 0
+        try:
+            while got < SEG:
+                n = os.readv(fd, [view[got:]])
+                if not n:
+                    break
+                got += n
+        except BaseException:
+            w.give_back(i)
+            raise
+        finally:
+            view.release()
+        if not got:
+            w.give_back(i)
+            return 0
+        with self._lock:
+            off = self._spill_end
+            self._spill_end += SEG
+            self.spilled += got
+            self._spill_live += got
+            self.spill_peak = max(self.spill_peak, self._spill_live)
+        seg = Segment(got, offset=off)
+        seg.ready = threading.Event()
+        image.writing.append(seg)
+        w.submit(i, seg, got)
+        image.put(seg)
+        return got
+
     def _spill(self) -> int:
         with self._lock:
             if self._spill_fd is not None:
                 return self._spill_fd
             self._spill_fd = self._open_spill()
+            if settings.get("GPUSNAP_STAGING_DIRECT") != "0":    # "0": splice (tests, comparisons)
+                self._direct_fd = spill_mod.open_direct(self._spill_fd)
+            if self._direct_fd is not None:
+                self._direct = spill_mod.DirectWriter(self._direct_fd)
+            self.spill_mode = "direct" if self._direct is not None else "splice"
             return self._spill_fd
 
     def _open_spill(self) -> int:
@@ -270,6 +308,14 @@ class Staging:
             return self._slot_view(seg.slot, seg.length)
         if seg.data is not None:
             return seg.data
+        if seg.ready is not None:
+            self._wait_written(seg)
+            if self._direct is not None and self._direct.error is not None:
+                raise OSError(errno.EIO, f"the staging file's write failed: {self._direct.error}")
+            try:   # the next extents (most likely this image's next) read ahead meanwhile
+                os.posix_fadvise(self._spill_fd, seg.offset + SEG, READAHEAD * SEG, os.POSIX_FADV_WILLNEED)
+            except (OSError, TypeError):
+                pass
         parts = []
         got = 0
         while got < seg.length:
@@ -342,13 +388,19 @@ class Staging:
         self.go.set()
 
     def stats(self) -> dict:
-        return {"budget": self.budget, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
-                "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak}
+        return {"budget": self.budget, "budget_choice": self.budget_choice, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
+                "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak,
+                "spill_mode": self.spill_mode}
 
     def close(self) -> None:
         """Free everything (idempotent). Views handed out must be released first."""
         with self._lock:
             fd, self._spill_fd = self._spill_fd, None
+            direct, dfd, self._direct, self._direct_fd = self._direct, self._direct_fd, None, None
+        if direct is not None:
+            direct.close()           # (waits for the writes in flight)
+        if dfd is not None:
+            os.close(dfd)
         if fd is not None:
             os.close(fd)
         with self._lock:             # (_free_slot takes the arena under the lock)

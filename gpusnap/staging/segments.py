@@ -16,12 +16,14 @@ class StagingCancelled(Exception):
 
 class Segment:
     """A run of one image's bytes: a slot of the arena, a bytes object, or a spill extent.
-    refs: the claims on it (the ingest's own, and Holds); freed when the last is let go."""
-    __slots__ = ("slot", "data", "offset", "length", "refs")
+    refs: the claims on it (the ingest's own, and Holds); freed when the last is let go.
+    ready: for a spill extent written directly (spill.py), set once its write has ended."""
+    __slots__ = ("slot", "data", "offset", "length", "refs", "ready")
 
     def __init__(self, length: int, slot: int = -1, data: bytes | None = None, offset: int = -1):
         self.slot, self.data, self.offset, self.length = slot, data, offset, length
         self.refs = 1
+        self.ready: threading.Event | None = None
 
 
 class Hold:
@@ -52,6 +54,7 @@ class StagedImage:
         self._cond = threading.Condition()
         self._eof = False
         self.bytes = 0
+        self.writing: list[Segment] = []     # spill extents whose direct write may not have ended
 
     def put(self, seg: Segment) -> None:
         with self._cond:

@@ -150,6 +150,15 @@ def anon_bytes(pids: list[int]) -> int:
     return total
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: `taskset`, cgroup cpusets), not the
+    machine's: threads beyond them only take turns."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def peak_rss_self() -> int | None:
     """This process's VmHWM (peak resident set) in bytes."""
     return status_kib(status("self"), "VmHWM") or None

@@ -23,6 +23,7 @@ from gpusnap.repo.format import (CODEC_NONE, KIND_DATA, KIND_PAGES, PAGE_SIZE, P
 from gpusnap.repo.format import PAGE_ID_LEN as ID_LEN
 from gpusnap.repo.pipeline import pagetable
 from gpusnap.staging import segments
+from gpusnap.system import proc
 from gpusnap import settings
 
 GROUP_PAGES = 16          # new pages compressed together (docs/compression.md)
@@ -35,7 +36,7 @@ DATA_CHUNK = 1 << 20      # non-pages images are cut into blobs of this size
 # (docs/benchmark.md). GPUSNAP_COMPRESS_THREADS=N sets it.
 def _compress_workers() -> int:
     env = settings.get("GPUSNAP_COMPRESS_THREADS", "")
-    cores = os.cpu_count() or 1
+    cores = proc.usable_cores()
     n = int(env) if env.isdigit() else max(cores - 1, min(cores, 2))
     return max(1, min(4, n))
 

@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""How gpusnap's cost grows with the job, against raw CRIU's (issue 33). Needs root.
+
+    python scripts/bench.py --sizes 0.5,1,2,4,8 [--kinds random,fp32] [--reps 1]
+                            [--growth-chart docs/benchmark-growth.png] [--json FILE]
+    python scripts/bench_growth.py ...      (the same, on its own)
+
+For every size (GiB) and workload (tests/jobs/workloads.py, a job ticking every 2 ms), on
+one fresh job: raw `criu dump --leave-running` and `gpusnap dump` (the order alternating
+from one size to the next), each followed by `sync` ("until committed"), the freeze being
+the longest gap the job saw between two ticks; the job killed; then, each from a cold page
+cache (`drop_caches`), raw `criu restore -d -D` and `gpusnap restore` (auto). Ratios are
+gpusnap / raw CRIU of the same job in the same run, so the machine's load moves both sides
+(it moves their ratio less than their seconds; the load average is printed with each row).
+
+Also measured, as the bounds every figure is read against: memcpy (one thread), blake3 per
+thread, the disk's O_DIRECT write and its buffered write + fsync, each in GB/s; and gpusnap
+storing a job of --taskset-mb MiB random under `taskset` with 1 and with 2 cores (its
+`storing` phase's MB/s from --json: how the page pipeline scales with cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+TARGETS = {"freeze": 0.5, "committed_random": 1.2, "committed_fp32": 1.0, "restore_cold": 0.8}
+
+
+def machine_limits(workdir: Path) -> dict:
+    """memcpy and blake3 per thread (GB/s, 512 MiB in memory), the disk's write speeds."""
+    import blake3
+
+    n = 512 << 20
+    src = os.urandom(1 << 20) * 512
+    dst = memoryview(bytearray(n))     # (a bytearray's own slice assignment ran at 1.4 GB/s here, a view's at 12)
+    dst[:] = src                # (faulted in first: the copy alone is timed)
+    t = time.perf_counter()
+    dst[:] = src
+    memcpy = n / (time.perf_counter() - t) / 1e9
+    t = time.perf_counter()
+    blake3.blake3(src).digest()
+    b3 = n / (time.perf_counter() - t) / 1e9
+    del dst
+    f = workdir / "limits.bin"
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = {"memcpy_gb_s": round(memcpy, 2), "blake3_gb_s_per_thread": round(b3, 2)}
+    for key, flags in (("disk_direct_write_gb_s", ["oflag=direct"]), ("disk_write_fsync_gb_s", ["conv=fsync"])):
+        bench.settle()
+        t = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=4M", "count=256", *flags],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out[key] = round((1 << 30) / (time.perf_counter() - t) / 1e9, 2)
+        f.unlink()
+    return out
+
+
+def _restore_cold(cmd: list[str], pid: int) -> float:
+    r = bench.restore_timed(cmd, cold=True, cwd=bench.ROOT)
+    if not bench.pid_alive(pid):
+        raise RuntimeError(f"{' '.join(cmd[:3])} did not bring the job back")
+    bench.kill(pid)
+    return r["wall"]
+
+
+def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
+    mb = int(gib * 1024)
+    d = base / f"{kind}-{mb}"
+    job = bench.Job(d / "job", kind, mb)
+    raw, repo = d / "raw", d / "repo"
+    s: dict = {"kind": kind, "gib": gib, "loadavg": round(os.getloadavg()[0], 2)}
+    try:
+        if first_raw:
+            r = bench.raw_dump(job.pid, raw, job)
+            g = bench.gpusnap_dump(job.pid, repo, job)
+        else:
+            g = bench.gpusnap_dump(job.pid, repo, job)
+            r = bench.raw_dump(job.pid, raw, job)
+        bench.kill(job.pid, job.popen)
+        info = g["info"]
+        s.update(raw_freeze=r["freeze"], gs_freeze=g["freeze"], raw_committed=r["committed"],
+                 gs_committed=g["committed"], raw_bytes=r["bytes"], gs_bytes=info["bytes_stored"],
+                 gs_hwm_mib=round((g["hwm_kib"] or 0) / 1024), budget_mib=info["staging"]["budget"] >> 20,
+                 budget_choice=info["staging"].get("budget_choice"), spilled_mib=info["staging"]["spilled_bytes"] >> 20,
+                 spill_mode=info["staging"].get("spill_mode"), phases=info["phases"],
+                 throughput=info.get("throughput"))
+        raw_cmd = [bench.criu_path(), "restore", "-d", "-D", str(raw), "-o", "restore.log", "-v2"]
+        gs_cmd = [bench.PY, "-m", "gpusnap", "restore", info["snapshot"], "--repo", str(repo), "--json"]
+        s["raw_restore_cold"] = _restore_cold(raw_cmd, job.pid)
+        s["gs_restore_cold"] = _restore_cold(gs_cmd, job.pid)
+    finally:
+        if bench.pid_alive(job.pid):
+            bench.kill(job.pid, job.popen if job.popen.poll() is None else None)
+        job.popen.poll()
+        job.stdio.close()
+        shutil.rmtree(d, ignore_errors=True)
+    for k in ("freeze", "committed", "restore_cold"):
+        s[f"{k}_ratio"] = round(s[f"gs_{k}"] / s[f"raw_{k}"], 3) if s[f"raw_{k}"] else None
+    s["size_ratio"] = round(s["gs_bytes"] / s["raw_bytes"], 3)
+    s["peak_over_budget_mib"] = s["gs_hwm_mib"] - s["budget_mib"]
+    return s
+
+
+def taskset_storing(base: Path, mb: int) -> dict:
+    """gpusnap's storing phase (MB/s) on 1 core and on 2 (taskset), the same random job."""
+    d = base / "taskset"
+    job = bench.Job(d / "job", "random", mb)
+    out = {"mb": mb}
+    try:
+        for cores in ("0", "0,1"):
+            repo = d / f"repo-{cores.replace(',', '')}"
+            bench.settle()
+            subprocess.run([bench.PY, "-m", "gpusnap", "init", "--repo", str(repo)], check=True,
+                           stdout=subprocess.DEVNULL, cwd=bench.ROOT)
+            r = bench.check(bench.timed(["taskset", "-c", cores, bench.PY, "-m", "gpusnap", "dump", str(job.pid),
+                                         "--repo", str(repo), "--json"], cwd=bench.ROOT), "gpusnap dump")
+            info = json.loads(r["stdout"].strip().splitlines()[-1])
+            out[f"cores_{len(cores.split(','))}"] = {"storing_mb_s": (info.get("throughput") or {}).get("storing_mb_s"),
+                                                    "storing_s": info["phases"]["storing"], "wall": round(r["wall"], 2)}
+            shutil.rmtree(repo, ignore_errors=True)
+    finally:
+        bench.kill(job.pid, job.popen)
+        job.stdio.close()
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| workload | GiB | freeze gs / raw s (ratio) | until committed gs / raw s (ratio) | "
+            "restore cold gs / raw s (ratio) | size | peak RSS / budget MiB | spilled MiB | load |")
+    lines = [head, "|" + "---|" * 9]
+    for s in rows:
+        lines.append(f"| {s['kind']} | {s['gib']:g} | {s['gs_freeze']:.2f} / {s['raw_freeze']:.2f} ({s['freeze_ratio']:.2f}) | "
+                     f"{s['gs_committed']:.2f} / {s['raw_committed']:.2f} ({s['committed_ratio']:.2f}) | "
+                     f"{s['gs_restore_cold']:.2f} / {s['raw_restore_cold']:.2f} ({s['restore_cold_ratio']:.2f}) | "
+                     f"{s['size_ratio']:.3f} | {s['gs_hwm_mib']} / {s['budget_mib']} | {s['spilled_mib']} | {s['loadavg']} |")
+    return "\n".join(lines)
+
+
+def draw(rows: list[dict], path: Path) -> bool:
+    """Ratio against raw CRIU per size, one panel per measure, a line per workload."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    measures = [("freeze", "freeze_ratio", [TARGETS["freeze"]]),
+                ("dump until committed (+sync)", "committed_ratio", [TARGETS["committed_random"], TARGETS["committed_fp32"]]),
+                ("restore, cold cache", "restore_cold_ratio", [TARGETS["restore_cold"]])]
+    fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.6), sharex=True)
+    for ax, (title, key, targets) in zip(axes, measures):
+        for kind in sorted({s["kind"] for s in rows}):
+            pts = sorted((s["gib"], s[key]) for s in rows if s["kind"] == kind and s.get(key) is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
+        for t in targets:
+            ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
+        ax.axhline(1.0, color="black", linewidth=0.5)
+        ax.set_xscale("log", base=2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("job size (GiB)")
+        ax.set_ylim(bottom=0)
+    axes[0].set_ylabel("gpusnap / raw CRIU")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run(sizes: list[float], kinds: list[str], reps: int, base_dir: Path, chart: Path | None,
+        json_out: Path | None, taskset_mb: int) -> int:
+    bench.compile_bytecode()
+    base = base_dir / f"growth-{os.getpid()}"
+    base.mkdir(parents=True)
+    rows: list[dict] = []
+    try:
+        limits = machine_limits(base)
+        print(f"machine: {json.dumps(limits)}", file=sys.stderr, flush=True)
+        turn = 0
+        for rep in range(reps):
+            for kind in kinds:
+                for gib in sizes:
+                    t0 = time.monotonic()
+                    s = one_size(kind, gib, base, first_raw=turn % 2 == 0)
+                    turn += 1
+                    s["rep"] = rep
+                    rows.append(s)
+                    print(f"[{kind} {gib:g} GiB, load {s['loadavg']}] freeze {s['freeze_ratio']:.2f} "
+                          f"committed {s['committed_ratio']:.2f} restore cold {s['restore_cold_ratio']:.2f} "
+                          f"peak {s['gs_hwm_mib']}/{s['budget_mib']} MiB ({time.monotonic() - t0:.0f}s)",
+                          file=sys.stderr, flush=True)
+        cores = taskset_storing(base, taskset_mb) if taskset_mb else None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(table(rows), flush=True)
+    print(f"machine limits: {json.dumps(limits)}")
+    if cores:
+        print(f"storing with taskset: {json.dumps(cores)}")
+    if chart is not None and str(chart) not in ("", "."):
+        print(f"chart: {chart}" if draw(rows, chart) else "chart: skipped (no matplotlib)", file=sys.stderr)
+    if json_out:
+        json_out.write_text(json.dumps({"sizes_gib": sizes, "kinds": kinds, "reps": reps, "cpus": os.cpu_count(),
+                                        "targets": TARGETS, "machine": limits, "taskset": cores,
+                                        "samples": rows}, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="0.5,1,2,4,8", help="job sizes in GiB, comma-separated")
+    ap.add_argument("--kinds", default="random,fp32")
+    ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--dir", type=Path, default=Path("/var/tmp/gpusnap-bench"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--settle", type=float, default=bench.SETTLE)
+    ap.add_argument("--growth-chart", type=Path, default=bench.ROOT / "docs" / "benchmark-growth.png")
+    ap.add_argument("--taskset-mb", type=int, default=1024, help="job size for the 1-vs-2-core storing run (0: none)")
+    args = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("bench needs root: it dumps and restores real processes with CRIU", file=sys.stderr)
+        return 1
+    bench.SETTLE = max(0.0, args.settle)
+    sizes = [float(x) for x in args.sizes.split(",") if x]
+    kinds = [k for k in args.kinds.split(",") if k]
+    for k in kinds:
+        if k not in bench.KINDS:
+            ap.error(f"unknown kind {k!r}")
+    return run(sizes, kinds, args.reps, args.dir, args.growth_chart, args.json, args.taskset_mb)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

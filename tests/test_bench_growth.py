@@ -1,0 +1,34 @@
+"""scripts/bench.py --sizes (scripts/bench_growth.py, issue 33): the growth-curve mode is
+reached through bench.py, and its table puts gpusnap's and raw CRIU's seconds and their
+ratio side by side for every size. (The measurements themselves need root and minutes:
+`make bench-growth`; speed is reported there, never asserted.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def test_sizes_option_runs_the_growth_curve():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--sizes", "0.5", "--help"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "How gpusnap's cost grows with the job" in out.stdout and "--taskset-mb" in out.stdout
+
+
+def test_table_has_both_sides_and_the_ratio_per_size():
+    import bench_growth
+
+    row = {"kind": "random", "gib": 4.0, "gs_freeze": 2.0, "raw_freeze": 8.0, "freeze_ratio": 0.25,
+           "gs_committed": 9.0, "raw_committed": 9.0, "committed_ratio": 1.0, "gs_restore_cold": 3.0,
+           "raw_restore_cold": 4.0, "restore_cold_ratio": 0.75, "size_ratio": 1.006, "gs_hwm_mib": 2101,
+           "budget_mib": 2048, "spilled_mib": 2068, "loadavg": 1.2}
+    text = bench_growth.table([row, {**row, "kind": "fp32", "gib": 0.5}])
+    lines = text.splitlines()
+    assert len(lines) == 4
+    assert "| random | 4 | 2.00 / 8.00 (0.25) | 9.00 / 9.00 (1.00) | 3.00 / 4.00 (0.75) | 1.006 | 2101 / 2048 | 2068 |" in lines[2]
+    assert lines[3].startswith("| fp32 | 0.5 |")

@@ -304,6 +304,7 @@ def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0)
     allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk", "--tcp-close"}
     if not set(flags) <= allowed:
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
+    flags += restore_needs.join_netns(snap)     # a named network namespace: joined again
     tcp = _tcp(snap, tcp_close)
     if tcp.closed and not tcp.dumped_closed:
         flags.append("--tcp-close")

@@ -409,10 +409,20 @@ def _opts(static: Path, name: str, stage: str) -> list[str]:
 # them too, and is given them as the test's description gives them to CRIU (--tcp-close:
 # the connections are not kept; the others gpusnap must find by itself)
 USER_CHOICES = ("--tcp-close",)
+# a restore's choice with a value: CRIU's --manage-cgroups=MODE is `gpusnap restore --cgroups
+# MODE` (where the restored job's cgroups come from; a bare --manage-cgroups is CRIU's default
+# mode, soft, which gpusnap uses when not told)
+RESTORE_CHOICES = {"--manage-cgroups": "--cgroups"}
 
 
-def _user_choices(opts: list[str]) -> list[str]:
-    return [o for o in USER_CHOICES if o in opts]
+def _user_choices(opts: list[str], stage: str = "dump") -> list[str]:
+    out = [o for o in USER_CHOICES if o in opts]
+    if stage == "restore":
+        for o in opts:
+            key, eq, value = o.partition("=")
+            if eq and key in RESTORE_CHOICES:
+                out += [RESTORE_CHOICES[key], value]
+    return out
 
 
 def _dump(static: Path, name: str, pid: int, mode: str, kind: str, work: Path, out: Outcome):
@@ -445,7 +455,7 @@ def _restore(static: Path, name: str, mode: str, handle, opts: list[str], work: 
     _hook(static, name, "--pre-restore")
     if mode == "gpusnap":
         via = ["--via", os.environ["ZDTM_VIA"]] if os.environ.get("ZDTM_VIA") else []
-        r = _gpusnap("restore", handle, "--repo", str(work / "repo"), *via, *_user_choices(opts))
+        r = _gpusnap("restore", handle, "--repo", str(work / "repo"), *via, *_user_choices(opts, "restore"))
         if r.returncode != 0:
             return r.stdout + r.stderr
         return None

@@ -249,6 +249,22 @@ def _kill_strays(name: str) -> None:
         _kill(pid)
 
 
+def _hook_pids(name: str) -> list[int]:
+    """Processes still running the test's hook (`zdtm/static/NAME.hook ...`): a daemon its
+    --post-start forked (netns_lock_*'s server, in a session of its own) that zdtm.py ends with
+    the test's namespace; here it would live on, holding its network namespace alive."""
+    mark = f"zdtm/static/{name}.hook".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if mark in (d / "cmdline").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, 9)
@@ -540,6 +556,8 @@ def _run_started(static, name, mode, work, kind, log, out, fail) -> Outcome:
             _hook(static, name, "--clean")
         except (RuntimeError, subprocess.TimeoutExpired):
             pass
+        for p in _hook_pids(name):      # every hook has ended: what is left is a daemon of one
+            _kill(p)
         _clean(static, name)
         _reap()
 

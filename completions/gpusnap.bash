@@ -14,7 +14,7 @@ _gpusnap_words() {
         "prune") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune-uncopied --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "repair") echo "--dry-run --help --json --read-data --repo -h -n" ;;
-        "restore") echo "--cgroups --copy-to --gpu-map --help --json --quiet --repo --tcp-close --via -h -q" ;;
+        "restore") echo "--cgroups --copy-to --gpu-map --help --json --lock-wait --quiet --remote-gpusnap --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
         "schedule add") echo "--container --copy-keep-last --copy-to --cron --engine --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
@@ -69,6 +69,8 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "restore|--cgroups") echo cgroups ;;
         "restore|--copy-to") echo text ;;
         "restore|--gpu-map") echo text ;;
+        "restore|--lock-wait") echo text ;;
+        "restore|--remote-gpusnap") echo file ;;
         "restore|--repo") echo dir ;;
         "restore|--via") echo via ;;
         "run|--name") echo name ;;

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GPUSNAP, ROOT, checkout_bin, run_gpusnap, run_json, wait_for
+from conftest import GPUSNAP, ROOT, checkout_bin, kill_pids, run_gpusnap, run_json, wait_for
 from gpusnap.errors import CopyFailed, CorruptSnapshot, Interrupted
 from gpusnap.repo import Repository
 from gpusnap.repo.maint.verify import verify
@@ -126,6 +126,34 @@ def test_interrupted_copy_leaves_nothing_and_resumes(tmp_path, how):
     rb = Repository.open(b)
     assert verify(rb).ok
     _same_images(snap, rb.snapshot(snap.path.name))
+
+
+def test_two_copies_of_one_snapshot_at_once_commit_it_once(tmp_path):
+    """Two catch-ups of one tiered snapshot race: both receivers find it absent and store it;
+    the one that commits second finds the first's commit (docs/format.md §6) and keeps that."""
+    src, snap = _big_source(tmp_path, mib=48)
+    b = tmp_path / "b"
+    run_gpusnap("init", "--repo", b, check=True)
+    env = dict(os.environ, GPUSNAP_FAULT="writer:checkpoint:STOP")
+    p = subprocess.Popen([*GPUSNAP, "copy", "big", "--repo", src.path, "--to", b, "--json"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(_state(c) == "T" for c in _children(p.pid)), "the first receiver to stop mid-copy")
+        serve = _children(p.pid)[0]
+        second = run_json("copy", "big", "--repo", src.path, "--to", b)
+        assert second["copied"] == 1 and len(_snapshot_dirs(b)) == 1
+        os.kill(serve, signal.SIGCONT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    first = json.loads(out)
+    assert first["copied"] == 0 and first["skipped"] == 1, first
+    assert first["snapshots"][0]["snapshot"] == second["snapshots"][0]["snapshot"]
+    assert len(_snapshot_dirs(b)) == 1
+    rb = Repository.open(b)
+    assert verify(rb).ok
+    _same_images(snap, rb.snapshots()[0])
 
 
 def test_speed_and_untouched_second_copy(tmp_path):
@@ -284,3 +312,44 @@ def test_copy_through_a_real_sshd(sample_job, tmp_path, reference, sshd):
     assert run_gpusnap("verify", "--repo", b).returncode == 0
     shutil.rmtree(a)
     restore_and_finish(job, "remote", b, expected)
+
+
+@pytest.mark.criu
+def test_restore_pulls_the_newest_snapshot_from_an_ssh_tier(sample_job, tmp_path, reference, sshd):
+    """`restore NAME --copy-to ssh://…` after the node's repository was lost: the newest snapshot
+    of NAME there is listed through ssh, pulled here (checked on arrival) and restored; an older
+    one here does not win over it, and a tier nobody answers leaves this repository's."""
+    port, env = sshd
+    job, expected, a, b = job_and_two_repos(sample_job, tmp_path, reference)
+    remote = checkout_bin(tmp_path) / "gpusnap"
+    to = f"ssh://root@127.0.0.1:{port}{b}"
+    first = run_json("dump", job.pid, "--repo", a, "--name", "train")
+    job.wait_steps(20)
+    second = run_json("dump", job.pid, "--repo", a, "--name", "train")
+    run_json("copy", "--all", "--repo", a, "--to", to, "--remote-gpusnap", remote, env=env)
+    job.kill()
+    shutil.rmtree(a)                                   # the node's repository is lost ...
+    run_gpusnap("init", "--repo", a, check=True)
+    run_json("copy", Path(first["snapshot"]).name, "--repo", b, "--to", a)    # ... but for an older snapshot
+    restored = run_json("restore", "train", "--repo", a, "--copy-to", to, "--remote-gpusnap", remote, env=env)
+    try:
+        assert restored["pid"] == job.pid
+        assert Path(restored["snapshot"]).name == Path(second["snapshot"]).name, restored
+        assert Path(restored["snapshot"]).parent == a / "snapshots"     # pulled here, restored from here
+        assert job.result() == expected
+    finally:
+        kill_pids(job.pids)
+    pulled = Repository.open(a).snapshot(Path(second["snapshot"]).name)
+    assert pulled.meta["imported_from"]["id"] == Repository.open(b).snapshot(pulled.path.name).id
+    assert run_gpusnap("verify", "--repo", a).returncode == 0
+    # the tier cannot be reached: this repository's newest is restored, and the output says why
+    bad = dict(env, GPUSNAP_RSH=env["GPUSNAP_RSH"] + f" -o UserKnownHostsFile={tmp_path}/empty")
+    p = run_gpusnap("restore", "train", "--repo", a, "--copy-to", to, "--remote-gpusnap", remote, "--json",
+                    "--via", "files", env=bad)
+    try:
+        out = json.loads(p.stdout)
+        assert p.returncode == 0 and out["pid"] == job.pid, p.stderr
+        assert Path(out["snapshot"]).name == Path(second["snapshot"]).name
+        assert any("cannot list the snapshots in" in n for n in out["notes"]), out["notes"]
+    finally:
+        kill_pids(job.pids)

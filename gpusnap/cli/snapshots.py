@@ -144,9 +144,14 @@ def restore(
                                                "cgroups gpusnap restore runs in, none of its own are restored "
                                                "or required (a job that made and moved itself into cgroups "
                                                "of its own)."),
-    copy_to: Optional[str] = typer.Option(None, "--copy-to", metavar="REPO",
-                                          help="Also look in the repository dumps copy to (a path): restore "
-                                               "the newest snapshot of NAME that verifies, in either."),
+    copy_to: Optional[str] = typer.Option(None, "--copy-to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
+                                          help="Also look in the repository dumps copy to: restore the newest "
+                                               "snapshot of NAME that verifies, in either (one on another "
+                                               "machine is copied here first)."),
+    remote_gpusnap: Optional[str] = typer.Option(None, "--remote-gpusnap", metavar="PATH",
+                                                 help="The gpusnap program at an ssh:// --copy-to's end "
+                                                      "(default: gpusnap)."),
+    lock_wait: Optional[float] = LockWaitOpt,
 ) -> None:
     """Restore a snapshot, detached. Prints the restored root PID.
 
@@ -166,7 +171,7 @@ def restore(
     if copy_to is not None:     # which snapshot, in which repository: the newest that verifies
         from gpusnap.ops import tiers
 
-        repo, snapshot, skipped = tiers.choose(snapshot, repo_path(repo), copy_to)
+        repo, snapshot, skipped = tiers.choose(snapshot, repo_path(repo), copy_to, remote_gpusnap, lock_wait)
     with restore_interrupt.guard() as held:    # once the job runs, a signal waits until its PID is out
         result = with_progress("restoring", not (json_ or quiet),
                                lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
@@ -217,7 +222,9 @@ def import_cmd(
 def copy_cmd(
     snapshots: Optional[list[str]] = typer.Argument(None, metavar="[SNAP...]", help="Snapshots to copy."),
     to: str = typer.Option(..., "--to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
-                           help="The repository to copy to: a path, or one on another machine through ssh."),
+                           help="The repository to copy to: a path, or one on another machine through ssh "
+                                "('-': speak the copy protocol on stdin and stdout, for a receiver at the "
+                                "other end of a pipe)."),
     name: Optional[str] = typer.Option(None, "--name", help="Copy every snapshot of this name."),
     all_: bool = typer.Option(False, "--all", help="Copy every snapshot."),
     pending: bool = typer.Option(False, "--pending",
@@ -239,6 +246,10 @@ def copy_cmd(
 
     req = CopyRequest(refs=list(snapshots or []), repo=repo_path(repo), to=to, name=name, all=all_,
                       remote_gpusnap=remote_gpusnap, lock_wait=lock_wait, pending=pending)
+    if to == "-":       # the sending half on stdin/stdout: a pull from this machine (restore --copy-to ssh://)
+        from gpusnap.ops.copy import send_stdio
+
+        raise typer.Exit(send_stdio(req))
     result = with_progress(f"copying to {to}", not json_, lambda **kw: copy(req, **kw))
     OUTPUT.emit(result, lambda: show.copied(result, OUTPUT))
 

@@ -85,6 +85,47 @@ def copy(req: CopyRequest, progress=None) -> dict:
     return _report(req, t0)
 
 
+def send_stdio(req: CopyRequest) -> int:
+    """`gpusnap copy SNAP... --to -`: the sending half of the copy protocol on stdin and stdout,
+    for a receiver at the other end of the pipe: a restore that pulls a snapshot back from an
+    ssh:// tier runs this there through ssh (ops/tier_pull.py). Nothing is recorded in copies/
+    ("-" names no repository). A failure is sent to the other end as an error frame, as serve
+    does; -> the exit status."""
+    import sys
+
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops.export import widen_pipe
+    from gpusnap.repo import locate
+    from gpusnap.system import access, interrupt
+
+    rfile, wfile = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr             # stdout carries frames only
+    for f in (rfile, wfile):
+        widen_pipe(f.fileno())
+    ch = Channel(rfile, wfile, "the pulling gpusnap")
+    with interrupt.as_exception():
+        try:
+            if req.pending:
+                raise UsageError("--to - sends the snapshots named (SNAP..., --name, --all), not --pending")
+            access.check_repo(req.repo)
+            repo = locate.open_repository(req.repo)
+            snaps = select(repo, req.refs, req.name, req.all)
+            with repo.readers_lock():
+                _converse(ch, repo, snaps, req.done, None)
+        except GpusnapError as e:
+            try:
+                ch.send_error(e)
+                ch.flush()
+            except OSError:
+                pass
+            return e.exit_code
+        except (BrokenPipeError, ConnectionResetError):
+            return CopyFailed.exit_code
+        except (KeyboardInterrupt, interrupt.Terminated):
+            return 130
+    return 0
+
+
 def _report(req: CopyRequest, t0: float) -> dict:
     return {"to": req.to, "snapshots": req.done, "copied": sum(not d["already_present"] for d in req.done),
             "skipped": sum(d["already_present"] for d in req.done),
@@ -148,7 +189,9 @@ def _send_snapshot(ch: Channel, snap, tick) -> dict:
     ch.record(COMMIT)
     ch.flush()
     r = ch.recv_json(DONE, "the commit")
-    return {**out, "already_present": False, "snapshot": _text(r.get("snapshot")), "id": _text(r.get("id")),
+    # present: another copy of the same snapshot committed there while this one was sent
+    return {**out, "already_present": r.get("present") is True, "snapshot": _text(r.get("snapshot")),
+            "id": _text(r.get("id")),
             "bytes_sent": ch.sent - sent0, "bytes_raw": raw,
             **{k: r.get(k) if isinstance(r.get(k), int) else 0 for k in ("bytes_stored", "pages_total", "pages_dedup")}}
 

@@ -27,6 +27,29 @@ def present(repo, *ids: str | None):
     return None
 
 
+def commit_once(repo, w, *ids: str | None):
+    """Commit a received snapshot (import, copy) unless one of `ids` arrived meanwhile: two
+    receivers of the same snapshot both find it absent under the shared writer lock (two
+    catch-ups of one tiered snapshot, an import run twice at once). The check and the commit
+    run under an exclusive flock on snapshots/ (docs/format.md §6), so one of them commits and
+    the other keeps what was there. -> (snapshot, True if it was already there)."""
+    import fcntl
+    import os
+
+    from gpusnap.repo import fsutil
+
+    fd = fsutil.open_dir(repo.path / "snapshots")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        got = present(repo, *ids)
+        if got is not None:
+            w.abort()
+            return got, True
+        return w.commit(), False
+    finally:
+        os.close(fd)        # the flock goes with it
+
+
 def received_as(m: dict, src_id: str, **origin) -> tuple[str, dict]:
     """A snapshot that arrived from another repository (import, copy): -> (the codec it is
     stored with: its own, when this gpusnap knows it; its meta, with `imported_from` naming
@@ -112,13 +135,13 @@ def _store(repo, m, src_id, mbytes, meta, compress, f, start, tmpdir, nbytes) ->
     w.created = float(m["created"])   # the snapshot keeps the time its dump started
     try:
         read_images(src, m, w.image_sink, tmpdir)
-        snap = w.commit()
+        snap, there = commit_once(repo, w, src_id)
     except BaseException:
         w.abort()
         raise
-    st = w.stats
+    st = {} if there else w.stats
     return {"snapshot": str(snap.path), "id": snap.id, "name": snap.name, "source_id": src_id,
-            "already_present": False, "bytes_read": nbytes, "bytes_raw": st.get("bytes_raw", 0),
+            "already_present": there, "bytes_read": nbytes, "bytes_raw": st.get("bytes_raw", 0),
             "bytes_stored": st.get("bytes_stored", 0), "pages_total": st.get("pages_total", 0),
             "pages_dedup": st.get("pages_dedup", 0)}
 

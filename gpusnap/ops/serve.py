@@ -35,7 +35,7 @@ def serve(root, lock_wait: float | None = None, rfile=None, wfile=None) -> int:
     ch = Channel(rfile, wfile, "the copying gpusnap")
     with interrupt.as_exception():
         try:
-            _conversation(ch, root, lock_wait)
+            conversation(ch, root, lock_wait, [])
         except GpusnapError as e:
             try:
                 ch.send_error(e)
@@ -47,7 +47,9 @@ def serve(root, lock_wait: float | None = None, rfile=None, wfile=None) -> int:
     return 0
 
 
-def _conversation(ch: Channel, root, lock_wait) -> None:
+def conversation(ch: Channel, root, lock_wait, received: list) -> None:
+    """The receiving side of one conversation on `ch`; raises what ends it (serve() reports
+    it to the other end). `received` gets the path of each snapshot committed or found here."""
     from gpusnap.repo import locate, lockwait
     from gpusnap.system import access
 
@@ -64,10 +66,10 @@ def _conversation(ch: Channel, root, lock_wait) -> None:
         tag, payload = ch.recv((MANIFEST, BYE), IMPORT_MANIFEST_MAX, "the next snapshot")
         if tag == BYE:
             return
-        _receive_snapshot(ch, repo, payload)
+        received.append(_receive_snapshot(ch, repo, payload))
 
 
-def _receive_snapshot(ch: Channel, repo, mbytes: bytes) -> None:
+def _receive_snapshot(ch: Channel, repo, mbytes: bytes) -> str:
     """One snapshot: already here (said, nothing more), or received under the writer lock
     and committed once the other end says it is complete."""
     from gpusnap.ops.import_ import present
@@ -79,13 +81,14 @@ def _receive_snapshot(ch: Channel, repo, mbytes: bytes) -> None:
         with repo.writer_lock(what="copy"):
             got = present(repo, src_id, origin)
             if got is None:
-                return _store(ch, repo, m, src_id)
+                return _store(ch, repo, m, src_id, origin)
     ch.send_json(STATE, {"present": True, "snapshot": str(got.path), "id": got.id, "name": got.name})
     ch.flush()
+    return str(got.path)
 
 
-def _store(ch: Channel, repo, m: dict, src_id: str) -> None:
-    from gpusnap.ops.import_ import received_as
+def _store(ch: Channel, repo, m: dict, src_id: str, origin: str | None) -> str:
+    from gpusnap.ops.import_ import commit_once, received_as
 
     compress, meta = received_as(m, src_id, via="copy")
     w = repo.new_snapshot(m["name"], compress=compress, meta=meta)
@@ -97,14 +100,15 @@ def _store(ch: Channel, repo, m: dict, src_id: str) -> None:
         for im in m["images"]:
             _receive_image(ch, w, im)
         ch.recv((COMMIT,), 0, "the commit")
-        snap = w.commit()
+        snap, there = commit_once(repo, w, src_id, origin)
     except BaseException:
         w.abort()
         raise
-    st = w.stats
-    ch.send_json(DONE, {"snapshot": str(snap.path), "id": snap.id, "name": snap.name,
+    st = {} if there else w.stats
+    ch.send_json(DONE, {"snapshot": str(snap.path), "id": snap.id, "name": snap.name, "present": there,
                         **{k: st.get(k, 0) for k in ("bytes_raw", "bytes_stored", "pages_total", "pages_dedup")}})
     ch.flush()
+    return str(snap.path)
 
 
 def _receive_image(ch: Channel, w, im: dict) -> None:

@@ -12,9 +12,9 @@ snapshot. Retention never deletes a pending snapshot unless asked (--prune-uncop
 is in ops/prune.py), and a destination's own --copy-keep-last runs there after the copy.
 
 Restores (`restore NAME --copy-to REPO`, `slurm-run` after a requeue) look in both
-repositories and take the newest snapshot of the name that verifies, wherever it is; a copy's
-destination is read directly, so that side needs a path (a mounted shared filesystem): an
-ssh:// destination is written to, never restored from.
+repositories and take the newest snapshot of the name that verifies, wherever it is; a path
+destination is read directly, an ssh:// one is listed through ssh and the snapshot chosen there
+is pulled into this repository first (ops/tier_pull.py).
 """
 
 from __future__ import annotations
@@ -172,37 +172,37 @@ def candidates(name: str, roots: list[Path]) -> list[tuple[Path, str, float]]:
 
 
 def restore_roots(repo: Path, copy_to: str) -> list[Path]:
-    """The repositories a restore looks in: this one, then the destination (a path only)."""
+    """The repositories a restore reads directly: this one, and the destination when it is a
+    path (an ssh:// one is listed and pulled from instead: ops/tier_pull.py)."""
     to = destination(copy_to)
-    if "://" in to:
-        raise UsageError(f"--copy-to {copy_to}: a restore reads the destination directly, so it must be a path "
-                         "(a shared filesystem mounted here)",
-                         hint="copy the snapshot back first (on that machine: gpusnap copy NAME --to ...)")
-    return [Path(repo), Path(to)]
+    return [Path(repo)] if "://" in to else [Path(repo), Path(to)]
 
 
-def choose(ref: str, repo: Path, copy_to: str) -> tuple[Path, str, list[dict]]:
+def choose(ref: str, repo: Path, copy_to: str, remote_gpusnap: str | None = None,
+           lock_wait: float | None = None) -> tuple[Path, str, list[dict]]:
     """`restore NAME --copy-to REPO`: the newest snapshot of NAME that verifies, in this repository
     or the destination. -> (its repository, its directory, the newer ones skipped and why). A ref
-    that is no name (a directory, an id) is looked up here, then there."""
+    that is no name (a directory, an id) is looked up here, then there. From an ssh:// destination
+    the chosen snapshot is pulled into this repository first (only what is missing travels, every
+    page checked on arrival), and restored from here."""
     from gpusnap.errors import SnapshotNotFound
     from gpusnap.ops.verify import verify
 
+    to = destination(copy_to)
     roots = restore_roots(repo, copy_to)
-    found = candidates(ref, roots)
+    skipped: list[dict] = []
+    found = candidates(ref, roots) + remote(ref, repo, to, remote_gpusnap, skipped)
+    found.sort(key=lambda c: -c[2])         # stable: the same time here before there
     if not found:
-        for root in roots:
-            try:
-                from gpusnap.repo import locate
-
-                _, snap = locate.open_snapshot(ref, root)
-                found = [(root, str(snap.path), snap.created)]
-                break
-            except (GpusnapError, OSError):
-                continue
-    skipped = []
+        found = _by_ref(ref, roots)
     for root, path, _ in found:
         try:
+            if root is None:                # an ssh:// tier's: pulled here first
+                from gpusnap.ops import tier_pull
+
+                path = f"{to} {path}"
+                root, path = Path(repo), tier_pull.pull(Path(repo), to, remote_gpusnap, path.rsplit(" ", 1)[1],
+                                                        lock_wait)
             report = verify(path, root)
         except GpusnapError as e:
             skipped.append({"snapshot": path, "reason": e.message})
@@ -210,6 +210,37 @@ def choose(ref: str, repo: Path, copy_to: str) -> tuple[Path, str, list[dict]]:
         if report.ok:
             return root, path, skipped
         skipped.append({"snapshot": path, "reason": report.damage()})
-    raise SnapshotNotFound(f"no snapshot {ref!r} that verifies in {' or '.join(map(str, roots))}"
+    where = [str(r) for r in roots] + ([to] if "://" in to else [])
+    raise SnapshotNotFound(f"no snapshot {ref!r} that verifies in {' or '.join(where)}"
                            + (f" ({len(skipped)} damaged)" if skipped else ""),
                            hint="`gpusnap ls --repo REPO` and `gpusnap verify` in each say more")
+
+
+def _by_ref(ref: str, roots: list[Path]) -> list:
+    from gpusnap.repo import locate
+
+    for root in roots:
+        try:
+            _, snap = locate.open_snapshot(ref, root)
+            return [(root, str(snap.path), snap.created)]
+        except (GpusnapError, OSError):
+            continue
+    return []
+
+
+def remote(name: str, repo: Path, to: str, remote_gpusnap: str | None, skipped: list) -> list:
+    """An ssh:// tier's snapshots of `name` not here already (same directory name: a copy keeps
+    it), as (None, directory, created). A tier that cannot be listed is left out (and said in
+    `skipped`): this repository's snapshots still count."""
+    if "://" not in to:
+        return []
+    from gpusnap.ops import tier_pull
+
+    try:
+        theirs = tier_pull.remote_candidates(to, remote_gpusnap, name)
+    except GpusnapError as e:
+        skipped.append({"snapshot": to, "reason": e.message})
+        return []
+    here = {Path(p).name for _, p, _ in candidates(name, [Path(repo)])}
+    return [(None, d, created) for d, created in theirs if d not in here]
+

@@ -14,7 +14,7 @@ _gpusnap_words() {
         "prune") echo "--all --dry-run --help --json --keep-last --lock-wait --name --prune-uncopied --repo -h -n" ;;
         "ps") echo "--help --json -h" ;;
         "repair") echo "--dry-run --help --json --read-data --repo -h -n" ;;
-        "restore") echo "--copy-to --gpu-map --help --json --lock-wait --quiet --remote-gpusnap --repo --tcp-close --via -h -q" ;;
+        "restore") echo "--cgroups --copy-to --gpu-map --help --json --lock-wait --quiet --remote-gpusnap --repo --tcp-close --via -h -q" ;;
         "run") echo "--help --json --name --repo -h" ;;
         "schedule") echo "add ls rm run --help -h" ;;
         "schedule add") echo "--container --copy-keep-last --copy-to --cron --engine --every --help --json --keep-last --match --name --replace --repo --user -h" ;;
@@ -66,6 +66,7 @@ _gpusnap_value_kind() {  # command path, option -> what its value is
         "prune|--name") echo name ;;
         "prune|--repo") echo dir ;;
         "repair|--repo") echo dir ;;
+        "restore|--cgroups") echo cgroups ;;
         "restore|--copy-to") echo text ;;
         "restore|--gpu-map") echo text ;;
         "restore|--lock-wait") echo text ;;
@@ -146,6 +147,7 @@ _gpusnap() {
         codec) COMPREPLY=($(compgen -W "auto lz4 zstd shuffle4-zstd shuffle2-zstd none" -- "$cur")); return ;;
         via) COMPREPLY=($(compgen -W "auto stream files lazy" -- "$cur")); return ;;
         engine) COMPREPLY=($(compgen -W "docker podman" -- "$cur")); return ;;
+        cgroups) COMPREPLY=($(compgen -W "none props soft full strict ignore" -- "$cur")); return ;;
         name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;
         schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;
         dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;

@@ -4,7 +4,7 @@ generated from the CLI's own command tree by `scripts/gen_completions.py` into c
 switched off so there is no second, different behaviour.
 
 Static scripts need no Python at completion time. What they complete beyond command and
-option names: codecs after `--compress`, podman|docker after `--engine`, directories after `--repo`, files where a file is
+option names: codecs after `--compress`, podman|docker after `--engine`, CRIU's cgroup modes after `restore --cgroups`, directories after `--repo`, files where a file is
 expected, snapshot directory names and snapshot names for restore/inspect/verify/forget/export/copy (read from
 `REPO/snapshots/`, the repository being `--repo` on the line, else $GPUSNAP_REPO, else
 /var/lib/gpusnap: one directory listing, nothing opened), and schedule names for
@@ -21,9 +21,11 @@ DEFAULT_REPO = "/var/lib/gpusnap"
 # what the value of an option is (every other option that takes a value: free text)
 OPTION_VALUES = {"--compress": "codec", "--repo": "dir", "--pidfile": "file", "--output": "file", "-o": "file",
                  "--via": "via", "--name": "name", "--engine": "engine", "--to": "dir",
-                 "--remote-gpusnap": "file"}
+                 "--remote-gpusnap": "file", "--cgroups": "cgroups"}
 VIAS = ("auto", "stream", "files", "lazy")   # restore --via (gpusnap/ops/restore.py VIAS; a test keeps them equal)
 ENGINES = ("docker", "podman")               # --engine (gpusnap/system/engines.py ENGINES; a test keeps them equal)
+# restore --cgroups (gpusnap/ops/restore.py CGROUPS, CRIU's --manage-cgroups modes; a test keeps them equal)
+CGROUPS = ("none", "props", "soft", "full", "strict", "ignore")
 # what a command's positional arguments are
 ARGUMENTS = {"restore": "snapshot", "inspect": "snapshot", "verify": "snapshot", "forget": "snapshot",
              "export": "snapshot", "copy": "snapshot", "import": "file", "schedule rm": "schedule",
@@ -124,6 +126,7 @@ def bash() -> str:
              f'        codec) COMPREPLY=($(compgen -W "{" ".join(CODECS)}" -- "$cur")); return ;;',
              f'        via) COMPREPLY=($(compgen -W "{" ".join(VIAS)}" -- "$cur")); return ;;',
              f'        engine) COMPREPLY=($(compgen -W "{" ".join(ENGINES)}" -- "$cur")); return ;;',
+             f'        cgroups) COMPREPLY=($(compgen -W "{" ".join(CGROUPS)}" -- "$cur")); return ;;',
              '        name) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo")" -- "$cur")); return ;;',
              '        schedname) COMPREPLY=($(compgen -W "$(_gpusnap_names "$repo") $(_gpusnap_schedules)" -- "$cur")); return ;;',
              '        dir) compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- "$cur")); return ;;',
@@ -163,6 +166,7 @@ def zsh() -> str:
              f'        codec) cands=({" ".join(CODECS)}); compadd -a cands; return ;;',
              f'        via) cands=({" ".join(VIAS)}); compadd -a cands; return ;;',
              f'        engine) cands=({" ".join(ENGINES)}); compadd -a cands; return ;;',
+             f'        cgroups) cands=({" ".join(CGROUPS)}); compadd -a cands; return ;;',
              '        name) cands=(${(f)"$(_gpusnap_names "$repo")"}); compadd -a cands; return ;;',
              '        schedname) cands=(${(f)"$(_gpusnap_names "$repo"; _gpusnap_schedules)"}); compadd -a cands; return ;;',
              "        dir) _path_files -/; return ;;",
@@ -228,7 +232,7 @@ def fish() -> str:
         flag = f"-l {w[2:]}" if w.startswith("--") else f"-s {w[1:]}"
         kind = values.get(path, {}).get(w)
         extra = {"codec": f" -x -a '{' '.join(CODECS)}'", "via": f" -x -a '{' '.join(VIAS)}'",
-                 "engine": f" -x -a '{' '.join(ENGINES)}'",
+                 "engine": f" -x -a '{' '.join(ENGINES)}'", "cgroups": f" -x -a '{' '.join(CGROUPS)}'",
                  "name": " -x -a '(__gpusnap_names)'", "schedname": " -x -a '(__gpusnap_names; __gpusnap_schedules)'",
                  "dir": " -x -a '(__fish_complete_directories)'",
                  "file": " -r -F", "text": " -x"}.get(kind, "")

@@ -221,6 +221,14 @@ class CopyFailed(GpusnapError):
     title = "copy failed"
 
 
+class NetnsMissing(GpusnapError):
+    """The snapshot's job ran in a named network namespace (`ip netns`), which the restore joins
+    again, and no network namespace is bound at that path now; nothing was restored."""
+
+    exit_code = 35
+    title = "network namespace missing"
+
+
 class NativeLibraryMissing(GpusnapError):
     """A native part of gpusnap is missing or of another version: the page library
     (build/lib/libgpusnap_pages.so) or the post-dump gate (build/bin/gpusnap-gate)."""

@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from gpusnap.completion import ENGINES, VIAS
+from gpusnap.completion import CGROUPS, ENGINES, VIAS
 from gpusnap.ops import restore
 
 COMPLETIONS = Path(__file__).resolve().parent.parent / "completions"
@@ -16,6 +16,10 @@ COMPLETIONS = Path(__file__).resolve().parent.parent / "completions"
 
 def test_the_via_choices_are_restores():
     assert VIAS == restore.VIAS
+
+
+def test_the_cgroups_choices_are_restores():
+    assert CGROUPS == restore.CGROUPS
 
 
 def test_the_engine_choices_are_the_engines_gpusnap_drives():
@@ -51,6 +55,7 @@ def test_via_and_name_complete_in_bash(tmp_path):
     assert _bash(["gpusnap", "restore", "--via", ""]) == ["auto", "files", "lazy", "stream"]
     assert _bash(["gpusnap", "restore", "--via", "f"]) == ["files"]
     assert _bash(["gpusnap", "dump", "--engine", ""]) == ["docker", "podman"]
+    assert _bash(["gpusnap", "restore", "--cgroups", "s"]) == ["soft", "strict"]
     assert _bash(["gpusnap", "dump", "--repo", str(r), "--name", ""]) == ["fold", "sweep", "train"]
     assert _bash(["gpusnap", "schedule", "add", "--repo", str(r), "--name", "f"]) == ["fold"]
 

@@ -139,6 +139,12 @@ def restore(
     tcp_close: bool = typer.Option(False, "--tcp-close",
                                    help="Restore established TCP connections closed (the job sees a reset "
                                         "and reconnects); the default when their peer is gone."),
+    cgroups: Optional[str] = typer.Option(None, "--cgroups", metavar="none|props|soft|full|strict|ignore",
+                                          help="How CRIU restores the job's cgroups (its --manage-cgroups "
+                                               "mode; default: CRIU's, soft). ignore: the job stays in the "
+                                               "cgroups gpusnap restore runs in, none of its own are restored "
+                                               "or required (a job that made and moved itself into cgroups "
+                                               "of its own)."),
     copy_to: Optional[str] = typer.Option(None, "--copy-to", metavar="REPO|ssh://[USER@]HOST[:PORT]/PATH",
                                           help="Also look in the repository dumps copy to: restore the newest "
                                                "snapshot of NAME that verifies, in either (one on another "
@@ -170,7 +176,8 @@ def restore(
     with restore_interrupt.guard() as held:    # once the job runs, a signal waits until its PID is out
         result = with_progress("restoring", not (json_ or quiet),
                                lambda **kw: do_restore(snapshot, repo=repo, gpu_map=gpu_map, tcp_close=tcp_close,
-                                                       via=via, terminal_want="new" if json_ else "auto", **kw))
+                                                       via=via, terminal_want="new" if json_ else "auto",
+                                                       cgroups=cgroups, **kw))
         result.notes[:0] = [f"skipped {s['snapshot']}: {s['reason']}" for s in skipped]
         fault("restore:report")
         note_interrupt(held, result)

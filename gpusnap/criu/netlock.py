@@ -82,13 +82,18 @@ def _live_connections() -> set[tuple[str, str]]:
 
 def peers_gone(conns: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Connections whose peer was on this machine and no longer holds its end. Peers on other
-    machines cannot be seen from here: they count as alive (a dead one answers with a reset)."""
+    machines cannot be seen from here: they count as alive (a dead one answers with a reset).
+    A connection still in SYN_SENT has no peer end yet (its SYN was not answered: dropped by a
+    firewall, or the listener is slow): restored as it was, it connects when a listener answers,
+    and fails as it would have when none does; restored closed, it never connects."""
     ours = {c["local"] for c in conns}
     live = _live_connections()
     gone = []
     for c in conns:
         if c["remote"] in ours:  # both ends are in the snapshot: restored together
             continue
+        if c.get("state") == "SYN_SENT":   # a connect in progress: no peer end to lose yet; the
+            continue                      # restored socket sends its SYN again, a listener answers it
         if _is_local_ip(_split(c["remote"])[0]) and (c["remote"], c["local"]) not in live:
             gone.append(c)
     return gone

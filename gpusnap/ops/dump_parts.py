@@ -296,6 +296,8 @@ def look(req: DumpRequest):
         "file_locks": [{"kind": lk["kind"], "path": lk["path"]} for lk in plan.locks],
         # own PID namespace: restored into a new one, its PIDs never clash with running processes
         "unix_peers": plan.unix_peers, "own_pid_namespace": plan.own_pid_namespace,
+        # a network namespace not gpusnap's: its bind mount, joined again on restore (system/netns.py)
+        "netns": plan.netns.to_meta() if plan.netns is not None else None,
     }
     gpu = gpu_facts(pids)
     if gpu:

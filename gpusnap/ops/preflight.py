@@ -55,6 +55,7 @@ class Plan:
     listening: list[dict[str, Any]] = field(default_factory=list)
     unix_peers: list[str] = field(default_factory=list)  # daemons' addresses the restore reconnects to
     linked: list[Any] = field(default_factory=list)   # files dumped through CRIU's link remap (ghosts.py)
+    netns: Any = None    # system/netns.py Netns: the root's network namespace when not gpusnap's own
 
     def add(self, name: str, status: str, detail: str, fix: str | None = None,
             error: type[GpusnapError] | None = None) -> Finding:
@@ -193,6 +194,7 @@ def check(pid: int, *, system: bool = True, tcp_established: bool = False, tcp_c
                  "it runs in); it cannot snapshot itself", "dump the job's own PID", UsageError)
 
     _check_pidns(plan, pid)
+    _check_netns(plan, pid)
     _check_uids(plan, pids)
     traced = [(p, t) for p in pids if (t := proc.status(p).get("TracerPid")) and t != "0"]
     if traced:
@@ -256,6 +258,28 @@ def _check_pidns(plan: Plan, pid: int) -> None:
         plan.add("PID namespace", "fail", f"PID {pid} lives in a PID namespace of its own (PID {its[-1]} "
                  "there) but is not its init; CRIU can dump a PID namespace only from its init",
                  "dump the namespace's init instead (its PID 1)")
+
+
+def _check_netns(plan: Plan, pid: int) -> None:
+    """A network namespace other than gpusnap's: joined again on restore when it has a name (a
+    bind mount, as `ip netns add` makes), else recreated from the images (system/netns.py)."""
+    from gpusnap.system import netns
+
+    ns = netns.foreign(pid)
+    plan.netns = ns
+    if ns is None:
+        return
+    if ns.path:
+        plan.add("network namespace", "ok", f"runs in the named network namespace {ns.name} ({ns.path}, "
+                 f"net:[{ns.inode}]): the restore joins it again (CRIU's --join-ns), with whatever else runs "
+                 "there", f"it must still exist at restore time (`ip netns add {ns.name}` would make a new, "
+                 "empty one of that name)")
+    else:
+        plan.add("network namespace", "info", f"runs in a network namespace of its own (net:[{ns.inode}]) that "
+                 "has no name (no bind mount of it, as `ip netns add` makes): CRIU dumps it and the restore makes "
+                 "a new one from the images (interfaces, addresses, routes, firewall rules); processes outside "
+                 "the job that share it now will not be in it",
+                 "to restore into the same namespace, start the job in a named one (`ip netns exec NAME ...`)")
 
 
 def _check_uids(plan: Plan, pids: list[int]) -> None:

@@ -149,6 +149,10 @@ def _gpu_env(snap, gpu_map: str | None) -> dict[str, str]:
 
 
 VIAS = ("auto", "stream", "files", "lazy")
+# `restore --cgroups MODE`: CRIU's --manage-cgroups modes, the user's choice (None: CRIU's default,
+# soft: the job's cgroups made where missing, their properties restored only in new ones; ignore:
+# the job stays in the cgroups of the restoring gpusnap, none of its own restored)
+CGROUPS = ("none", "props", "soft", "full", "strict", "ignore")
 
 
 def choose_via(via: str, snap, hugetlb: int) -> str:
@@ -188,12 +192,15 @@ def _check_hugepages(hugetlb: int) -> None:
 
 def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None = None,
             progress: Callable[..., None] | None = None, via: str = "auto",
-            tcp_close: bool = False, terminal_want: str = "auto") -> RestoreResult:
+            tcp_close: bool = False, terminal_want: str = "auto", cgroups: str | None = None) -> RestoreResult:
     """terminal_want, for a job that had a terminal (ops/restore_terminal.py): auto (ours when
-    we have one, else a new tmux session), new (always tmux: --json, programs), here."""
+    we have one, else a new tmux session), new (always tmux: --json, programs), here.
+    cgroups: CRIU's --manage-cgroups mode (CGROUPS; None: CRIU's own default, soft)."""
     t0 = time.monotonic()
     if via not in VIAS:
         raise UsageError(f"--via must be one of {', '.join(VIAS)}, not {via!r}")
+    if cgroups is not None and cgroups not in CGROUPS:
+        raise UsageError(f"--cgroups must be one of {', '.join(CGROUPS)}, not {cgroups!r}")
     with restore_interrupt.guard() as g:
         try:
             runner.require_privileges("restore")
@@ -217,7 +224,7 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
 
                 if restore_terminal.choose(terms, terminal_want) == "tmux":
                     return restore_terminal.in_tmux(snap, repository.path, gpu_map=gpu_map, via=via,
-                                                   tcp_close=tcp_close, t0=t0)
+                                                   tcp_close=tcp_close, t0=t0, cgroups=cgroups)
                 import signal
 
                 signal.signal(signal.SIGTTOU, signal.SIG_IGN)   # the job gets the foreground; we still print
@@ -227,7 +234,7 @@ def restore(ref: str, repo: str | os.PathLike | None = None, gpu_map: str | None
                 if progress:
                     progress(0, 0, "handover")      # no progress bar on the terminal the job will write to
             with repository.readers_lock():
-                result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty)
+                result = _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close, tty, cgroups)
         except KeyboardInterrupt:      # Ctrl-C, or SIGTERM/SIGHUP (restore_interrupt.Terminated)
             raise Interrupted("restore interrupted before CRIU started: nothing was restored, and the files "
                               "it had set aside are back as they were",
@@ -259,7 +266,8 @@ def terminals(snap) -> list[str]:
         raise CorruptSnapshot(f"snapshot {snap.path} has an unreadable terminal image: {e}") from None
 
 
-def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False, tty=None) -> RestoreResult:
+def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False, tty=None,
+             cgroups=None) -> RestoreResult:
     snap.check_structure()
     env = dict(os.environ)
     env.update(_gpu_env(snap, gpu_map))
@@ -275,7 +283,7 @@ def _restore(repository, snap, info, gpu_map, progress, t0, via, tcp_close=False
     with hostlock.held(key, (lambda: progress(0, 0, "waiting")) if progress else None):
         if not own_pidns:  # a PID namespace of its own is recreated fresh: nothing can clash
             _check_pids_free(pids)
-        plan, tcp = _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0)
+        plan, tcp = _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0, cgroups)
         return _run(plan, tcp, progress)
 
 
@@ -297,13 +305,16 @@ def _tcp(snap, tcp_close: bool) -> _Tcp:
     return _Tcp(conns, closed, why, False)
 
 
-def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0):
+def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0, cgroups=None):
     """The restore decided: CRIU's flags (the manifest's, checked: it is data, not a command
     line), the connections, the path, the huge pages it needs. Returns (plan, connections)."""
     flags = list(snap.manifest.get("meta", {}).get("restore_flags", []))
     allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk", "--tcp-close"}
     if not set(flags) <= allowed:
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
+    flags += restore_needs.join_netns(snap)     # a named network namespace: joined again
+    if cgroups is not None:                     # the user's choice (restore --cgroups)
+        flags.append(f"--manage-cgroups={cgroups}")
     tcp = _tcp(snap, tcp_close)
     if tcp.closed and not tcp.dumped_closed:
         flags.append("--tcp-close")

@@ -13,13 +13,19 @@ A TCP socket that was connected and then reset (state CLOSE, a peer address kept
 /proc/net/tcp, so the dump's preflight cannot see it; CRIU dumps it all the same, and its
 restore then refuses it without --tcp-established ("Connected TCP socket in image"). The
 restore reads such sockets from files.img (`reset_tcp`).
+
+A job that ran in a named network namespace (`ip netns`, `meta.netns`) is restored into that
+namespace again with CRIU's --join-ns (`join_netns`); when none is bound at its path any more
+the restore refuses before anything runs (system/netns.py).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from gpusnap.criu import images
+from gpusnap.errors import CorruptSnapshot, NetnsMissing
 
 MAP_HUGETLB = 0x40000
 
@@ -109,3 +115,23 @@ def reset_tcp(snap) -> bool:
         if isk and isk.get("proto") == 6 and isk.get("state") == TCP_CLOSE and isk.get("dst_port"):
             return True
     return False
+
+
+def join_netns(snap) -> list[str]:
+    """CRIU's --join-ns for a job dumped in a named network namespace ([] for any other); raises
+    NetnsMissing when no network namespace is bound at the recorded path now."""
+    from gpusnap.system import netns
+
+    rec = snap.manifest.get("meta", {}).get("netns")
+    if not isinstance(rec, dict) or rec.get("path") is None:
+        return []       # gpusnap's own namespace, or one with no name: CRIU makes a new one
+    path = rec["path"]
+    if not isinstance(path, str) or not path.startswith("/") or "," in path:
+        raise CorruptSnapshot(f"snapshot {snap.path} records a malformed network namespace path {path!r}")
+    if netns.mounted_at(path) is None:
+        name = os.path.basename(path)
+        raise NetnsMissing(f"the job ran in the network namespace {name} ({path}), which the restore joins "
+                           f"again, and no network namespace is bound at {path} now; nothing was restored",
+                           hint=f"make it again (`ip netns add {name}`, with the interfaces and addresses the "
+                                "job needs; `ip netns list` shows those that exist), then restore again")
+    return ["--join-ns", f"net:{path}"]

@@ -105,7 +105,7 @@ def put_back(fd: int, saved: tuple) -> None:
 
 # --- the restore inside a new tmux session -------------------------------------------------
 
-def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
+def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float, cgroups: str | None = None) -> "object":
     """Run this restore in a new detached tmux session named after the snapshot; returns its
     RestoreResult (with `terminal` naming the session) or raises its error."""
     from gpusnap.ops.restore import RestoreResult  # lazy: restore.py calls this module for a job with a terminal
@@ -113,7 +113,7 @@ def in_tmux(snap, repo_path, *, gpu_map, via, tcp_close, t0: float) -> "object":
     work = Path(tempfile.mkdtemp(prefix="gpusnap-tty-"))       # private (0700)
     try:
         req = {"ref": os.path.abspath(snap.path), "repo": os.path.abspath(repo_path), "gpu_map": gpu_map, "via": via,
-               "tcp_close": tcp_close, "env": dict(os.environ)}
+               "tcp_close": tcp_close, "cgroups": cgroups, "env": dict(os.environ)}
         fd = os.open(work / "request.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(req, f)
@@ -260,7 +260,7 @@ def main(argv: list[str]) -> int:
         from gpusnap.ops.restore import restore  # lazy: the pane runs the restore that called in_tmux()
 
         result = restore(req["ref"], repo=req["repo"], gpu_map=req["gpu_map"], via=req["via"],
-                         tcp_close=req["tcp_close"], terminal_want="here")
+                         tcp_close=req["tcp_close"], terminal_want="here", cgroups=req.get("cgroups"))
     except GpusnapError as e:
         err = {"class": type(e).__name__, "message": e.message, "hint": e.hint,
                "log_path": getattr(e, "log_path", None), "last_lines": getattr(e, "last_lines", None)}

@@ -249,6 +249,22 @@ def _kill_strays(name: str) -> None:
         _kill(pid)
 
 
+def _hook_pids(name: str) -> list[int]:
+    """Processes still running the test's hook (`zdtm/static/NAME.hook ...`): a daemon its
+    --post-start forked (netns_lock_*'s server, in a session of its own) that zdtm.py ends with
+    the test's namespace; here it would live on, holding its network namespace alive."""
+    mark = f"zdtm/static/{name}.hook".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if mark in (d / "cmdline").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, 9)
@@ -409,10 +425,20 @@ def _opts(static: Path, name: str, stage: str) -> list[str]:
 # them too, and is given them as the test's description gives them to CRIU (--tcp-close:
 # the connections are not kept; the others gpusnap must find by itself)
 USER_CHOICES = ("--tcp-close",)
+# a restore's choice with a value: CRIU's --manage-cgroups=MODE is `gpusnap restore --cgroups
+# MODE` (where the restored job's cgroups come from; a bare --manage-cgroups is CRIU's default
+# mode, soft, which gpusnap uses when not told)
+RESTORE_CHOICES = {"--manage-cgroups": "--cgroups"}
 
 
-def _user_choices(opts: list[str]) -> list[str]:
-    return [o for o in USER_CHOICES if o in opts]
+def _user_choices(opts: list[str], stage: str = "dump") -> list[str]:
+    out = [o for o in USER_CHOICES if o in opts]
+    if stage == "restore":
+        for o in opts:
+            key, eq, value = o.partition("=")
+            if eq and key in RESTORE_CHOICES:
+                out += [RESTORE_CHOICES[key], value]
+    return out
 
 
 def _dump(static: Path, name: str, pid: int, mode: str, kind: str, work: Path, out: Outcome):
@@ -445,7 +471,7 @@ def _restore(static: Path, name: str, mode: str, handle, opts: list[str], work: 
     _hook(static, name, "--pre-restore")
     if mode == "gpusnap":
         via = ["--via", os.environ["ZDTM_VIA"]] if os.environ.get("ZDTM_VIA") else []
-        r = _gpusnap("restore", handle, "--repo", str(work / "repo"), *via, *_user_choices(opts))
+        r = _gpusnap("restore", handle, "--repo", str(work / "repo"), *via, *_user_choices(opts, "restore"))
         if r.returncode != 0:
             return r.stdout + r.stderr
         return None
@@ -530,6 +556,8 @@ def _run_started(static, name, mode, work, kind, log, out, fail) -> Outcome:
             _hook(static, name, "--clean")
         except (RuntimeError, subprocess.TimeoutExpired):
             pass
+        for p in _hook_pids(name):      # every hook has ended: what is left is a daemon of one
+            _kill(p)
         _clean(static, name)
         _reap()
 

@@ -57,13 +57,14 @@ PLANE_TRY_BITS = 7700
 AUTO_EST_GAIN = 0.95
 PLANE_SAMPLES = 2048                   # samples per plane for the entropy estimate
 # auto: before any attempt, a sample of min(len // SAMPLE_PART, SAMPLE_SLICES) slices of
-# SAMPLE_BYTES (one per page of a 16-page group; only for data of at least twice the sample):
+# together ~SAMPLE_BYTES (one per page of a 16-page group; only for data of at least twice
+# SAMPLE_BYTES):
 # when each of its 4 byte planes is at or above PLANE_TRY_BITS (1024 samples: random data
 # reads ~7.82 bits/byte) and lz4 gains nothing on it, the data is stored raw without
 # compressing it (sample_says_raw)
 SAMPLE_PART = 4096
 SAMPLE_SLICES = 16
-SAMPLE_BYTES = 256
+SAMPLE_BYTES = 4096
 
 _tls = threading.local()
 
@@ -220,17 +221,18 @@ def sample_says_raw(data) -> bool:
     without an attempt (random memory costs a look at 1/16 of it instead of an lz4 pass over
     all of it and the planes' estimate).
 
-    The sample: k = min(len // SAMPLE_PART, SAMPLE_SLICES) slices of SAMPLE_BYTES, one in the
-    middle of each of k equal parts of data, one after the other. Data is incompressible when
+    The sample: k = min(len // SAMPLE_PART, SAMPLE_SLICES) slices of SAMPLE_BYTES // k bytes
+    (rounded down to a multiple of 4), one in the middle of each of k equal parts of data, one
+    after the other: 1024 samples per byte plane, whatever the data's length. Data is incompressible when
     each of the sample's 4 byte planes has an order-0 entropy at or above PLANE_TRY_BITS and
     lz4 (block mode) gains nothing at all on the sample: floats' exponents, text, zeros or
     repeats in a sampled page keep it on the full way, with exactly the choices and payloads
-    of before. Data shorter than twice the sample is always attempted. gs_encode.c
+    of before. Data shorter than twice SAMPLE_BYTES is always attempted. gs_encode.c
     sample_says_raw is the same."""
     n = len(data)
-    ln = SAMPLE_BYTES
     k = min(n // SAMPLE_PART, SAMPLE_SLICES) if SAMPLE_PART else 0
-    if not k or not ln or n < 2 * k * ln:
+    ln = SAMPLE_BYTES // k // 4 * 4 if k else 0
+    if not ln or n < 2 * SAMPLE_BYTES:
         return False
     step = n // k
     mv = memoryview(data).cast("B")

@@ -245,18 +245,19 @@ static int fits(gs_enc *e, int64_t len, size_t n) { return (double)len <= (doubl
 
 /* codec.sample_says_raw(data): 1 when a cheap sample shows that the group will not
  * compress, so that auto stores it raw without an attempt. The sample: k = min(n /
- * sample_part, sample_slices) slices of sample_bytes, one in the middle of each of k equal
- * parts of the group (one per page of a 16-page group), copied one after the other. The
+ * sample_part, sample_slices) slices, together about sample_bytes (each a multiple of 4),
+ * one in the middle of each of k equal parts of the group (one per page of a 16-page
+ * group), copied one after the other. The
  * group counts as incompressible when each of the sample's 4 byte planes has an order-0
  * entropy at or above try_bits (floats' exponents, text or zeros in the sampled pages keep
  * one below) and lz4 (block mode, as python-lz4's) gains nothing at all on it. Groups
- * shorter than twice the sample are always attempted. -> 1, 0, or < 0 */
+ * shorter than twice sample_bytes are always attempted. -> 1, 0, or < 0 */
 static int sample_says_raw(gs_enc *e, const uint8_t *src, size_t n) {
-  size_t len = (size_t)e->sample_bytes, part = (size_t)e->sample_part;
-  size_t k = part ? n / part : 0;
+  size_t part = (size_t)e->sample_part, k = part ? n / part : 0;
   if (k > (size_t)e->sample_slices)
     k = (size_t)e->sample_slices;
-  if (!k || !len || n < 2 * k * len)
+  size_t len = k ? (size_t)e->sample_bytes / k / 4 * 4 : 0;
+  if (!len || n < 2 * (size_t)e->sample_bytes)
     return 0;
   size_t tot = k * len, step = n / k, bound = (size_t)LZ4_compressBound((int)tot);
   if (grow(&e->smp, &e->smp_cap, tot) || grow(&e->lz, &e->lz_cap, bound))

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from gpusnap.repo import Repository, reader
+from gpusnap.repo import Repository, readahead, reader
 from gpusnap.repo.format import BLOB_HEADER, READ_CHUNK
 from repo_helpers import PAGE, dump, read_all, text_page
 
@@ -36,7 +36,7 @@ def snap(tmp_path):
 @pytest.mark.parametrize("ahead", [0, 1, 4])
 def test_same_bytes_whatever_the_read_ahead(snap, monkeypatch, ahead):
     s, data = snap
-    monkeypatch.setattr(reader, "READ_AHEAD_JOBS", ahead)
+    monkeypatch.setattr(readahead, "JOBS", ahead)
     assert read_all(s, "pages-1.img") == data
 
 
@@ -49,8 +49,8 @@ def test_every_blob_asked_for_ahead(snap, monkeypatch):
         calls.append((os.readlink(f"/proc/self/fd/{fd}"), off, n, advice))
         return real(fd, off, n, advice)
 
-    monkeypatch.setattr(reader.os, "posix_fadvise", spy)
-    monkeypatch.setattr(reader, "READ_AHEAD_JOBS", 2)
+    monkeypatch.setattr(readahead.os, "posix_fadvise", spy)
+    monkeypatch.setattr(readahead, "JOBS", 2)
     assert read_all(s, "pages-1.img") == data
     assert calls and all(a == os.POSIX_FADV_WILLNEED for *_, a in calls)
     # every pages blob the image's runs point to lies within a range asked for
@@ -73,5 +73,5 @@ def test_a_refused_hint_changes_nothing(snap, monkeypatch):
     def refuse(*a):
         raise OSError(22, "Invalid argument")
 
-    monkeypatch.setattr(reader.os, "posix_fadvise", refuse)
+    monkeypatch.setattr(readahead.os, "posix_fadvise", refuse)
     assert read_all(s, "pages-1.img") == data

@@ -16,7 +16,6 @@ Nothing read is trusted: a wrong run gives a checksum failure, never a wrong byt
 
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import queue
@@ -27,8 +26,8 @@ from typing import Iterator
 
 import blake3
 
-from gpusnap.repo import fsutil, native
-from gpusnap.repo.format import (BLOB_HEADER, KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
+from gpusnap.repo import fsutil, native, readahead
+from gpusnap.repo.format import (KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
                                  READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
 from gpusnap.repo.format.locations import Locations, LocationsInvalid
 from gpusnap.repo.store import BlobReader, pack_path
@@ -36,7 +35,6 @@ from gpusnap.repo.store import BlobReader, pack_path
 PREFETCH_MIN = 8 << 20     # pages images at least this big are read ahead in a thread
 PREFETCH_DEPTH = 3         # chunks (<= 1 MiB each) read ahead
 PAGE_FDS = 16              # pack fds a RunReader keeps open for pages (a job needing more is decoded in parts)
-READ_AHEAD_JOBS = 4        # sequential reading: jobs (<= 1 MiB each) whose packs' bytes are asked for ahead (_advise)
 
 _tokens = itertools.count(1)
 
@@ -324,58 +322,10 @@ def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
     return buf
 
 
-def _advise(reader: RunReader, job: Job) -> None:
-    """Ask the kernel to start reading the packs' bytes of job's pages runs now
-    (POSIX_FADV_WILLNEED: asynchronous, no CPU of ours), so that a single reading thread
-    finds them in the page cache instead of waiting on each pread: from a cold cache the
-    disk then works while the thread checks the pages before. Contiguous blobs of one pack
-    are asked for as one range."""
-    rng = None
-    for p in job.pieces:
-        if p[0] != "r":
-            continue
-        r = p[1]
-        lo, hi = r[1], r[1] + BLOB_HEADER.size + r[6]
-        if rng is not None and rng[0] == r[0] and lo <= rng[2] + (64 << 10) and lo >= rng[1]:
-            rng[2] = max(rng[2], hi)
-            continue
-        if rng is not None:
-            _willneed(reader, *rng)
-        rng = [r[0], lo, hi]
-    if rng is not None:
-        _willneed(reader, *rng)
-
-
-def _willneed(reader: RunReader, pack_no: int, lo: int, hi: int) -> None:
-    try:
-        fd = reader.fds.get(pack_no)
-        if fd is None:
-            if len(reader.fds) >= PAGE_FDS:
-                return
-            fd = reader.open_pack(pack_no)
-        os.posix_fadvise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass                        # only a hint: the decode reports what is wrong
-
-
-
-
 def _read_pages(snap, name: str, loc: Locations, image_no: int, drop: list | None = None) -> Iterator:
     reader = RunReader(snap.repo.path, loc)
     try:
-        jobs = plan(snap, name, loc, image_no, READ_CHUNK, drop)
-        ahead: collections.deque = collections.deque()
-        while True:
-            while len(ahead) <= READ_AHEAD_JOBS:
-                j = next(jobs, None)
-                if j is None:
-                    break
-                if READ_AHEAD_JOBS:
-                    _advise(reader, j)
-                ahead.append(j)
-            if not ahead:
-                break
-            job = ahead.popleft()
+        for job in readahead.ahead(reader, plan(snap, name, loc, image_no, READ_CHUNK, drop), PAGE_FDS):
             buf = assemble(snap, name, job, reader)
             if buf is None:         # all zero: the shared zero chunk (a hole for the materializer)
                 buf = ZERO_CHUNK if job.size == READ_CHUNK else bytes(job.size)

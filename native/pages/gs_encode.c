@@ -247,11 +247,11 @@ static int fits(gs_enc *e, int64_t len, size_t n) { return (double)len <= (doubl
  * compress, so that auto stores it raw without an attempt. The sample: k = min(n /
  * sample_part, sample_slices) slices, together about sample_bytes (each a multiple of 4),
  * one in the middle of each of k equal parts of the group (one per page of a 16-page
- * group), copied one after the other. The
- * group counts as incompressible when each of the sample's 4 byte planes has an order-0
- * entropy at or above try_bits (floats' exponents, text or zeros in the sampled pages keep
- * one below) and lz4 (block mode, as python-lz4's) gains nothing at all on it. Groups
- * shorter than twice sample_bytes are always attempted. -> 1, 0, or < 0 */
+ * group), copied one after the other. The group counts as incompressible when each of the
+ * sample's 4 byte planes has an order-0 entropy at or above try_bits (floats' exponents,
+ * text or zeros in the sampled pages keep one below) and lz4 (block mode, as python-lz4's)
+ * gains nothing at all on it. Groups shorter than twice sample_bytes are always attempted.
+ * -> 1, 0, or < 0 */
 static int sample_says_raw(gs_enc *e, const uint8_t *src, size_t n) {
   size_t part = (size_t)e->sample_part, k = part ? n / part : 0;
   if (k > (size_t)e->sample_slices)

@@ -344,3 +344,114 @@ def test_a_dump_loads_neither_lz4_nor_zstandard(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == ""
+
+
+# -- the sample: auto stores a group raw without an attempt when 1/16 of it shows no gain -------
+def _no_sample_params():
+    return {**encoder.encoder_params(), "sample_slices": 0}
+
+
+def test_random_group_stored_raw_without_an_attempt():
+    """A random group is stored raw on the sample's word alone: the encoder counts it as
+    sampled_raw, not tried; with the skip heuristic on top, only the groups it lets through
+    are sampled, and none of a random run is compressed in full."""
+    rng = np.random.default_rng(31)
+    g = rand(rng)
+    assert C.sample_says_raw(g)
+    enc = encoder.Encoder()
+    res, out = enc.encode([g], C.CODEC_AUTO)
+    assert res == [CODEC_NONE, len(g)] and len(out) == 0
+    assert enc.stats() == {"tried": 0, "sampled_raw": 1, "skipped": 0}
+    # the heuristics after a group stored raw are those after a failed attempt
+    assert tuple(enc.state) == (1, 2, 0, 0)
+    groups = [rand(rng) for _ in range(40)]
+    enc = encoder.Encoder()
+    res, _ = enc.encode(groups, C.CODEC_AUTO)
+    st = enc.stats()
+    assert set(res[0::2]) == {CODEC_NONE}
+    assert st["tried"] == 0 and st["sampled_raw"] + st["skipped"] == 40 and st["skipped"] > st["sampled_raw"]
+    # the Python codec decides the same, without compressing
+    assert C.compress(g, C.CODEC_AUTO) == (CODEC_NONE, g)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "zero", "text", "mixed"])
+def test_compressible_groups_unchanged_by_the_sample(kind):
+    """Float, text and zero-heavy groups (and the heuristic-driving mix) are never stored raw
+    on the sample's word: the codecs, payloads and heuristic states are those of an encoder
+    without the sample, so every compressed size stays what it was."""
+    groups = batch_of(kind, 41)
+    got, states = native_run(groups, C.CODEC_AUTO, batch_sizes=[1])
+    want, want_states = native_run(groups, C.CODEC_AUTO, batch_sizes=[1],
+                                   enc=encoder.Encoder(_no_sample_params()))
+    assert [c for c, _ in got] == [c for c, _ in want]
+    assert [p for _, p in got] == [p for _, p in want]
+    assert states == want_states
+    if kind != "mixed":
+        assert not any(C.sample_says_raw(g) for g in groups)
+        enc = encoder.Encoder()
+        enc.encode(groups, C.CODEC_AUTO)
+        assert enc.stats()["sampled_raw"] == 0
+
+
+def test_fp32_group_sizes_as_before():
+    """An fp32 group compresses with shuffle4-zstd to exactly the size an encoder without
+    the sample gives, lz4 tried first or not."""
+    rng = np.random.default_rng(43)
+    g = fp32(rng)
+    assert not C.sample_says_raw(g)
+    for first in (True, False):
+        c, p = C.compress(g, C.CODEC_AUTO, lz4_first=first)
+        assert c == CODEC_SHUF4_ZSTD and len(p) < 0.9 * len(g)
+    (c1, p1), = native_run([g], C.CODEC_AUTO)[0]
+    (c0, p0), = native_run([g], C.CODEC_AUTO, enc=encoder.Encoder(_no_sample_params()))[0]
+    assert (c1, p1) == (c0, p0) and c1 == CODEC_SHUF4_ZSTD
+
+
+def test_sample_sees_what_order0_entropy_does_not():
+    """Groups of random bytes that still compress go the full way: one random page repeated
+    (high entropy, but lz4 finds the repeats in the sample), random pages with one text page
+    among them (the text slice gains), random pages whose middle is zeros."""
+    rng = np.random.default_rng(47)
+    page = rng.bytes(PAGE)
+    repeated = page * 16
+    assert not C.sample_says_raw(repeated)
+    r = random.Random(5)
+    one_text = b"".join(text_page(r) if i == 9 else rng.bytes(PAGE) for i in range(16))
+    assert not C.sample_says_raw(one_text)
+    holes = b"".join(rng.bytes(1024) + bytes(2048) + rng.bytes(1024) for _ in range(16))
+    assert not C.sample_says_raw(holes)
+    for g, want in ((repeated, CODEC_LZ4), (holes, CODEC_LZ4)):
+        enc = encoder.Encoder()
+        res, _ = enc.encode([g], C.CODEC_AUTO)
+        assert res[0] == want and enc.stats()["tried"] == 1
+    # as codec.compress decides for each
+    for g in (repeated, one_text, holes):
+        assert encoder.encode_blob(g, C.CODEC_AUTO)[0] == C.compress(g, C.CODEC_AUTO)[0]
+
+
+def test_sample_only_for_long_enough_groups_and_lz4_first():
+    """Groups shorter than twice the sample (a page, 7 KiB) are always attempted; with
+    lz4 not first (after groups where shuffle4-zstd won) no sample is taken; explicit codecs
+    never sample."""
+    rng = np.random.default_rng(53)
+    small = rand(rng, PAGE)
+    assert not C.sample_says_raw(small)
+    assert C.sample_says_raw(rand(rng, 2 * PAGE))       # 2 slices of 2 KiB in 8 KiB
+    assert C.sample_says_raw(rand(rng, 3 * PAGE + 5))   # 3 of 1364 B
+    enc = encoder.Encoder()
+    enc.encode([small], C.CODEC_AUTO)
+    assert enc.stats() == {"tried": 1, "sampled_raw": 0, "skipped": 0}
+    enc = encoder.Encoder()
+    enc.state[:] = (0, 1, encoder.LZ4_FUTILE, 0)        # lz4 not first
+    res, _ = enc.encode([rand(rng)], C.CODEC_AUTO)
+    assert res[0] == CODEC_NONE and enc.stats()["tried"] == 1
+    enc = encoder.Encoder()
+    res, _ = enc.encode([rand(rng)], CODEC_LZ4)
+    assert res[0] == CODEC_NONE and enc.stats() == {"tried": 1, "sampled_raw": 0, "skipped": 0}
+
+
+def test_stats_of_a_closed_encoder():
+    enc = encoder.Encoder()
+    enc.close()
+    with pytest.raises(ValueError):
+        enc.stats()

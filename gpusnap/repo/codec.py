@@ -56,6 +56,15 @@ PLANE_TRY_BITS = 7700
 # auto: try shuffle4-zstd when its estimated size is below this share of the best so far
 AUTO_EST_GAIN = 0.95
 PLANE_SAMPLES = 2048                   # samples per plane for the entropy estimate
+# auto: before any attempt, a sample of min(len // SAMPLE_PART, SAMPLE_SLICES) slices of
+# together ~SAMPLE_BYTES (one per page of a 16-page group; only for data of at least twice
+# SAMPLE_BYTES):
+# when each of its 4 byte planes is at or above PLANE_TRY_BITS (1024 samples: random data
+# reads ~7.82 bits/byte) and lz4 gains nothing on it, the data is stored raw without
+# compressing it (sample_says_raw)
+SAMPLE_PART = 4096
+SAMPLE_SLICES = 16
+SAMPLE_BYTES = 4096
 
 _tls = threading.local()
 
@@ -207,10 +216,40 @@ def estimate_planes(data, k: int = 4) -> list[int]:
     return native.plane_bits(data, 1, k, step * k, count)
 
 
+def sample_says_raw(data) -> bool:
+    """True when a cheap sample shows that data will not compress: _auto then stores it raw
+    without an attempt (random memory costs a look at 1/16 of it instead of an lz4 pass over
+    all of it and the planes' estimate).
+
+    The sample: k = min(len // SAMPLE_PART, SAMPLE_SLICES) slices of SAMPLE_BYTES // k bytes
+    (rounded down to a multiple of 4), one in the middle of each of k equal parts of data, one
+    after the other: 1024 samples per byte plane, whatever the data's length. Data is incompressible when
+    each of the sample's 4 byte planes has an order-0 entropy at or above PLANE_TRY_BITS and
+    lz4 (block mode) gains nothing at all on the sample: floats' exponents, text, zeros or
+    repeats in a sampled page keep it on the full way, with exactly the choices and payloads
+    of before. Data shorter than twice SAMPLE_BYTES is always attempted. gs_encode.c
+    sample_says_raw is the same."""
+    n = len(data)
+    k = min(n // SAMPLE_PART, SAMPLE_SLICES) if SAMPLE_PART else 0
+    ln = SAMPLE_BYTES // k // 4 * 4 if k else 0
+    if not ln or n < 2 * SAMPLE_BYTES:
+        return False
+    step = n // k
+    mv = memoryview(data).cast("B")
+    sample = b"".join(mv[i * step + (step - ln) // 2:][:ln] for i in range(k))
+    if any(b < PLANE_TRY_BITS for b in native.plane_bits(sample, 1, 4, 4, len(sample) // 4)):
+        return False
+    return len(_lz4().compress(sample, store_size=False)) >= len(sample)
+
+
 def _auto(data, lz4_first: bool = True) -> tuple[int, bytes | None]:
     """lz4_first=False (the caller saw lz4 lose to shuffle4-zstd on the groups before):
-    try shuffle4-zstd first, and lz4 only when shuffle4-zstd gains nothing."""
+    try shuffle4-zstd first, and lz4 only when shuffle4-zstd gains nothing. With lz4 first,
+    data that sample_says_raw is stored raw without an attempt (after groups where
+    shuffle4-zstd won, float-like memory, the sample would seldom pay)."""
     n = len(data)
+    if lz4_first and sample_says_raw(data):
+        return CODEC_NONE, None
     if not lz4_first and n >= 4:
         bits = estimate_planes(data, 4)
         sp = encode_shuffled(data, 4, bits)

@@ -36,20 +36,26 @@ def encoder_params() -> dict:
             "auto_est_gain": _codec.AUTO_EST_GAIN, "plane_try_bits": _codec.PLANE_TRY_BITS,
             "plane_samples": _codec.PLANE_SAMPLES, "zstd_level": _codec.ZSTD_LEVEL,
             "skip_max": SKIP_MAX, "lz4_futile": LZ4_FUTILE, "lz4_probe": LZ4_PROBE,
-            **p}
+            "sample_part": _codec.SAMPLE_PART, "sample_slices": _codec.SAMPLE_SLICES, "sample_bytes": _codec.SAMPLE_BYTES, **p}
 
 # gs_enc_new's parameters, in the C code's order: codec.py's and this module's constants and
 # PLANE_PARAMS, handed over so that those files stay their one definition.
 ENC_PARAM_NAMES = ("gain_limit", "auto_lz4_good", "auto_est_gain", "plane_try_bits", "plane_samples",
                    "zstd_level", "skip_max", "lz4_futile", "lz4_probe", "window_log", "hash_log",
-                   "chain_log", "search_log", "min_match", "target_length", "strategy")
+                   "chain_log", "search_log", "min_match", "target_length", "strategy",
+                   "sample_part", "sample_slices", "sample_bytes")
 ENC_STATE_NAMES = ("skip", "skip_next", "lz4_futile", "since_probe")
+# Encoder.stats(), gs_enc_stats's counters in its order: groups compressed in full (or
+# tried), groups stored raw on the sample's word alone (auto: codec.sample_says_raw),
+# groups stored raw by the skip heuristic without a look
+STAT_NAMES = ("tried", "sampled_raw", "skipped")
 _ENC_ERRORS = {-1: "bad arguments", -3: "output buffer too small", -4: "a compression library failed"}
 _ENC_SIGNATURES = {
     "gs_enc_new": ([_vp, _sz], _vp),
     "gs_enc_free": ([_vp], None),
     "gs_encode_groups": ([_vp, _vp, _vp, _sz, ctypes.c_int, _vp, _vp, _sz, _vp], _i64),
     "gs_enc_out_cap": ([_vp, _sz], _sz),
+    "gs_enc_stats": ([_vp, _vp, _sz], _sz),
     "gs_enc_buf_new": ([_sz], _vp),
     "gs_enc_buf_free": ([_vp], None),
 }
@@ -130,6 +136,14 @@ class Encoder:
         arr = (ctypes.c_char * cap).from_address(p)
         arr._owner = owner
         return list(res), memoryview(arr).cast("B")[:r]
+
+    def stats(self) -> dict[str, int]:
+        """The encoder's counters since it was made (STAT_NAMES)."""
+        if self._h is None:
+            raise ValueError("encoder is closed")
+        out = (ctypes.c_int64 * len(STAT_NAMES))()
+        _encoder_lib().gs_enc_stats(self._h, out, len(STAT_NAMES))
+        return dict(zip(STAT_NAMES, out))
 
     def close(self) -> None:
         h, self._h = self._h, None

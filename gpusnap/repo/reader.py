@@ -26,7 +26,7 @@ from typing import Iterator
 
 import blake3
 
-from gpusnap.repo import fsutil, native
+from gpusnap.repo import fsutil, native, readahead
 from gpusnap.repo.format import (KIND_DATA, KIND_PAGES, PAGE_ID_LEN, PAGE_SIZE,
                                  READ_CHUNK, ZERO_CHUNK, FormatError, blob_id)
 from gpusnap.repo.format.locations import Locations, LocationsInvalid
@@ -325,7 +325,7 @@ def assemble(snap, name: str, job: Job, reader: RunReader) -> bytearray | None:
 def _read_pages(snap, name: str, loc: Locations, image_no: int, drop: list | None = None) -> Iterator:
     reader = RunReader(snap.repo.path, loc)
     try:
-        for job in plan(snap, name, loc, image_no, READ_CHUNK, drop):
+        for job in readahead.ahead(reader, plan(snap, name, loc, image_no, READ_CHUNK, drop), PAGE_FDS):
             buf = assemble(snap, name, job, reader)
             if buf is None:         # all zero: the shared zero chunk (a hole for the materializer)
                 buf = ZERO_CHUNK if job.size == READ_CHUNK else bytes(job.size)

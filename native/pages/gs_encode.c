@@ -35,24 +35,33 @@ enum {
   P_GAIN_LIMIT, P_AUTO_LZ4_GOOD, P_AUTO_EST_GAIN, P_PLANE_TRY_BITS, P_PLANE_SAMPLES,
   P_ZSTD_LEVEL, P_SKIP_MAX, P_LZ4_FUTILE, P_LZ4_PROBE,
   P_WINDOW_LOG, P_HASH_LOG, P_CHAIN_LOG, P_SEARCH_LOG, P_MIN_MATCH, P_TARGET_LENGTH, P_STRATEGY,
+  P_SAMPLE_PART, P_SAMPLE_SLICES, P_SAMPLE_BYTES,
   P_COUNT
 };
 
 /* the heuristic state (int64[4], in/out): sinks.py _CompressState */
 enum { S_SKIP, S_SKIP_NEXT, S_LZ4_FUTILE, S_SINCE_PROBE, S_COUNT };
 
+/* the encoder's counters (gs_enc_stats, in this order: gpusnap/repo/encoder.py STAT_NAMES):
+ * groups compressed in full, groups stored raw on the sample's word alone (auto), groups
+ * stored raw by the skip heuristic without a look */
+enum { T_TRIED, T_SAMPLED_RAW, T_SKIPPED, T_COUNT };
+
 enum { E_ARGS = -1, E_NOMEM = -2, E_SPACE = -3, E_CODEC = -4 };
 
 typedef struct {
   double gain_limit, lz4_good, est_gain;
   int64_t try_bits, samples, skip_max, lz4_futile, lz4_probe;
+  int64_t sample_part, sample_slices, sample_bytes; /* codec.SAMPLE_* */
+  int64_t stats[T_COUNT];
   ZSTD_CCtx *plane; /* codec.PLANE_PARAMS, no content size */
   ZSTD_CCtx *zstd;  /* ZSTD_LEVEL, no content size */
   void *lz4_state;
   uint8_t *shuf; /* the shuffled group */
   uint8_t *sp;   /* the shuffle payload being built */
   uint8_t *lz;   /* lz4 or zstd output */
-  size_t shuf_cap, sp_cap, lz_cap;
+  uint8_t *smp;  /* the sample of sample_says_raw */
+  size_t shuf_cap, sp_cap, lz_cap, smp_cap;
   uint8_t *place; /* the current group's payload in the caller's output, when it has room */
   size_t place_cap;
 } gs_enc;
@@ -72,6 +81,7 @@ GS_EXPORT void gs_enc_free(void *h) {
   free(e->shuf);
   free(e->sp);
   free(e->lz);
+  free(e->smp);
   free(e);
 }
 
@@ -94,10 +104,14 @@ GS_EXPORT void *gs_enc_new(const double *params, size_t nparams) {
   e->skip_max = (int64_t)params[P_SKIP_MAX];
   e->lz4_futile = (int64_t)params[P_LZ4_FUTILE];
   e->lz4_probe = (int64_t)params[P_LZ4_PROBE];
+  e->sample_part = (int64_t)params[P_SAMPLE_PART];
+  e->sample_slices = (int64_t)params[P_SAMPLE_SLICES];
+  e->sample_bytes = (int64_t)params[P_SAMPLE_BYTES];
   e->plane = ZSTD_createCCtx();
   e->zstd = ZSTD_createCCtx();
   e->lz4_state = malloc(sizeof(LZ4_stream_t));
-  if (!e->plane || !e->zstd || !e->lz4_state || e->samples < 1)
+  if (!e->plane || !e->zstd || !e->lz4_state || e->samples < 1 || e->sample_part < 0 ||
+      e->sample_slices < 0 || e->sample_slices > 1024 || e->sample_bytes < 0 || e->sample_bytes > 1 << 16)
     goto fail;
   /* as python-zstandard's ZstdCompressor(compression_params=plane_params()) */
   if (set(e->plane, ZSTD_c_windowLog, (int)params[P_WINDOW_LOG]) ||
@@ -229,10 +243,61 @@ typedef struct {
 
 static int fits(gs_enc *e, int64_t len, size_t n) { return (double)len <= (double)n * e->gain_limit; }
 
-/* codec._auto(data, lz4_first); lz4's attempt goes to e->lz, shuffle4-zstd's to the place */
+/* codec.sample_says_raw(data): 1 when a cheap sample shows that the group will not
+ * compress, so that auto stores it raw without an attempt. The sample: k = min(n /
+ * sample_part, sample_slices) slices, together about sample_bytes (each a multiple of 4),
+ * one in the middle of each of k equal parts of the group (one per page of a 16-page
+ * group), copied one after the other. The group counts as incompressible when each of the
+ * sample's 4 byte planes has an order-0 entropy at or above try_bits (floats' exponents,
+ * text or zeros in the sampled pages keep one below) and lz4 (block mode, as python-lz4's)
+ * gains nothing at all on it. Groups shorter than twice sample_bytes are always attempted.
+ * -> 1, 0, or < 0 */
+static int sample_says_raw(gs_enc *e, const uint8_t *src, size_t n) {
+  size_t part = (size_t)e->sample_part, k = part ? n / part : 0;
+  if (k > (size_t)e->sample_slices)
+    k = (size_t)e->sample_slices;
+  size_t len = k ? (size_t)e->sample_bytes / k / 4 * 4 : 0;
+  if (!len || n < 2 * (size_t)e->sample_bytes)
+    return 0;
+  size_t tot = k * len, step = n / k, bound = (size_t)LZ4_compressBound((int)tot);
+  if (grow(&e->smp, &e->smp_cap, tot) || grow(&e->lz, &e->lz_cap, bound))
+    return E_NOMEM;
+  for (size_t i = 0; i < k; i++)
+    memcpy(e->smp + i * len, src + i * step + (step - len) / 2, len);
+  /* the entropies first, plane by plane from the last (floats' sign and exponent on
+   * little-endian machines): compressible memory mostly stops here, after a quarter of the
+   * sample; the decision is the same in whatever order the planes are looked at */
+  for (int i = 3; i >= 0; i--) {
+    uint32_t b;
+    gs_plane_bits(e->smp + i, 1, 1, 4, tot / 4, &b);
+    if ((int64_t)b < e->try_bits)
+      return 0;
+  }
+  LZ4_stream_t *s = LZ4_initStream(e->lz4_state, sizeof(LZ4_stream_t));
+  if (!s)
+    return E_CODEC;
+  int r = LZ4_compress_fast_continue(s, (const char *)e->smp, (char *)e->lz, (int)tot, (int)bound, 1);
+  if (r <= 0)
+    return E_CODEC;
+  if ((size_t)r < tot)
+    return 0;
+  return 1;
+}
+
+/* codec._auto(data, lz4_first); lz4's attempt goes to e->lz, shuffle4-zstd's to the place.
+ * With lz4 first, a group that sample_says_raw is stored raw without an attempt (after
+ * groups where shuffle4-zstd won, float-like memory, the sample would seldom pay). */
 static int auto_codec(gs_enc *e, const uint8_t *src, size_t n, int lz4_first, choice *c) {
   uint32_t bits[4];
   uint8_t *sd, *ld;
+  int r = lz4_first ? sample_says_raw(e, src, n) : 0;
+  if (r < 0)
+    return r;
+  if (r) {
+    e->stats[T_SAMPLED_RAW]++;
+    return 0;
+  }
+  e->stats[T_TRIED]++;
   if (!lz4_first && n >= 4) {
     estimate4(e, src, n, bits);
     int64_t sp = shuffled(e, src, n, 4, bits, &sd);
@@ -277,6 +342,7 @@ static int compress_one(gs_enc *e, const uint8_t *src, size_t n, int codec, int 
   *c = (choice){GS_CODEC_NONE, NULL, n};
   if (codec == C_AUTO)
     return auto_codec(e, src, n, lz4_first, c);
+  e->stats[T_TRIED]++;
   int64_t len;
   uint8_t *p;
   if (codec == GS_CODEC_LZ4) {
@@ -299,6 +365,15 @@ static int compress_one(gs_enc *e, const uint8_t *src, size_t n, int codec, int 
   if (fits(e, len, n))
     *c = (choice){codec, p, (size_t)len};
   return 0;
+}
+
+/* The encoder's counters since gs_enc_new (T_*: tried, sampled_raw, skipped) into out[n];
+ * -> how many it has. */
+GS_EXPORT size_t gs_enc_stats(void *h, int64_t *out, size_t n) {
+  gs_enc *e = h;
+  for (size_t i = 0; e && out && i < n && i < T_COUNT; i++)
+    out[i] = e->stats[i];
+  return T_COUNT;
 }
 
 /* The output capacity with which gs_encode_groups writes every payload in its place (no
@@ -341,6 +416,8 @@ GS_EXPORT int64_t gs_encode_groups(void *h, const uint8_t *const *src, const siz
     size_t n = lens[g];
     choice c = {GS_CODEC_NONE, NULL, n};
     if (st[S_SKIP] || codec == GS_CODEC_NONE) {
+      if (st[S_SKIP])
+        e->stats[T_SKIPPED]++;
       st[S_SKIP] = st[S_SKIP] > 1 ? st[S_SKIP] - 1 : 0;
     } else {
       int lz4_first = codec != C_AUTO || st[S_LZ4_FUTILE] < e->lz4_futile ||

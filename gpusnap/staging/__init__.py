@@ -72,6 +72,17 @@ def sweep(spill_dir: Path) -> list[str]:
     return removed
 
 
+
+def _read_into(fd: int, view: memoryview) -> int:
+    """Fill `view` from the pipe `fd` (fewer bytes only at EOF); -> how many were read."""
+    got = 0
+    while got < len(view):
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            break
+        got += n
+    return got
+
 class Staging:
     """Staging for one dump. budget: bytes of memory staging may hold; arena: the slots'
     memory (Arena), owned by this staging from now on; prealloc: without one, how much memory
@@ -175,11 +186,7 @@ class Staging:
         got = 0
         try:
             view = self._slot_view(slot, SEG)
-            while got < SEG:
-                n = os.readv(fd, [view[got:]])
-                if not n:
-                    break
-                got += n
+            got = _read_into(fd, view)
         except BaseException:
             self._free_slot(slot)
             raise
@@ -245,11 +252,7 @@ class Staging:
         i, view = w.take(lambda: self.cancelled)
         got = 0
         try:
-            while got < SEG:
-                n = os.readv(fd, [view[got:]])
-                if not n:
-                    break
-                got += n
+            got = _read_into(fd, view)
         except BaseException:
             w.give_back(i)
             raise

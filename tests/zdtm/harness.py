@@ -213,9 +213,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _test_pids(name: str) -> list[int]:
-    """Every process of the zdtm test `name`: started with its --pidfile (its forks keep it)."""
-    mark = f"--pidfile={name}.pid".encode()
+def _pids_with_arg(arg: str) -> list[int]:
+    """The processes that have `arg` as one of their command-line arguments."""
+    mark = arg.encode()
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -225,6 +225,11 @@ def _test_pids(name: str) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def _test_pids(name: str) -> list[int]:
+    """Every process of the zdtm test `name`: started with its --pidfile (its forks keep it)."""
+    return _pids_with_arg(f"--pidfile={name}.pid")
 
 
 def _tree(root: int) -> list[int]:
@@ -253,16 +258,7 @@ def _hook_pids(name: str) -> list[int]:
     """Processes still running the test's hook (`zdtm/static/NAME.hook ...`): a daemon its
     --post-start forked (netns_lock_*'s server, in a session of its own) that zdtm.py ends with
     the test's namespace; here it would live on, holding its network namespace alive."""
-    mark = f"zdtm/static/{name}.hook".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if mark in (d / "cmdline").read_bytes().split(b"\0"):
-                    out.append(int(d.name))
-            except OSError:
-                pass
-    return out
+    return _pids_with_arg(f"zdtm/static/{name}.hook")
 
 
 def _kill(pid: int) -> None:

@@ -56,7 +56,7 @@ class DumpRequest:
     tcp_established: bool = False
     tcp_close: bool = False  # CRIU's --tcp-close: connections not dumped, restored closed
     keep_last: int | None = None  # retention for this name, applied right after the commit
-    staging_budget: int | None = None  # bytes of memory staging may use (None: staging.default_budget())
+    staging_budget: int | None = None  # bytes of memory staging may use (None: staging.choose_budget())
     lock_wait: float | None = None  # seconds to wait for the repository's locks (None: repo/lockwait.py's default)
     prune_uncopied: bool = False  # --keep-last may delete snapshots not yet copied to their next tier
     copy_to: str | None = None  # the next tier (ops/tiers.py): the snapshot is marked pending right after its commit

@@ -223,14 +223,14 @@ def sample_says_raw(data) -> bool:
 
     The sample: k = min(len // SAMPLE_PART, SAMPLE_SLICES) slices of SAMPLE_BYTES // k bytes
     (rounded down to a multiple of 4), one in the middle of each of k equal parts of data, one
-    after the other: 1024 samples per byte plane, whatever the data's length. Data is incompressible when
-    each of the sample's 4 byte planes has an order-0 entropy at or above PLANE_TRY_BITS and
+    after the other: 1024 samples per byte plane, whatever the data's length. Data is
+    incompressible when each of the sample's 4 byte planes has an order-0 entropy at or above PLANE_TRY_BITS and
     lz4 (block mode) gains nothing at all on the sample: floats' exponents, text, zeros or
     repeats in a sampled page keep it on the full way, with exactly the choices and payloads
     of before. Data shorter than twice SAMPLE_BYTES is always attempted. gs_encode.c
     sample_says_raw is the same."""
     n = len(data)
-    k = min(n // SAMPLE_PART, SAMPLE_SLICES) if SAMPLE_PART else 0
+    k = min(n // SAMPLE_PART, SAMPLE_SLICES)
     ln = SAMPLE_BYTES // k // 4 * 4 if k else 0
     if not ln or n < 2 * SAMPLE_BYTES:
         return False

@@ -36,7 +36,8 @@ def encoder_params() -> dict:
             "auto_est_gain": _codec.AUTO_EST_GAIN, "plane_try_bits": _codec.PLANE_TRY_BITS,
             "plane_samples": _codec.PLANE_SAMPLES, "zstd_level": _codec.ZSTD_LEVEL,
             "skip_max": SKIP_MAX, "lz4_futile": LZ4_FUTILE, "lz4_probe": LZ4_PROBE,
-            "sample_part": _codec.SAMPLE_PART, "sample_slices": _codec.SAMPLE_SLICES, "sample_bytes": _codec.SAMPLE_BYTES, **p}
+            "sample_part": _codec.SAMPLE_PART, "sample_slices": _codec.SAMPLE_SLICES,
+            "sample_bytes": _codec.SAMPLE_BYTES, **p}
 
 # gs_enc_new's parameters, in the C code's order: codec.py's and this module's constants and
 # PLANE_PARAMS, handed over so that those files stay their one definition.

@@ -36,7 +36,8 @@ from pathlib import Path
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
 from gpusnap.staging import spill as spill_mod
-from gpusnap.staging.budget import DEFAULT_CAP, JOB_MARGIN, _mem_available, choose_budget, default_budget, parse_size  # noqa: F401
+from gpusnap.staging.budget import (DEFAULT_CAP, JOB_MARGIN, _mem_available, choose_budget,  # noqa: F401
+                                    default_budget, parse_size)
 from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
@@ -72,7 +73,6 @@ def sweep(spill_dir: Path) -> list[str]:
     return removed
 
 
-
 def _read_into(fd: int, view: memoryview) -> int:
     """Fill `view` from the pipe `fd` (fewer bytes only at EOF); -> how many were read."""
     got = 0
@@ -82,6 +82,7 @@ def _read_into(fd: int, view: memoryview) -> int:
             break
         got += n
     return got
+
 
 class Staging:
     """Staging for one dump. budget: bytes of memory staging may hold; arena: the slots'
@@ -391,7 +392,8 @@ class Staging:
         self.go.set()
 
     def stats(self) -> dict:
-        return {"budget": self.budget, "budget_choice": self.budget_choice, "arena_bytes": self.arena_bytes, "staged_bytes": self.staged,
+        return {"budget": self.budget, "budget_choice": self.budget_choice, "arena_bytes": self.arena_bytes,
+                "staged_bytes": self.staged,
                 "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak,
                 "spill_mode": self.spill_mode}
 

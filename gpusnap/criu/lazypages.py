@@ -110,6 +110,7 @@ class LazyDaemon:
         self._thread: threading.Thread | None = None
         self._ours: set[int] = set()                # our children that are not the job's
         self._told: set[tuple[int, int]] = set()    # (PID, start time) the watcher knows
+        self._adopted: set[tuple[int, int]] = set()  # of those, the ones seen adopted by gpusnap
         self._next_scan = 0.0
         self._subreaper: int | None = None          # the setting before ours, to put back
 
@@ -166,11 +167,17 @@ class LazyDaemon:
         self._next_scan = now + SCAN_EVERY
         for pid in self._job_pids():
             st = proc.read_stat(pid)
-            if st is not None and (pid, st.starttime) not in self._told:
-                self._told.add((pid, st.starttime))
+            if st is None:
+                continue
+            key = (pid, st.starttime)
+            if key not in self._told:
+                self._told.add(key)
                 self._tell(b"K" + struct.pack("<iQ", pid, st.starttime))
-                if st.ppid == os.getpid() and pid != self.root:
-                    fault("lazy:watcher-told-adopted")    # (test hook: one that left the tree is known)
+            # (test hook: one that left the tree is known; it may have been told while still in
+            # the tree, so the hook fires when it is first seen adopted)
+            if st.ppid == os.getpid() and pid != self.root and key not in self._adopted:
+                self._adopted.add(key)
+                fault("lazy:watcher-told-adopted")
 
     def _tell(self, msg: bytes, fd: int | None = None) -> None:
         """Hand the watcher a message (and a descriptor). Failing to is fatal: without the

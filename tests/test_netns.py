@@ -116,7 +116,11 @@ def test_job_in_named_netns_is_restored_into_it(tmp_path, repo, named_netns):
 
         _, opened = locate.open_snapshot(snap, repo)
         assert opened.manifest["meta"]["netns"]["path"] == f"/run/netns/{named_netns}"
-        restored = run_json("restore", snap, "--repo", repo)["pid"]
+        seen = run_json("inspect", snap, "--repo", repo)["netns"]
+        assert seen["path"] == f"/run/netns/{named_netns}" and seen["status"] == "same", seen
+        info = run_json("restore", snap, "--repo", repo)
+        restored = info["pid"]
+        assert not any("made again" in n for n in info["notes"]), info["notes"]
         # the job's namespace is the named one, not a new one made from the images
         assert netns.inode(restored) == netns.mounted_at(f"/run/netns/{named_netns}")
         wait_for(lambda: (out / "results").exists(), "the restored job to finish", timeout=120)
@@ -138,6 +142,7 @@ def test_restore_refuses_when_the_named_netns_is_gone(tmp_path, repo, named_netn
         server.kill()
         server.wait()
     subprocess.run(["ip", "netns", "delete", named_netns], check=True)
+    assert run_json("inspect", snap, "--repo", repo)["netns"]["status"] == "missing"
     r = run_gpusnap("restore", snap, "--repo", repo, "--json")
     assert r.returncode == 35, (r.returncode, r.stdout, r.stderr)
     err = __import__("json").loads(r.stdout)
@@ -148,9 +153,14 @@ def test_restore_refuses_when_the_named_netns_is_gone(tmp_path, repo, named_netn
     # made again (empty, but a network namespace at that path): the restore joins it
     subprocess.run(["ip", "netns", "add", named_netns], check=True)
     subprocess.run(["ip", "-n", named_netns, "link", "set", "lo", "up"], check=True)
-    restored = run_json("restore", snap, "--repo", repo)["pid"]
+    human = run_gpusnap("inspect", snap, "--repo", repo)
+    assert "(made again)" in human.stdout + human.stderr, human.stdout + human.stderr
+    info = run_json("restore", snap, "--repo", repo)
+    restored = info["pid"]
     try:
         assert netns.inode(restored) == netns.mounted_at(f"/run/netns/{named_netns}")
+        # joined, and said: the namespace of that name is not the one the job ran in
+        assert any(f"{named_netns} was made again" in n for n in info["notes"]), info["notes"]
         wait_for(lambda: (out / "results").exists(), "the restored job to finish", timeout=120)
         assert (out / "results").read_text().split()[0] == _expected()   # no server there now
     finally:

@@ -219,7 +219,19 @@ def describe(repository, snap) -> dict[str, Any]:
     else:
         _restore_verdict(snap, report)
     report["terminal"] = _terminal(snap)
+    report["netns"] = _netns(snap)
     return report
+
+
+def _netns(snap) -> dict | None:
+    """The named network namespace the job ran in, and what a restore does with it now."""
+    from gpusnap.errors import GpusnapError
+    from gpusnap.ops import restore_needs
+
+    try:
+        return restore_needs.netns_outlook(snap)
+    except GpusnapError as e:       # a malformed record: restore refuses it too
+        return {"path": None, "name": None, "status": "malformed", "detail": e.message}
 
 
 def _restore_verdict(snap, report: dict[str, Any]) -> None:

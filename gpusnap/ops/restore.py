@@ -312,7 +312,8 @@ def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0,
     allowed = {"--shell-job", "--tcp-established", "--file-locks", "--ext-unix-sk", "--tcp-close"}
     if not set(flags) <= allowed:
         raise CorruptSnapshot(f"snapshot {snap.path} asks for unexpected CRIU flags {flags}")
-    flags += restore_needs.join_netns(snap)     # a named network namespace: joined again
+    join, netns_note = restore_needs.join_netns(snap)     # a named network namespace: joined again
+    flags += join
     if cgroups is not None:                     # the user's choice (restore --cgroups)
         flags.append(f"--manage-cgroups={cgroups}")
     tcp = _tcp(snap, tcp_close)
@@ -324,7 +325,7 @@ def _plan(repository, snap, info, env, pids, own_pidns, via, tcp_close, tty, t0,
     mode = choose_via(via, snap, hugetlb)
     _check_hugepages(hugetlb)
     return restore_paths.RestorePlan(repository, snap, info, env, tuple(flags), tuple(pids), own_pidns, mode, via,
-                                     tty=tty, t0=t0), tcp
+                                     tty=tty, t0=t0, notes=(netns_note,) if netns_note else ()), tcp
 
 
 def _run(plan: restore_paths.RestorePlan, tcp: _Tcp, progress) -> RestoreResult:
@@ -388,7 +389,7 @@ def _result(plan, out, phases: dict, tcp: _Tcp, claim, fixes) -> RestoreResult:
             pid = pids[0]
     if tcp.closed and not tcp.dumped_closed:   # such a dump locked nothing
         netlock.unlock_closed(list(tcp.conns))
-    notes = fixes.notes()
+    notes = [*plan.notes, *fixes.notes()]
     _, unrecorded = claim.commit(pid)
     if unrecorded:
         notes.append(unrecorded)

@@ -117,21 +117,55 @@ def reset_tcp(snap) -> bool:
     return False
 
 
-def join_netns(snap) -> list[str]:
-    """CRIU's --join-ns for a job dumped in a named network namespace ([] for any other); raises
-    NetnsMissing when no network namespace is bound at the recorded path now."""
-    from gpusnap.system import netns
-
+def recorded_netns(snap) -> dict | None:
+    """meta.netns when it names a path (a named network namespace), checked: it is data read
+    from the snapshot, and it ends up on CRIU's command line. None: CRIU makes a new one."""
     rec = snap.manifest.get("meta", {}).get("netns")
     if not isinstance(rec, dict) or rec.get("path") is None:
-        return []       # gpusnap's own namespace, or one with no name: CRIU makes a new one
+        return None     # gpusnap's own namespace, or one with no name
     path = rec["path"]
     if not isinstance(path, str) or not path.startswith("/") or "," in path:
         raise CorruptSnapshot(f"snapshot {snap.path} records a malformed network namespace path {path!r}")
-    if netns.mounted_at(path) is None:
-        name = os.path.basename(path)
+    return rec
+
+
+def netns_outlook(snap) -> dict | None:
+    """What a restore does with the job's named network namespace (restore and inspect alike):
+    {"path", "name", "status": "same" | "made again" | "missing", "detail"}; None when the job
+    ran in gpusnap's own namespace or an unnamed one."""
+    from gpusnap.system import netns
+
+    rec = recorded_netns(snap)
+    if rec is None:
+        return None
+    path = rec["path"]
+    name = os.path.basename(path)
+    now = netns.mounted_at(path)
+    if now is None:
+        status, detail = "missing", (f"no network namespace is bound at {path} now: restore refuses "
+                                     f"(`ip netns add {name}`)")
+    elif now == rec.get("inode"):
+        status, detail = "same", f"the job joins {name} again, the namespace it ran in"
+    else:
+        # `ip netns delete` and `add` since the dump: a namespace of that name, not the one the
+        # job knew; its interfaces, addresses and routes are whatever the new one holds
+        status, detail = "made again", (f"{name} was made again since the dump (another network namespace is bound "
+                                        f"at {path}): the job joins the new one, with the interfaces and "
+                                        "addresses it holds now")
+    return {"path": path, "name": name, "status": status, "detail": detail}
+
+
+def join_netns(snap) -> tuple[list[str], str | None]:
+    """CRIU's --join-ns for a job dumped in a named network namespace ([] for any other) and a
+    note when the namespace there is not the one the job ran in; raises NetnsMissing when no
+    network namespace is bound at the recorded path now."""
+    out = netns_outlook(snap)
+    if out is None:
+        return [], None
+    path, name = out["path"], out["name"]
+    if out["status"] == "missing":
         raise NetnsMissing(f"the job ran in the network namespace {name} ({path}), which the restore joins "
                            f"again, and no network namespace is bound at {path} now; nothing was restored",
                            hint=f"make it again (`ip netns add {name}`, with the interfaces and addresses the "
                                 "job needs; `ip netns list` shows those that exist), then restore again")
-    return ["--join-ns", f"net:{path}"]
+    return ["--join-ns", f"net:{path}"], out["detail"] if out["status"] == "made again" else None

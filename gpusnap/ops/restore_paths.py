@@ -52,6 +52,7 @@ class RestorePlan:
     sparse: Any = None              # criu/sparse.py's plan, or None
     tty: int | None = None          # our terminal's fd, to be the job's
     t0: float = 0.0
+    notes: tuple[str, ...] = ()     # for the result, decided with the plan (a namespace made again)
 
     @property
     def race_pids(self) -> list[int] | None:

@@ -255,6 +255,10 @@ def inspect(report: dict[str, Any], o, images: bool = False) -> None:
         console.print(f"terminal: {term['had']}", markup=False)
         console.print(f"  {term['terminal']}", markup=False)
         console.print(f"  {term['no_terminal']}", markup=False)
+    ns = report.get("netns")
+    if ns:         # a named network namespace (restore_needs.netns_outlook)
+        style = {"same": "", "made again": "yellow"}.get(ns["status"], "red")
+        console.print(Text(f"network namespace: {ns['path'] or '?'} ({ns['status']}): {ns['detail']}", style=style))
     changed = report.get("files_changed") or []
     checks = {c["path"]: c for c in report.get("file_checks") or []}
     for c in checks.values():       # restore_files.check's verdicts: what restore then does

@@ -90,7 +90,9 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
                  gs_committed=g["committed"], raw_bytes=r["bytes"], gs_bytes=info["bytes_stored"],
                  gs_hwm_mib=round((g["hwm_kib"] or 0) / 1024), budget_mib=info["staging"]["budget"] >> 20,
                  budget_choice=info["staging"].get("budget_choice"), spilled_mib=info["staging"]["spilled_bytes"] >> 20,
-                 spill_mode=info["staging"].get("spill_mode"), phases=info["phases"],
+                 spill_mode=info["staging"].get("spill_mode"),
+                 pages_pipe_kib=(info["staging"].get("pages_pipe") or 0) >> 10,
+                 phases=info["phases"],
                  throughput=info.get("throughput"))
         raw_cmd = [bench.criu_path(), "restore", "-d", "-D", str(raw), "-o", "restore.log", "-v2"]
         gs_cmd = [bench.PY, "-m", "gpusnap", "restore", info["snapshot"], "--repo", str(repo), "--json"]
@@ -135,13 +137,14 @@ def taskset_storing(base: Path, mb: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| workload | GiB | freeze gs / raw s (ratio) | until committed gs / raw s (ratio) | "
-            "restore cold gs / raw s (ratio) | size | peak RSS / budget MiB | spilled MiB | load |")
-    lines = [head, "|" + "---|" * 9]
+            "restore cold gs / raw s (ratio) | size | peak RSS / budget MiB | spilled MiB | pipe KiB | load |")
+    lines = [head, "|" + "---|" * 10]
     for s in rows:
         lines.append(f"| {s['kind']} | {s['gib']:g} | {s['gs_freeze']:.2f} / {s['raw_freeze']:.2f} ({s['freeze_ratio']:.2f}) | "
                      f"{s['gs_committed']:.2f} / {s['raw_committed']:.2f} ({s['committed_ratio']:.2f}) | "
                      f"{s['gs_restore_cold']:.2f} / {s['raw_restore_cold']:.2f} ({s['restore_cold_ratio']:.2f}) | "
-                     f"{s['size_ratio']:.3f} | {s['gs_hwm_mib']} / {s['budget_mib']} | {s['spilled_mib']} | {s['loadavg']} |")
+                     f"{s['size_ratio']:.3f} | {s['gs_hwm_mib']} / {s['budget_mib']} | {s['spilled_mib']} | "
+                     f"{s.get('pages_pipe_kib', '')} | {s['loadavg']} |")
     return "\n".join(lines)
 
 

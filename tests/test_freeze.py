@@ -229,3 +229,40 @@ def test_default_budget_is_chosen_from_the_machine_and_never_more_than_the_job(s
     assert (KW["mb"] << 20) <= stg["budget"] < 512 << 20      # (the interpreter adds its own)
     assert stg["spilled_bytes"] == 0 and stg["memory_peak"] <= stg["budget"]
     job.kill()
+
+
+@pytest.fixture
+def pipe_max_size():
+    """Set fs.pipe-max-size for the test (root may write it), put back after."""
+    path = "/proc/sys/fs/pipe-max-size"
+    before = open(path).read().strip()
+
+    def set_(n: int) -> None:
+        with open(path, "w") as f:
+            f.write(f"{n}\n")
+
+    yield set_
+    set_(int(before))
+
+
+@pytest.mark.parametrize("limit", [1 << 20, 4 << 20])
+def test_pages_stream_through_pipes_as_large_as_allowed(sample_job, repo, reference, pipe_max_size, limit):
+    """The pages pipes are 4 MiB (a shorter freeze) where fs.pipe-max-size or CAP_SYS_RESOURCE
+    allows it, else as large as fs.pipe-max-size allows; doctor says which; either way the
+    restored job finishes as an uninterrupted run."""
+    from gpusnap.ops import preflight
+    from gpusnap.criu.streamer import CAPTURE_PIPE_SIZE
+
+    pipe_max_size(limit)
+    expected = reference(**KW)
+    job = sample_job(**KW, step_ms=20)
+    job.wait_steps(10)
+    info = _dump_and_check(job, repo, "1G")
+    may_exceed = preflight.has_cap(preflight.CAP_SYS_RESOURCE, preflight.cap_eff())
+    want = CAPTURE_PIPE_SIZE if may_exceed else min(limit, CAPTURE_PIPE_SIZE)
+    assert info["staging"]["pages_pipe"] == want, info["staging"]
+    check = [c for c in run_json("doctor")["checks"] if c["name"] == "pipe size"][0]
+    assert check["status"] == ("ok" if want == CAPTURE_PIPE_SIZE else "info"), check
+    assert "fs.pipe-max-size" in (check["fix"] or "") or check["status"] == "ok"
+    job.kill()
+    restore_and_finish(job, info["snapshot"], repo, expected)

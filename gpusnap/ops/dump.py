@@ -407,6 +407,7 @@ class DumpSession:
             seconds=round(time.monotonic() - self.t0, 3), job_running=req.leave_running and proc.exists(req.pid),
             cuda_pids=self.cuda_pids, log=self.kept, pruned=self.pruned, prune_error=self.prune_error,
             prune_warnings=self.prune_warnings, phases=self.phases, frozen_seconds=self.frozen,
-            staging={**self.staging.stats(), "overlap": self.overlap}, peak_rss_bytes=proc.peak_rss_self(),
+            staging={**self.staging.stats(), "overlap": self.overlap, "pages_pipe": self.server.pages_pipe},
+            peak_rss_bytes=proc.peak_rss_self(),
             throughput=self.throughput,
             criu_options=list(self.plan.dump_options), committed_at=round(self.committed_at, 3))

@@ -241,6 +241,10 @@ def pipe_max_size():
         with open(path, "w") as f:
             f.write(f"{n}\n")
 
+    try:
+        set_(int(before))
+    except OSError as e:        # /proc/sys read-only (some containers): nothing to vary
+        pytest.skip(f"cannot set fs.pipe-max-size here: {e}")
     yield set_
     set_(int(before))
 

@@ -47,7 +47,7 @@ CHUNK = PIPE_SIZE // 4
 
 
 # The pipes of pages images during a dump: CRIU's pages go through them while the job is
-# frozen. 4 MiB instead of 1 MiB froze a 512 MiB job for 0.13 s instead of 0.19 s here (fewer
+# frozen. 4 MiB instead of 1 MiB froze a 512 MiB job for 0.148 s instead of 0.184 s here (fewer
 # hand-offs between CRIU filling the pipe and the drain emptying it; 16 and 64 MiB gained
 # nothing more; docs/benchmark.md). Beyond fs.pipe-max-size a pipe needs CAP_SYS_RESOURCE: where
 # root lacks it (some containers) the pipe gets the largest size the sysctl allows.
@@ -69,7 +69,12 @@ def _grow_pipe(fd: int, size: int = PIPE_SIZE) -> int:
     """Make the pipe `size` bytes, or as large as allowed below that; returns its size then
     (0: unknown). Fewer, larger reads: the default 64 KiB pipe costs a syscall pair every 16
     pages."""
-    for want in dict.fromkeys((size, min(size, pipe_max_size()), min(size, PIPE_SIZE))):
+    try:
+        return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except OSError:
+        pass
+    # beyond fs.pipe-max-size without CAP_SYS_RESOURCE: the largest the sysctl allows
+    for want in dict.fromkeys((min(size, pipe_max_size()), min(size, PIPE_SIZE))):
         try:
             return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, want)
         except OSError:
@@ -307,14 +312,15 @@ class CaptureServer(_Server):
     def _stage(self, name: str, fd: int, image) -> None:
         from gpusnap.staging import StagingCancelled
 
-        if self.names.is_pages_image(name):
+        pages = self.names.is_pages_image(name)
+        if pages:
             got = _grow_pipe(fd, CAPTURE_PIPE_SIZE)
             with self._lock:
                 self.pages_pipe = max(self.pages_pipe, got)
         else:
             _grow_pipe(fd)
         try:
-            self.staging.stage_pipe(fd, image, self.names.is_pages_image(name), lambda n: self._count(name, n))
+            self.staging.stage_pipe(fd, image, pages, lambda n: self._count(name, n))
         except StagingCancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - every failure must reach the dump

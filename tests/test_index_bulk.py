@@ -47,6 +47,11 @@ def _index(rnd, n_packs=3, n=40, shared=()):
     return packs, F.encode_index(packs, _blobs(rnd, packs, n, shared))
 
 
+def _fields(b: F.Blob) -> tuple:
+    """What fields() answers for a blob: everything but its ids."""
+    return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
+
+
 def _same(data: bytes, pack_size=None):
     """parse_index_records(data) agrees with parse_index(data): records or error."""
     try:
@@ -60,6 +65,7 @@ def _same(data: bytes, pack_size=None):
     assert recs.packs == ref.packs
     if pack_size is None:
         assert [recs.blob(i) for i in range(recs.n)] == ref.blobs
+        assert [recs.fields(i) for i in range(recs.n)] == [_fields(b) for b in ref.blobs]
         assert recs.pages == sum(b.n_pages for b in ref.blobs if b.kind == F.KIND_PAGES)
     return ref, recs
 
@@ -70,6 +76,8 @@ def test_valid_files_parse_alike():
         _same(_index(rnd, n=n)[1])
     with pytest.raises(IndexError):
         parse_index_records(_index(rnd, n=3)[1]).blob(3)
+    with pytest.raises(IndexError):
+        parse_index_records(_index(rnd, n=3)[1]).fields(3)
 
 
 def test_each_damage_gives_the_reference_error():
@@ -248,7 +256,12 @@ def test_blob_list_mixes_files_and_added_records(tmp_path):
     idx = RepoIndex.load(root)
     more = _blobs(rnd, packs, 10)
     idx.add_file("extra", F.IndexFile(packs, more))
+    # fields() from the records still unbuilt, from the added list, and once all is one list
+    assert [idx.blobs.fields(i) for i in range(30)] == [_fields(b) for b in first + more]
+    with pytest.raises(IndexError):
+        idx.blobs.fields(30)
     assert list(idx.blobs) == first + more and idx.blobs[-1] == more[-1] and idx.blobs[19] == first[-1]
+    assert [idx.blobs.fields(i) for i in range(30)] == [_fields(b) for b in first + more]
     t = idx.page_table()
     for bno, b in enumerate(first + more):
         if b.kind == F.KIND_PAGES:

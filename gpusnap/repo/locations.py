@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpusnap.repo import fsutil, native
-from gpusnap.repo.format import KIND_PAGES, PAGE_ID_LEN, FormatError, iter_pagelist
+from gpusnap.repo.format import BLOB_HEADER, KIND_PAGES, PACK_TRAILER, PAGE_ID_LEN, FormatError, iter_pagelist
 from gpusnap.repo.format.locations import LOC_NAME, LOC_RUN, Locations, LocationsInvalid, encode_locations, image_digests
 
 __all__ = ["MissingData", "Resolver", "build", "check_packs", "index_resolver", "refresh", "write_at_commit"]
@@ -41,12 +41,20 @@ class Resolver:
     """Where pages and data blobs are. Pages: page_maps (pagetable.PageTables, or dicts:
     page id -> blob_no << 8 | slot) asked in order, the first that has an id wins; the
     native tables answer a whole batch without Python per page. Data: data_maps (blob id ->
-    blob_no) in order. blob(blob_no) -> its format.Blob record."""
+    blob_no) in order. blob(blob_no) -> its format.Blob record; fields(blob_no) -> the same
+    without its ids (pack, offset, kind, codec, n_pages, raw_len, stored_len): all a run
+    needs, and cheaper from an index still in records (index.BlobList.fields)."""
 
-    def __init__(self, page_maps: list, data_maps: list, blob: Callable[[int], tuple]):
+    def __init__(self, page_maps: list, data_maps: list, blob: Callable[[int], tuple],
+                 fields: Callable[[int], tuple] | None = None):
         self.page_maps = page_maps
         self.data_maps = data_maps
         self.blob = blob
+        self.fields = fields or self._fields
+
+    def _fields(self, bno: int) -> tuple:
+        b = self.blob(bno)
+        return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
 
     def pages(self, ids: bytes) -> array:
         """Locations of the n page ids in `ids` (n*16 bytes): array('q'), -1 where unknown."""
@@ -94,18 +102,22 @@ def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
     table = []
     nruns = 0
     rpack = LOC_RUN.pack
+    fields = res.fields
+    over = BLOB_HEADER.size + PACK_TRAILER.size      # a blob's end (Blob.end) past offset + stored_len
 
     def add_run(bno, slot, count):
+        # (per run, ~10^4 per GiB of pages: no Blob built, no attribute lookups)
         nonlocal nruns
-        b = res.blob(bno)
-        pno = packs.get(b.pack)
+        pack, offset, kind, codec, n_pages, raw_len, stored_len = fields(bno)
+        pno = packs.get(pack)
         if pno is None:
-            pno = packs[b.pack] = len(pack_list)
-            pack_list.append([b.pack, 0])
-        end = b.end
-        if pack_list[pno][1] < end:
-            pack_list[pno][1] = end
-        runs.extend(rpack(pno, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len, slot, count))
+            pno = packs[pack] = len(pack_list)
+            pack_list.append([pack, 0])
+        end = offset + stored_len + over
+        ent = pack_list[pno]
+        if ent[1] < end:
+            ent[1] = end
+        runs.extend(rpack(pno, offset, kind, codec, n_pages, raw_len, stored_len, slot, count))
         nruns += 1
 
     def add_data(bid):
@@ -175,7 +187,7 @@ def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
 
 def index_resolver(idx) -> Resolver:
     """A Resolver over a store.RepoIndex."""
-    return Resolver([idx.page_table()], [idx.data_loc], idx.blobs.__getitem__)
+    return Resolver([idx.page_table()], [idx.data_loc], idx.blobs.__getitem__, idx.blobs.fields)
 
 
 def write_at_commit(writer, packs: list) -> int:
@@ -205,12 +217,18 @@ def write_at_commit(writer, packs: list) -> int:
     def blob(bno):
         return new_blobs[bno - base] if bno >= base else old[bno]
 
+    def fields(bno):
+        if bno >= base:
+            b = new_blobs[bno - base]
+            return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
+        return old.fields(bno)
+
     maps = [writer.known_pages]
     if page_ids:            # new pages: asked first (a page is new or known, never both)
         new_pages = pagetable.PageTable(sum(page_counts))
         new_pages.add_runs(b"".join(page_ids), [b << 8 for b in page_bnos], page_counts)
         maps.insert(0, new_pages)
-    res = Resolver(maps, [writer.known_data, new_data], blob)
+    res = Resolver(maps, [writer.known_data, new_data], blob, fields)
     images = [writer.images[k] for k in sorted(writer.images)]
     data = build(writer.tmpdir, images, res)
     fsutil.write_private(writer.tmpdir / LOC_NAME, data)

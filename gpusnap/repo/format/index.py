@@ -132,6 +132,14 @@ class IndexRecords:
                             data[ids_off:ids_off + idlen]))
         return out
 
+    def fields(self, i: int) -> tuple:
+        """Record i as (pack, offset, kind, codec, n_pages, raw_len, stored_len): a Blob
+        without its ids, for what needs only where the blob is (a locations file's runs)."""
+        if not 0 <= i < self.n:
+            raise IndexError("blob record out of range")
+        _, offset, n_pages, raw_len, stored_len, pack_no, kind, codec = REC.unpack_from(self.recs, i * REC.size)
+        return self.packs[pack_no], offset, kind, codec, n_pages, raw_len, stored_len
+
     def blob(self, i: int) -> Blob:
         if not 0 <= i < self.n:
             raise IndexError("blob record out of range")

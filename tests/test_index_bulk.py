@@ -48,7 +48,7 @@ def _index(rnd, n_packs=3, n=40, shared=()):
 
 
 def _fields(b: F.Blob) -> tuple:
-    """What fields() answers for a blob: everything but its ids."""
+    """What fields() answers for a blob: everything but its ids, in Blob's order."""
     return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
 
 

@@ -178,7 +178,7 @@ def test_files_equal_the_page_by_page_reference(tmp_path):
     for bno, b in enumerate(idx.blobs):
         if b.kind == KIND_PAGES:
             by_dict.add_run(b.ids, bno << 8, b.n_pages)
-    dict_res = L.Resolver([by_dict.d], [idx.data_loc], idx.blobs.__getitem__)
+    dict_res = L.Resolver([by_dict.d], [idx.data_loc], idx.blobs.fields)
     for snap in snaps:
         stored = (snap.path / LOC_NAME).read_bytes()      # written at commit
         ref = _reference_file(snap.path, snap.manifest["images"], idx)
@@ -215,7 +215,7 @@ def test_the_first_page_without_a_location_is_named(tmp_path):
     for bno, b in enumerate(idx.blobs):
         if b.kind == KIND_PAGES and bno != gone_bno:
             (half if bno % 2 else rest).add_run(b.ids, bno << 8, b.n_pages)
-    res = L.Resolver([half, rest], [idx.data_loc], idx.blobs.__getitem__)
+    res = L.Resolver([half, rest], [idx.data_loc], idx.blobs.fields)
     with pytest.raises(L.MissingData, match=f"page {first_missing.hex()} has no location"):
         L.build(snap.path, snap.manifest["images"], res)
 

@@ -145,19 +145,17 @@ class BlobList(Sequence):
         return self._seg(k)[i - self._starts[k]]
 
     def fields(self, i: int) -> tuple:
-        """Blob i as (pack, offset, kind, codec, n_pages, raw_len, stored_len), without
-        building a Blob (and copying its ids) from a segment still in records."""
-        if self._flat is None:
-            if not 0 <= i < self._len:
-                raise IndexError("blob number out of range")
-            k = bisect_right(self._starts, i) - 1
-            seg = self._segs[k]
-            if not isinstance(seg, list):
-                return seg.fields(i - self._starts[k])
-            b = seg[i - self._starts[k]]
-        else:
-            b = self._flat[i]
-        return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
+        """Blob i's Blob.fields(), without building a Blob (and copying its ids) from a
+        segment still in records."""
+        if self._flat is not None:
+            return self._flat[i].fields()
+        if not 0 <= i < self._len:
+            raise IndexError("blob number out of range")
+        k = bisect_right(self._starts, i) - 1
+        seg = self._segs[k]
+        if not isinstance(seg, list):
+            return seg.fields(i - self._starts[k])
+        return seg[i - self._starts[k]].fields()
 
     def __iter__(self):
         return iter(self._all())

@@ -41,20 +41,13 @@ class Resolver:
     """Where pages and data blobs are. Pages: page_maps (pagetable.PageTables, or dicts:
     page id -> blob_no << 8 | slot) asked in order, the first that has an id wins; the
     native tables answer a whole batch without Python per page. Data: data_maps (blob id ->
-    blob_no) in order. blob(blob_no) -> its format.Blob record; fields(blob_no) -> the same
-    without its ids (pack, offset, kind, codec, n_pages, raw_len, stored_len): all a run
-    needs, and cheaper from an index still in records (index.BlobList.fields)."""
+    blob_no) in order. fields(blob_no) -> that blob's format.Blob.fields(): all a run needs,
+    read from an index still in records without building its Blob (index.BlobList.fields)."""
 
-    def __init__(self, page_maps: list, data_maps: list, blob: Callable[[int], tuple],
-                 fields: Callable[[int], tuple] | None = None):
+    def __init__(self, page_maps: list, data_maps: list, fields: Callable[[int], tuple]):
         self.page_maps = page_maps
         self.data_maps = data_maps
-        self.blob = blob
-        self.fields = fields or self._fields
-
-    def _fields(self, bno: int) -> tuple:
-        b = self.blob(bno)
-        return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
+        self.fields = fields
 
     def pages(self, ids: bytes) -> array:
         """Locations of the n page ids in `ids` (n*16 bytes): array('q'), -1 where unknown."""
@@ -106,7 +99,7 @@ def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
     over = BLOB_HEADER.size + PACK_TRAILER.size      # a blob's end (Blob.end) past offset + stored_len
 
     def add_run(bno, slot, count):
-        # (per run, ~10^4 per GiB of pages: no Blob built, no attribute lookups)
+        # (per run, ~2x10^4 per GiB of random pages: no Blob built, no attribute lookups)
         nonlocal nruns
         pack, offset, kind, codec, n_pages, raw_len, stored_len = fields(bno)
         pno = packs.get(pack)
@@ -187,7 +180,7 @@ def build(snap_dir: Path, images: list[dict], res: Resolver) -> bytes:
 
 def index_resolver(idx) -> Resolver:
     """A Resolver over a store.RepoIndex."""
-    return Resolver([idx.page_table()], [idx.data_loc], idx.blobs.__getitem__, idx.blobs.fields)
+    return Resolver([idx.page_table()], [idx.data_loc], idx.blobs.fields)
 
 
 def write_at_commit(writer, packs: list) -> int:
@@ -214,21 +207,15 @@ def write_at_commit(writer, packs: list) -> int:
                 new_data.setdefault(r.ids, bno)
     old = idx.blobs
 
-    def blob(bno):
-        return new_blobs[bno - base] if bno >= base else old[bno]
-
     def fields(bno):
-        if bno >= base:
-            b = new_blobs[bno - base]
-            return b.pack, b.offset, b.kind, b.codec, b.n_pages, b.raw_len, b.stored_len
-        return old.fields(bno)
+        return new_blobs[bno - base].fields() if bno >= base else old.fields(bno)
 
     maps = [writer.known_pages]
     if page_ids:            # new pages: asked first (a page is new or known, never both)
         new_pages = pagetable.PageTable(sum(page_counts))
         new_pages.add_runs(b"".join(page_ids), [b << 8 for b in page_bnos], page_counts)
         maps.insert(0, new_pages)
-    res = Resolver(maps, [writer.known_data, new_data], blob, fields)
+    res = Resolver(maps, [writer.known_data, new_data], fields)
     images = [writer.images[k] for k in sorted(writer.images)]
     data = build(writer.tmpdir, images, res)
     fsutil.write_private(writer.tmpdir / LOC_NAME, data)

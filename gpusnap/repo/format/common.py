@@ -98,6 +98,11 @@ class Blob:
     stored_len: int
     ids: bytes
 
+    def fields(self) -> tuple:
+        """(pack, offset, kind, codec, n_pages, raw_len, stored_len): where the blob is and
+        what it holds, without its ids (a locations file's runs need no more)."""
+        return self.pack, self.offset, self.kind, self.codec, self.n_pages, self.raw_len, self.stored_len
+
     @property
     def end(self) -> int:
         """The smallest size of a pack that holds this blob and a trailer."""

@@ -133,8 +133,7 @@ class IndexRecords:
         return out
 
     def fields(self, i: int) -> tuple:
-        """Record i as (pack, offset, kind, codec, n_pages, raw_len, stored_len): a Blob
-        without its ids, for what needs only where the blob is (a locations file's runs)."""
+        """Record i's Blob.fields(), without building the Blob (its ids are not copied)."""
         if not 0 <= i < self.n:
             raise IndexError("blob record out of range")
         _, offset, n_pages, raw_len, stored_len, pack_no, kind, codec = REC.unpack_from(self.recs, i * REC.size)

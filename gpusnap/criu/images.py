@@ -29,7 +29,7 @@ STATS_MAGIC = 0x57093306
 
 # criu/include/pagemap.h: PagemapEntry.flags
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
-FD_TYPE_REG = 1                  # images/fdinfo.proto fd_types.REG
+FD_TYPE_REG, FD_TYPE_INETSK, FD_TYPE_UNIXSK = 1, 4, 5   # images/fdinfo.proto fd_types
 
 _PAGEMAP_NAME = re.compile(r"pagemap-(\d+)\.img")
 
@@ -154,6 +154,36 @@ def reg_files(snap) -> list[dict]:
     if snap.has_image("reg-files.img"):
         out.extend(_reg(m) for m in pbwire.entries(read(snap, "reg-files.img"), REG_FILES_MAGIC))
     return out
+
+
+def _file_entries(snap, fd_type: int, field: int) -> Iterator[dict[int, Any]]:
+    """The `field` sub-message of each files.img entry (file_entry) of `fd_type`, as `fields`
+    gives it."""
+    if not snap.has_image("files.img"):
+        return
+    for f in entries(read(snap, "files.img"), FILES_MAGIC):
+        sub = _bytes(f, field)
+        if f.get(1) == fd_type and sub is not None:
+            yield fields(sub)
+
+
+def unix_sockets(snap) -> list[dict]:
+    """name (bytes, as bound: a path, an abstract name or b""), deleted, uid and gid of every
+    unix socket of `snap` (file_entry.usk = 16, images/sk-unix.proto: name = 11, file_perms =
+    13 {uid = 2, gid = 3}, deleted = 15)."""
+    out = []
+    for u in _file_entries(snap, FD_TYPE_UNIXSK, 16):
+        perms = fields(_bytes(u, 13) or b"")
+        out.append({"name": _bytes(u, 11) or b"", "deleted": bool(_int(u, 15, 0)),
+                    "uid": _int(perms, 2, 0), "gid": _int(perms, 3, 0)})
+    return out
+
+
+def inet_sockets(snap) -> list[dict]:
+    """proto, state and dst_port of every inet socket of `snap` (file_entry.isk = 4,
+    images/sk-inet.proto: proto = 5, state = 6, dst_port = 8)."""
+    return [{"proto": _int(i, 5), "state": _int(i, 6), "dst_port": _int(i, 8)}
+            for i in _file_entries(snap, FD_TYPE_INETSK, 4)]
 
 
 def remapped_ids(snap) -> set[int]:

@@ -105,16 +105,17 @@ def hugepage_pool() -> tuple[int, int, int] | None:
 
 
 TCP_CLOSE = 7
+IPPROTO_TCP = 6
 
 
 def reset_tcp(snap) -> bool:
     """Whether the snapshot holds a TCP socket that was connected and is closed now (reset):
     CRIU restores it only with --tcp-established."""
-    for e in images.decoded(snap, "files.img") or []:
-        isk = e.get("isk") if e.get("type") == "INETSK" else None
-        if isk and isk.get("proto") == 6 and isk.get("state") == TCP_CLOSE and isk.get("dst_port"):
-            return True
-    return False
+    try:
+        socks = images.inet_sockets(snap)
+    except ValueError:
+        return False    # unreadable: CRIU says so in its own words
+    return any(s["proto"] == IPPROTO_TCP and s["state"] == TCP_CLOSE and s["dst_port"] for s in socks)
 
 
 def recorded_netns(snap) -> dict | None:

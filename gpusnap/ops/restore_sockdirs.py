@@ -13,42 +13,27 @@ again (`Made.undo`), a successful one leaves them to the job, which removes them
 from __future__ import annotations
 
 import os
-import quopri
 from dataclasses import dataclass, field
 
 from gpusnap.criu import images
 
 
-def _name(raw) -> bytes:
-    """A socket's address as pycriu gives it (its unix names are quoted-printable)."""
-    if isinstance(raw, (bytes, bytearray)):
-        b = bytes(raw)
-        try:
-            return quopri.decodestring(b)
-        except ValueError:
-            return b
-    if isinstance(raw, str):
-        return quopri.decodestring(raw.encode())
-    return b""
-
-
 def bound_dirs(snap) -> list[tuple[str, int, int]]:
     """(directory, uid, gid) of every absolute-path unix socket the snapshot binds."""
-    entries = images.decoded(snap, "files.img") or []   # none, or unreadable: CRIU says so in its words
+    try:
+        socks = images.unix_sockets(snap)
+    except ValueError:
+        socks = []      # unreadable: CRIU says so in its own words
     out: dict[str, tuple[str, int, int]] = {}
-    for e in entries:
-        if e.get("type") != "UNIXSK":
-            continue
-        u = e.get("usk") or {}
-        if u.get("deleted"):
+    for u in socks:
+        if u["deleted"]:
             continue        # already unlinked when dumped: CRIU restores it so, and the job
                             # may check that its directory stays gone
-        name = _name(u.get("name")).rstrip(b"\0")
+        name = u["name"].rstrip(b"\0")
         if not name.startswith(b"/") or b"\0" in name:
             continue        # abstract, unnamed or relative (CRIU resolves those itself)
         d = os.path.dirname(os.fsdecode(name))
-        perms = u.get("file_perms") or {}
-        out.setdefault(d, (d, int(perms.get("uid", 0) or 0), int(perms.get("gid", 0) or 0)))
+        out.setdefault(d, (d, u["uid"], u["gid"]))
     return sorted(out.values())
 
 

@@ -32,3 +32,43 @@ def test_table_has_both_sides_and_the_ratio_per_size():
     assert len(lines) == 4
     assert "| random | 4 | 2.00 / 8.00 (0.25) | 9.00 / 9.00 (1.00) | 3.00 / 4.00 (0.75) | 1.006 | 2101 / 2048 | 2068 |" in lines[2]
     assert lines[3].startswith("| fp32 | 0.5 |")
+
+
+def test_a_freeze_is_in_the_report_taken_right_after_it(tmp_path):
+    """The benchmark's freeze is the longest gap the job's ticker saw (tests/jobs/workloads.py).
+    After a freeze the job's main thread may answer the request before the ticker thread has
+    woken to record the gap: the report must count the gap still open, not leave it to the
+    next one (a raw CRIU dump once read 0.01 s so). Forced here: the ticker sleeps 2 s, the job
+    is stopped for 0.3 s, and the request is answered as soon as it resumes."""
+    import json
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "job"
+    job = subprocess.Popen([sys.executable, str(ROOT / "tests" / "jobs" / "workloads.py"), str(out),
+                            "--kind", "random", "--mb", "1", "--tick-ms", "2000", "--poll-ms", "5"])
+
+    def gap(n: int) -> float:
+        (out / f"gap.{n}").touch()
+        deadline = time.monotonic() + 30
+        while not (out / f"gapped.{n}").exists():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.01)
+        return json.loads((out / f"gapped.{n}").read_text())["max_gap"]
+
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "ready").exists():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.01)
+        gap(1)
+        os.kill(job.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        (out / "gap.2").touch()
+        os.kill(job.pid, signal.SIGCONT)
+        assert gap(2) >= 0.3
+        assert gap(3) < 0.3     # and that gap is not reported twice
+    finally:
+        job.kill()
+        job.wait()

@@ -175,7 +175,9 @@ def _write_atomic(path: str, text: str) -> None:
 
 class _Ticker:
     """A thread that wakes every `period` seconds and keeps the longest gap between two
-    wake-ups (its state lives outside the digested buffers)."""
+    wake-ups (its state lives outside the digested buffers). A report counts the gap still
+    open too, and closes it: after a freeze the main thread may see the request before the
+    ticker has woken, and the freeze must be in that report, not the next one."""
 
     def __init__(self, period: float):
         import threading
@@ -184,22 +186,23 @@ class _Ticker:
         self.lock = threading.Lock()
         self.max_gap = 0.0
         self.ticks = 0
+        self.last = time.monotonic()
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        last = time.monotonic()
         while True:
             time.sleep(self.period)
             now = time.monotonic()
             with self.lock:
-                self.max_gap = max(self.max_gap, now - last)
+                self.max_gap = max(self.max_gap, now - self.last)
                 self.ticks += 1
-            last = now
+                self.last = now
 
     def report(self) -> dict:
         with self.lock:
-            r = {"max_gap": round(self.max_gap, 4), "ticks": self.ticks}
-            self.max_gap, self.ticks = 0.0, 0
+            now = time.monotonic()
+            r = {"max_gap": round(max(self.max_gap, now - self.last), 4), "ticks": self.ticks}
+            self.max_gap, self.ticks, self.last = 0.0, 0, now
         return r
 
 

@@ -148,9 +148,8 @@ def test_socket_entries_malformed_are_refused():
         def read_image(self, name):
             yield self.raw
 
-    def entry(fd_type, field, sub):
-        return bytes([0x08, fd_type, 0x10, 0x01, (field << 3 | 2) if field < 16 else 0x82, *([] if field < 16 else [0x01])]) \
-            + bytes([len(sub)]) + sub
+    def entry(fd_type, field, sub):     # file_entry{type, id = 1, field: sub}
+        return bytes([0x08, fd_type, 0x10, 0x01]) + pbwire.encode_varint(field << 3 | 2) + pbwire.encode_varint(len(sub)) + sub
 
     # usk.name (11) given as a number; isk.proto (5) given as bytes
     bad_unix = _img(images.FILES_MAGIC, entry(images.FD_TYPE_UNIXSK, 16, b"\x58\x01"))

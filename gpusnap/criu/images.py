@@ -134,6 +134,16 @@ def rewrite_pagemap(raw: bytes, new: list[dict]) -> bytes:
     return pbwire.image(head, [first, *msgs])
 
 
+def _file_entries(snap, fd_type: int, field: int) -> Iterator[bytes]:
+    """The `field` sub-message of each files.img entry (file_entry: type = 1) of `fd_type`."""
+    if not snap.has_image("files.img"):
+        return
+    for f in entries(read(snap, "files.img"), FILES_MAGIC):
+        sub = _bytes(f, field)
+        if f.get(1) == fd_type and sub is not None:
+            yield sub
+
+
 def _reg(msg: bytes) -> dict:
     """A reg_file_entry (images/regfile.proto)."""
     d = fields(msg)
@@ -145,26 +155,12 @@ def _reg(msg: bytes) -> dict:
 def reg_files(snap) -> list[dict]:
     """id, flags, pos, name, size, ext, mode of every regular-file entry of `snap`: in
     files.img (file_entry: type = 1, reg = 3), or in reg-files.img of older CRIUs."""
-    out: list[dict] = []
-    if snap.has_image("files.img"):
-        for f in entries(read(snap, "files.img"), FILES_MAGIC):
-            reg = _bytes(f, 3)
-            if f.get(1) == FD_TYPE_REG and reg is not None:
-                out.append(_reg(reg))
+    out = [_reg(m) for m in _file_entries(snap, FD_TYPE_REG, 3)]
     if snap.has_image("reg-files.img"):
         out.extend(_reg(m) for m in pbwire.entries(read(snap, "reg-files.img"), REG_FILES_MAGIC))
     return out
 
 
-def _file_entries(snap, fd_type: int, field: int) -> Iterator[dict[int, Any]]:
-    """The `field` sub-message of each files.img entry (file_entry) of `fd_type`, as `fields`
-    gives it."""
-    if not snap.has_image("files.img"):
-        return
-    for f in entries(read(snap, "files.img"), FILES_MAGIC):
-        sub = _bytes(f, field)
-        if f.get(1) == fd_type and sub is not None:
-            yield fields(sub)
 
 
 def unix_sockets(snap) -> list[dict]:
@@ -172,7 +168,7 @@ def unix_sockets(snap) -> list[dict]:
     unix socket of `snap` (file_entry.usk = 16, images/sk-unix.proto: name = 11, file_perms =
     13 {uid = 2, gid = 3}, deleted = 15)."""
     out = []
-    for u in _file_entries(snap, FD_TYPE_UNIXSK, 16):
+    for u in map(fields, _file_entries(snap, FD_TYPE_UNIXSK, 16)):
         perms = fields(_bytes(u, 13) or b"")
         out.append({"name": _bytes(u, 11) or b"", "deleted": bool(_int(u, 15, 0)),
                     "uid": _int(perms, 2, 0), "gid": _int(perms, 3, 0)})
@@ -183,7 +179,7 @@ def inet_sockets(snap) -> list[dict]:
     """proto, state and dst_port of every inet socket of `snap` (file_entry.isk = 4,
     images/sk-inet.proto: proto = 5, state = 6, dst_port = 8)."""
     return [{"proto": _int(i, 5), "state": _int(i, 6), "dst_port": _int(i, 8)}
-            for i in _file_entries(snap, FD_TYPE_INETSK, 4)]
+            for i in map(fields, _file_entries(snap, FD_TYPE_INETSK, 4))]
 
 
 def remapped_ids(snap) -> set[int]:

@@ -13,6 +13,12 @@ cache (`drop_caches`), raw `criu restore -d -D` and `gpusnap restore` (auto). Ra
 gpusnap / raw CRIU of the same job in the same run, so the machine's load moves both sides
 (it moves their ratio less than their seconds; the load average is printed with each row).
 
+Before the job is killed, CRIU's --stream mode alone freezes it once more: the dump into a
+capture server that drops every byte (scripts/stream_floor.py). The job's longest gap then
+is the freeze floor: what any dump through `criu --stream` freezes the job for on this
+machine, however fast the pipeline behind it ("floor" in the freeze column, as a ratio to
+raw CRIU's freeze; a freeze ratio target below it cannot be met through CRIU's stream mode).
+
 Also measured, as the bounds every figure is read against: memcpy (one thread), blake3 per
 thread, the disk's O_DIRECT write and its buffered write + fsync, each in GB/s; and gpusnap
 storing a job of --taskset-mb MiB random under `taskset` with 1 and with 2 cores (its
@@ -24,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -84,6 +91,7 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
         else:
             g = bench.gpusnap_dump(job.pid, repo, job)
             r = bench.raw_dump(job.pid, raw, job)
+        floor = floor_freeze(job)
         bench.kill(job.pid, job.popen)
         info = g["info"]
         s.update(raw_freeze=r["freeze"], gs_freeze=g["freeze"], raw_committed=r["committed"],
@@ -92,6 +100,7 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
                  budget_choice=info["staging"].get("budget_choice"), spilled_mib=info["staging"]["spilled_bytes"] >> 20,
                  spill_mode=info["staging"].get("spill_mode"),
                  pages_pipe_kib=(info["staging"].get("pages_pipe") or 0) >> 10,
+                 floor_freeze=floor["freeze"], floor_criu_s=floor["criu_s"],
                  phases=info["phases"],
                  throughput=info.get("throughput"))
         raw_cmd = [bench.criu_path(), "restore", "-d", "-D", str(raw), "-o", "restore.log", "-v2"]
@@ -106,9 +115,20 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
         shutil.rmtree(d, ignore_errors=True)
     for k in ("freeze", "committed", "restore_cold"):
         s[f"{k}_ratio"] = round(s[f"gs_{k}"] / s[f"raw_{k}"], 3) if s[f"raw_{k}"] else None
+    s["floor_freeze_ratio"] = round(s["floor_freeze"] / s["raw_freeze"], 3) if s["raw_freeze"] else None
     s["size_ratio"] = round(s["gs_bytes"] / s["raw_bytes"], 3)
     s["peak_over_budget_mib"] = s["gs_hwm_mib"] - s["budget_mib"]
     return s
+
+
+def floor_freeze(job: "bench.Job") -> dict:
+    """The job's freeze under CRIU's --stream mode alone (every byte dropped), and CRIU's
+    seconds then: the floor under gpusnap's freeze on this machine."""
+    bench.settle()
+    job.gap()
+    r = bench.check(bench.timed([bench.PY, str(bench.ROOT / "scripts" / "stream_floor.py"), "dump", str(job.pid)],
+                                cwd=bench.ROOT), "stream floor")
+    return {"freeze": job.gap(), "criu_s": json.loads(r["stdout"].strip().splitlines()[-1])["criu_s"]}
 
 
 def taskset_storing(base: Path, mb: int) -> dict:
@@ -136,11 +156,12 @@ def taskset_storing(base: Path, mb: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| workload | GiB | freeze gs / raw s (ratio) | until committed gs / raw s (ratio) | "
+    head = ("| workload | GiB | freeze gs / raw s (ratio; floor) | until committed gs / raw s (ratio) | "
             "restore cold gs / raw s (ratio) | size | peak RSS / budget MiB | spilled MiB | pipe KiB | load |")
     lines = [head, "|" + "---|" * 10]
     for s in rows:
-        lines.append(f"| {s['kind']} | {s['gib']:g} | {s['gs_freeze']:.2f} / {s['raw_freeze']:.2f} ({s['freeze_ratio']:.2f}) | "
+        floor = f"; {s['floor_freeze_ratio']:.2f}" if s.get("floor_freeze_ratio") is not None else ""
+        lines.append(f"| {s['kind']} | {s['gib']:g} | {s['gs_freeze']:.2f} / {s['raw_freeze']:.2f} ({s['freeze_ratio']:.2f}{floor}) | "
                      f"{s['gs_committed']:.2f} / {s['raw_committed']:.2f} ({s['committed_ratio']:.2f}) | "
                      f"{s['gs_restore_cold']:.2f} / {s['raw_restore_cold']:.2f} ({s['restore_cold_ratio']:.2f}) | "
                      f"{s['size_ratio']:.3f} | {s['gs_hwm_mib']} / {s['budget_mib']} | {s['spilled_mib']} | "
@@ -148,8 +169,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _medians(rows: list[dict], kind: str, key: str) -> list[tuple[float, float]]:
+    """(size, median of key over the repetitions) for one workload, by size."""
+    by: dict[float, list[float]] = {}
+    for s in rows:
+        if s["kind"] == kind and s.get(key) is not None:
+            by.setdefault(s["gib"], []).append(s[key])
+    return [(g, statistics.median(v)) for g, v in sorted(by.items())]
+
+
 def draw(rows: list[dict], path: Path) -> bool:
-    """Ratio against raw CRIU per size, one panel per measure, a line per workload."""
+    """Ratio against raw CRIU per size (the median of the repetitions), one panel per
+    measure, a line per workload."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -162,8 +193,12 @@ def draw(rows: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.6), sharex=True)
     for ax, (title, key, targets) in zip(axes, measures):
         for kind in sorted({s["kind"] for s in rows}):
-            pts = sorted((s["gib"], s[key]) for s in rows if s["kind"] == kind and s.get(key) is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
+            pts = _medians(rows, kind, key)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
+            fl = _medians(rows, kind, "floor_freeze_ratio") if key == "freeze_ratio" else []
+            if fl:                        # what CRIU's --stream mode alone froze the job for
+                ax.plot([p[0] for p in fl], [p[1] for p in fl], linestyle=":", color=line.get_color(),
+                        label=f"{kind}: CRIU --stream alone")
         for t in targets:
             ax.axhline(t, color="grey", linestyle="--", linewidth=0.8)
         ax.axhline(1.0, color="black", linewidth=0.5)
@@ -198,6 +233,7 @@ def run(sizes: list[float], kinds: list[str], reps: int, base_dir: Path, chart: 
                     s["rep"] = rep
                     rows.append(s)
                     print(f"[{kind} {gib:g} GiB, load {s['loadavg']}] freeze {s['freeze_ratio']:.2f} "
+                          f"(floor {s['floor_freeze_ratio']}) "
                           f"committed {s['committed_ratio']:.2f} restore cold {s['restore_cold_ratio']:.2f} "
                           f"peak {s['gs_hwm_mib']}/{s['budget_mib']} MiB ({time.monotonic() - t0:.0f}s)",
                           file=sys.stderr, flush=True)

@@ -201,7 +201,7 @@ def test_payloads_byte_identical(kind):
     """auto (the default), lz4, the shuffle codecs and none: the native payloads are the
     Python path's byte for byte, so packs keep their names. liblz4 is called as python-lz4
     calls it (a fresh stream: LZ4_compress_default frames some inputs differently), the
-    plane frames' fast strategy gives the same bytes in libzstd 1.5.4 and 1.5.7. Plain zstd
+    plane frames come from the native plane compressor on both paths. Plain zstd
     (level 3, not the default) is left out: there the two versions differ by a few bytes on
     some groups (the 1 % checks above hold)."""
     groups = batch_of(kind, seed=3, count=12)
@@ -321,6 +321,56 @@ def test_plane_params_are_zstandards():
     for k, v in C.PLANE_PARAMS.items():
         assert getattr(p, k) == v, k
     assert encoder.encoder_params()["window_log"] == 17
+
+
+def _exponent_planes(seed: int, count: int) -> list[bytes]:
+    """Plane 3 (sign and exponent) of `count` fp32 groups of weights, Adam moments and
+    second moments, as shuffle4-zstd compresses them."""
+    rng = np.random.default_rng(seed)
+    planes = []
+    for k in range(count):
+        a = [rng.normal(0, 0.02, G // 4), rng.normal(0, 1e-3, G // 4),
+             (1e-3 * np.exp(rng.normal(0, 0.75, G // 4))) ** 2 * rng.gamma(8, 1 / 8, G // 4)][k % 3]
+        sh = bytearray(G)
+        C.native.shuffle_into(a.astype(np.float32).tobytes(), 4, sh)
+        planes.append(bytes(sh[3 * (G // 4):]))
+    return planes
+
+
+def test_plane_frames_accelerated_with_their_literals_coded():
+    """The plane compressor (codec.PLANE_ACCEL): the match finder accelerated, every literal
+    still Huffman-coded. On float exponent planes its frames are no larger than those of
+    the plain PLANE_PARAMS (python-zstandard's), decode to the plane with python-zstandard,
+    and compress (a targetLength without the literal mode would store the literals raw:
+    a frame as large as the plane)."""
+    import zstandard
+
+    assert C.PLANE_ACCEL > 0
+    plain = zstandard.ZstdCompressor(compression_params=C.plane_params())
+    enc = encoder.Encoder()
+    ours = theirs = total = 0
+    for plane in _exponent_planes(5, 12):
+        z = enc.compress_plane(plane)
+        assert zstandard.ZstdDecompressor().decompress(z, max_output_size=len(plane)) == plane
+        assert len(z) < 0.6 * len(plane)
+        ours += len(z)
+        theirs += len(plain.compress(plane))
+        total += len(plane)
+    assert ours <= theirs
+
+
+def test_plane_frames_without_acceleration_are_zstandards():
+    """PLANE_ACCEL 0 (what a libzstd without the literal mode falls back to) compresses
+    planes byte for byte as python-zstandard does with PLANE_PARAMS."""
+    import zstandard
+
+    plain = zstandard.ZstdCompressor(compression_params=C.plane_params())
+    enc = encoder.Encoder({**encoder.encoder_params(), "plane_accel": 0})
+    for plane in _exponent_planes(6, 6) + [bytes(range(256)) * 64, b""]:
+        assert enc.compress_plane(plane) == plain.compress(plane)
+    enc.close()
+    with pytest.raises(ValueError):
+        enc.compress_plane(b"x")
 
 
 def test_a_dump_loads_neither_lz4_nor_zstandard(tmp_path):

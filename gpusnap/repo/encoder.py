@@ -37,14 +37,14 @@ def encoder_params() -> dict:
             "plane_samples": _codec.PLANE_SAMPLES, "zstd_level": _codec.ZSTD_LEVEL,
             "skip_max": SKIP_MAX, "lz4_futile": LZ4_FUTILE, "lz4_probe": LZ4_PROBE,
             "sample_part": _codec.SAMPLE_PART, "sample_slices": _codec.SAMPLE_SLICES,
-            "sample_bytes": _codec.SAMPLE_BYTES, **p}
+            "sample_bytes": _codec.SAMPLE_BYTES, "plane_accel": _codec.PLANE_ACCEL, **p}
 
 # gs_enc_new's parameters, in the C code's order: codec.py's and this module's constants and
 # PLANE_PARAMS, handed over so that those files stay their one definition.
 ENC_PARAM_NAMES = ("gain_limit", "auto_lz4_good", "auto_est_gain", "plane_try_bits", "plane_samples",
                    "zstd_level", "skip_max", "lz4_futile", "lz4_probe", "window_log", "hash_log",
                    "chain_log", "search_log", "min_match", "target_length", "strategy",
-                   "sample_part", "sample_slices", "sample_bytes")
+                   "sample_part", "sample_slices", "sample_bytes", "plane_accel")
 ENC_STATE_NAMES = ("skip", "skip_next", "lz4_futile", "since_probe")
 # Encoder.stats(), gs_enc_stats's counters in its order: groups compressed in full (or
 # tried), groups stored raw on the sample's word alone (auto: codec.sample_says_raw),
@@ -59,6 +59,7 @@ _ENC_SIGNATURES = {
     "gs_enc_stats": ([_vp, _vp, _sz], _sz),
     "gs_enc_buf_new": ([_sz], _vp),
     "gs_enc_buf_free": ([_vp], None),
+    "gs_enc_plane": ([_vp, _vp, _sz, _vp, _sz], _i64),
 }
 _OUT_ROUND = 1 << 16     # output buffers' sizes rounded up to this (ctypes keeps a type per size)
 _enc_lib = None
@@ -88,6 +89,7 @@ class Encoder:
 
     def __init__(self, params: dict | None = None):
         self._h = None
+        self._plane_out = None
         lib = _encoder_lib()
         params = encoder_params() if params is None else params
         p = (ctypes.c_double * len(ENC_PARAM_NAMES))(*(float(params[k]) for k in ENC_PARAM_NAMES))
@@ -137,6 +139,24 @@ class Encoder:
         arr = (ctypes.c_char * cap).from_address(p)
         arr._owner = owner
         return list(res), memoryview(arr).cast("B")[:r]
+
+    def compress_plane(self, data) -> bytes:
+        """One byte plane as a zstd frame with the plane parameters (codec.PLANE_PARAMS and
+        PLANE_ACCEL): codec.encode_shuffled's compressor."""
+        lib = _enc_lib or _encoder_lib()
+        if self._h is None:
+            raise ValueError("encoder is closed")
+        n = len(data)
+        cap = n + (n >> 7) + 1024           # >= ZSTD_compressBound(n)
+        out = self._plane_out
+        if out is None or len(out) < cap:
+            out = self._plane_out = ctypes.create_string_buffer(cap)
+        addr, keep = native.buffer_address(data) if n else (None, None)
+        r = lib.gs_enc_plane(self._h, addr, n, out, len(out))
+        del keep
+        if r < 0:
+            raise RuntimeError(f"native encoder: {_ENC_ERRORS.get(r, r)}")
+        return out.raw[:r]
 
     def stats(self) -> dict[str, int]:
         """The encoder's counters since it was made (STAT_NAMES)."""

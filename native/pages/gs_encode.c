@@ -7,7 +7,8 @@
  * that did not compress, lz4 tried first or not), and writes the same payloads
  * (docs/format.md §3): lz4 block without size; zstd frame at ZSTD_LEVEL without content
  * size; shuffle<k>-zstd = k u32 LE plane lengths, each plane a zstd frame with the plane
- * parameters (codec.PLANE_PARAMS) or raw, then the tail. tests/test_native_encode.py compares the
+ * parameters (codec.PLANE_PARAMS and PLANE_ACCEL; the Python codec compresses its planes
+ * through gs_enc_plane) or raw, then the tail. tests/test_native_encode.py compares the
  * two group by group: byte for byte, except plain zstd frames, which libzstd versions
  * (the system's vs python-zstandard's bundled one) may make a few bytes apart. The
  * constants come from Python (gs_enc_new) so codec.py and sinks.py stay their one
@@ -23,6 +24,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+/* for ZSTD_c_literalCompressionMode (an "experimental" parameter of libzstd >= 1.4.0, set
+ * through the stable ZSTD_CCtx_setParameter; a libzstd that refuses it keeps the plain plane
+ * parameters, see gs_enc_new) */
+#define ZSTD_STATIC_LINKING_ONLY
 #include <zstd.h>
 
 #include "gs_internal.h"
@@ -35,7 +40,7 @@ enum {
   P_GAIN_LIMIT, P_AUTO_LZ4_GOOD, P_AUTO_EST_GAIN, P_PLANE_TRY_BITS, P_PLANE_SAMPLES,
   P_ZSTD_LEVEL, P_SKIP_MAX, P_LZ4_FUTILE, P_LZ4_PROBE,
   P_WINDOW_LOG, P_HASH_LOG, P_CHAIN_LOG, P_SEARCH_LOG, P_MIN_MATCH, P_TARGET_LENGTH, P_STRATEGY,
-  P_SAMPLE_PART, P_SAMPLE_SLICES, P_SAMPLE_BYTES,
+  P_SAMPLE_PART, P_SAMPLE_SLICES, P_SAMPLE_BYTES, P_PLANE_ACCEL,
   P_COUNT
 };
 
@@ -124,6 +129,13 @@ GS_EXPORT void *gs_enc_new(const double *params, size_t nparams) {
       set(e->plane, ZSTD_c_contentSizeFlag, 0) || set(e->plane, ZSTD_c_checksumFlag, 0) ||
       set(e->plane, ZSTD_c_dictIDFlag, 0))
     goto fail;
+  /* codec.PLANE_ACCEL: the match finder accelerated, every literal still Huffman-coded.
+   * A float plane compresses by its literals (exponents); matches of 7 bytes are rare
+   * there, and looking for them cost ~30 % of the plane's time. (ZSTD_fast with a
+   * targetLength turns the literals' compression off unless told otherwise.) */
+  if (params[P_PLANE_ACCEL] > 0 && set(e->plane, ZSTD_c_literalCompressionMode, ZSTD_ps_enable) == 0 &&
+      set(e->plane, ZSTD_c_targetLength, (int)params[P_PLANE_ACCEL]))
+    goto fail;
   /* as ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False) */
   if (set(e->zstd, ZSTD_c_compressionLevel, (int)params[P_ZSTD_LEVEL]) ||
       set(e->zstd, ZSTD_c_contentSizeFlag, 0) || set(e->zstd, ZSTD_c_checksumFlag, 0))
@@ -152,6 +164,18 @@ static int64_t zframe(ZSTD_CCtx *c, uint8_t *dst, size_t cap, const uint8_t *src
     return E_CODEC;
   size_t r = ZSTD_compress2(c, dst, cap, src, n);
   return ZSTD_isError(r) ? E_CODEC : (int64_t)r;
+}
+
+/* One byte plane as a zstd frame with the encoder's plane parameters (codec.encode_shuffled's
+ * compressor, so that the Python codec writes the payloads this encoder writes) -> its size,
+ * or < 0 (E_SPACE: cap too small). */
+GS_EXPORT int64_t gs_enc_plane(void *h, const uint8_t *src, size_t n, uint8_t *dst, size_t cap) {
+  gs_enc *e = h;
+  if (!e || (!src && n) || !dst)
+    return E_ARGS;
+  if (cap < ZSTD_compressBound(n))
+    return E_SPACE;
+  return zframe(e->plane, dst, cap, src, n);
 }
 
 /* Where an attempt of up to need bytes is written: straight into the group's place in the

@@ -104,7 +104,9 @@ def test_plane_bits_native_equals_reference():
     datas = [os.urandom(65536), _fp32(16384), bytes(r.choices(b"abcab  \0", k=9999)), _bf16(20000)]
     for d in datas:
         for args in [(len(d) // 4, 4, 1, len(d) // 4), (1, 4, 32, (len(d) // 4 - 1) // 8 + 1),
-                     (1, 2, 6, 1000), (0, 1, 1, len(d)), (len(d) // 4, 4, 7, 100)]:
+                     (1, 2, 6, 1000), (0, 1, 1, len(d)), (len(d) // 4, 4, 7, 100),
+                     # the one-pass path for 4 interleaved planes (the codec's sample and estimate)
+                     (1, 4, 4, len(d) // 4), (1, 4, 8, 3), (1, 4, 4, 0), (1, 4, 3, 100)]:
             assert native.plane_bits(d, *args) == ref.plane_bits(d, *args), args
 
 

@@ -219,6 +219,23 @@ __attribute__((constructor)) static void clog_init(void) {
     clog_tab[c] = (double)c * log2((double)c);
 }
 
+/* Order-0 entropy in milli-bits per byte of cnt samples counted in h (sub == NULL), or in
+ * the four sub-histograms sub[0..3] added up; 8000 when cnt is 0.
+ * H = log2(cnt) - sum(c * log2(c)) / cnt */
+static uint32_t entropy_mbits(const uint32_t *h, const uint32_t (*sub)[256], size_t cnt) {
+  if (cnt == 0)
+    return 8000;
+  double acc = 0;
+  for (unsigned b = 0; b < 256; b++) {
+    uint32_t c = sub ? sub[0][b] + sub[1][b] + sub[2][b] + sub[3][b] : h[b];
+    if (c > 1)
+      acc += c <= GS_CLOG_MAX ? clog_tab[c] : (double)c * log2((double)c);
+  }
+  double bits = log2((double)cnt) - acc / (double)cnt;
+  long mb = (long)(bits * 1000.0);
+  return (uint32_t)(mb < 0 ? 0 : mb > 8000 ? 8000 : mb);
+}
+
 /* Entropy estimate of nplanes byte planes: plane p's samples are the count bytes
  * buf[p*plane_stride + j*step], j = 0 .. count-1 (the caller keeps them inside its buffer).
  * Planes laid out one after the other (shuffled data): plane_stride = plane length; planes
@@ -230,9 +247,24 @@ GS_EXPORT int gs_plane_bits(const uint8_t *buf, size_t plane_stride, unsigned np
                             size_t count, uint32_t *out) {
   if (step == 0)
     return -1;
+  uint32_t h[4][256];
+  if (plane_stride == 1 && nplanes == 4 && step >= 4) {
+    /* the planes of 4-byte elements (the codec's estimate and its sample): one pass reads
+     * each sampled element once and counts its 4 bytes, one histogram per plane (the four
+     * planes' counts interleave, which hides the store-to-load latency of repeated bytes) */
+    memset(h, 0, sizeof h);
+    for (size_t cnt = 0, i = 0; cnt < count; cnt++, i += step) {
+      h[0][buf[i]]++;
+      h[1][buf[i + 1]]++;
+      h[2][buf[i + 2]]++;
+      h[3][buf[i + 3]]++;
+    }
+    for (unsigned p = 0; p < 4; p++)
+      out[p] = entropy_mbits(h[p], NULL, count);
+    return 0;
+  }
   for (unsigned p = 0; p < nplanes; p++) {
     const uint8_t *s = buf + (size_t)p * plane_stride;
-    uint32_t h[4][256];
     memset(h, 0, sizeof h);
     size_t cnt = 0, i = 0;
     /* four sub-histograms hide the store-to-load latency of repeated bytes */
@@ -244,20 +276,7 @@ GS_EXPORT int gs_plane_bits(const uint8_t *buf, size_t plane_stride, unsigned np
     }
     for (; cnt < count; i += step, cnt++)
       h[0][s[i]]++;
-    if (cnt == 0) {
-      out[p] = 8000;
-      continue;
-    }
-    /* H = log2(cnt) - sum(c * log2(c)) / cnt */
-    double acc = 0;
-    for (unsigned b = 0; b < 256; b++) {
-      uint32_t c = h[0][b] + h[1][b] + h[2][b] + h[3][b];
-      if (c > 1)
-        acc += c <= GS_CLOG_MAX ? clog_tab[c] : (double)c * log2((double)c);
-    }
-    double bits = log2((double)cnt) - acc / (double)cnt;
-    long mb = (long)(bits * 1000.0);
-    out[p] = (uint32_t)(mb < 0 ? 0 : mb > 8000 ? 8000 : mb);
+    out[p] = entropy_mbits(h[0], h, cnt);
   }
   return 0;
 }

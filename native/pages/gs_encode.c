@@ -62,7 +62,7 @@ typedef struct {
   ZSTD_CCtx *plane; /* codec.PLANE_PARAMS, no content size */
   ZSTD_CCtx *zstd;  /* ZSTD_LEVEL, no content size */
   void *lz4_state;
-  uint8_t *shuf; /* the shuffled group */
+  uint8_t *shuf; /* a plane's zstd frame being made */
   uint8_t *sp;   /* the shuffle payload being built */
   uint8_t *lz;   /* lz4 or zstd output */
   uint8_t *smp;  /* the sample of sample_says_raw */
@@ -228,24 +228,31 @@ static int64_t shuffled(gs_enc *e, const uint8_t *src, size_t n, unsigned k, con
   size_t m = n / k;
   if (m == 0)
     return 0;
-  size_t tail = n - m * k, need = shuffled_bound(n, k);
-  if (grow(&e->shuf, &e->shuf_cap, n) || (e->place_cap < need && grow(&e->sp, &e->sp_cap, need)))
+  size_t tail = n - m * k, need = shuffled_bound(n, k), zcap = ZSTD_compressBound(m);
+  if (grow(&e->shuf, &e->shuf_cap, zcap) || (e->place_cap < need && grow(&e->sp, &e->sp_cap, need)))
     return E_NOMEM;
   uint8_t *d = *dst = target(e, need, e->sp);
-  gs_shuffle(src, n, k, e->shuf, 0);
+  /* shuffled straight into the payload (need >= 4k + n): a plane stored raw where it lies
+   * is not copied again (float groups: the mantissa planes). What is written at pos never
+   * reaches plane i's bytes: pos <= 4k + i*m. A frame is made in e->shuf (not over its
+   * source) and copied into place. */
+  uint8_t *planes = d + 4 * k;
+  gs_shuffle(src, n, k, planes, 0);
   size_t pos = 4 * k;
   for (unsigned i = 0; i < k; i++) {
-    const uint8_t *plane = e->shuf + i * m;
+    const uint8_t *plane = planes + i * m;
     size_t len = m;
     if (!bits || (int64_t)bits[i] < e->try_bits) {
-      int64_t z = zframe(e->plane, d + pos, need - pos, plane, m);
+      int64_t z = zframe(e->plane, e->shuf, zcap, plane, m);
       if (z < 0)
         return z;
-      if ((size_t)z < m)
+      if ((size_t)z < m) {
         len = (size_t)z;
+        memcpy(d + pos, e->shuf, len);
+      }
     }
-    if (len == m)
-      memcpy(d + pos, plane, m);
+    if (len == m && d + pos != plane)
+      memmove(d + pos, plane, m);
     uint32_t le = (uint32_t)len;
     uint8_t *h = d + 4 * i;
     h[0] = (uint8_t)le;
@@ -254,7 +261,7 @@ static int64_t shuffled(gs_enc *e, const uint8_t *src, size_t n, unsigned k, con
     h[3] = (uint8_t)(le >> 24);
     pos += len;
   }
-  memcpy(d + pos, e->shuf + m * k, tail);
+  memmove(d + pos, planes + m * k, tail);
   return (int64_t)(pos + tail);
 }
 

@@ -10,6 +10,7 @@ exactly, with packs whose blobs are the reference's."""
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 
@@ -347,16 +348,34 @@ def test_plane_frames_accelerated_with_their_literals_coded():
 
     assert C.PLANE_ACCEL > 0
     plain = zstandard.ZstdCompressor(compression_params=C.plane_params())
-    enc = encoder.Encoder()
-    ours = theirs = total = 0
+    comp = C.plane_compressor()
+    ours = theirs = 0
     for plane in _exponent_planes(5, 12):
-        z = enc.compress_plane(plane)
+        z = comp.compress(plane)
         assert zstandard.ZstdDecompressor().decompress(z, max_output_size=len(plane)) == plane
         assert len(z) < 0.6 * len(plane)
         ours += len(z)
         theirs += len(plain.compress(plane))
-        total += len(plane)
     assert ours <= theirs
+
+
+def test_encoder_and_python_codec_share_the_plane_compressor():
+    """A shuffle4-zstd payload of the native encoder holds, plane for plane, the frames of
+    codec.plane_compressor() (so export and prune's repacking write the dump's bytes)."""
+    rng = np.random.default_rng(8)
+    g = fp32(rng)
+    (c, payload), = native_run([g], C.CODEC_SHUF4_ZSTD)[0]
+    assert c == CODEC_SHUF4_ZSTD
+    m = len(g) // 4
+    lens = struct.unpack_from("<4I", payload)
+    sh = bytearray(len(g))
+    C.native.shuffle_into(g, 4, sh)
+    comp, pos = C.plane_compressor(), 16
+    for i, ln in enumerate(lens):
+        part = bytes(payload[pos:pos + ln])
+        assert part == (bytes(sh[i * m:(i + 1) * m]) if ln == m else comp.compress(bytes(sh[i * m:(i + 1) * m])))
+        pos += ln
+    assert lens[3] < m            # the exponent plane is a frame
 
 
 def test_plane_frames_without_acceleration_are_zstandards():
@@ -365,12 +384,14 @@ def test_plane_frames_without_acceleration_are_zstandards():
     import zstandard
 
     plain = zstandard.ZstdCompressor(compression_params=C.plane_params())
-    enc = encoder.Encoder({**encoder.encoder_params(), "plane_accel": 0})
+    comp = C.plane_compressor(accel=0)
     for plane in _exponent_planes(6, 6) + [bytes(range(256)) * 64, b""]:
-        assert enc.compress_plane(plane) == plain.compress(plane)
-    enc.close()
+        assert comp.compress(plane) == plain.compress(plane)
+    comp.close()
     with pytest.raises(ValueError):
-        enc.compress_plane(b"x")
+        comp.compress(b"x")
+    with pytest.raises(ValueError):
+        C.native.PlaneCompressor([1, 2, 3])     # not the 8 parameters
 
 
 def test_a_dump_loads_neither_lz4_nor_zstandard(tmp_path):

@@ -41,7 +41,7 @@ PLANE_PARAMS = {"window_log": 17, "hash_log": 6, "chain_log": 6, "search_log": 1
                 "target_length": 0, "strategy": 1}     # strategy 1 = zstandard.STRATEGY_FAST (ZSTD_fast)
 # ... and on top of those, the match finder accelerated (targetLength 16) with every literal
 # still Huffman-coded (ZSTD_c_literalCompressionMode, which python-zstandard cannot set: the
-# planes are compressed by the native library, repo/encoder.py). An fp32 exponent plane:
+# planes are compressed by the native library, native.PlaneCompressor). An fp32 exponent plane:
 # 0.3244 of its size instead of 0.3264, ~1.3x as fast. More acceleration is faster still but
 # loses the matches of integer-like planes (int32 counters: 0.254 of their size plain, 0.266
 # at 16, 0.356 at 256). 0: the plain PLANE_PARAMS (also what a libzstd without the mode gets).
@@ -88,15 +88,22 @@ def _lz4():
     return lz4.block
 
 
-def _plane_encoder():
-    """This thread's native encoder, for its plane compressor (the one the storing phase
-    compresses planes with: the same parameters, the same bytes)."""
-    e = getattr(_tls, "plane", None)
-    if e is None:
-        from gpusnap.repo import encoder
+PLANE_PARAM_ORDER = ("window_log", "hash_log", "chain_log", "search_log", "min_match", "target_length", "strategy")
 
-        e = _tls.plane = encoder.Encoder()
-    return e
+
+def plane_compressor(accel: int | None = None) -> "native.PlaneCompressor":
+    """A native plane compressor (the one the storing phase's encoder compresses planes with:
+    the same parameters, the same bytes); accel: PLANE_ACCEL unless given."""
+    return native.PlaneCompressor([PLANE_PARAMS[k] for k in PLANE_PARAM_ORDER]
+                                  + [PLANE_ACCEL if accel is None else accel])
+
+
+def _plane_compressor() -> "native.PlaneCompressor":
+    """This thread's plane compressor."""
+    c = getattr(_tls, "plane", None)
+    if c is None:
+        c = _tls.plane = plane_compressor()
+    return c
 
 
 def _dctx():
@@ -140,13 +147,13 @@ def encode_shuffled(data, k: int, bits: list[int] | None = None) -> bytes | None
         return None
     mv = memoryview(_work(n))[:n]
     native.shuffle_into(data, k, mv)
-    enc = _plane_encoder()
+    enc = _plane_compressor()
     lens = []
     parts = [b""]
     for i in range(k):
         plane = mv[i * m:(i + 1) * m]
         if bits is None or bits[i] < PLANE_TRY_BITS:
-            z = enc.compress_plane(plane)
+            z = enc.compress(plane)
             if len(z) < m:
                 lens.append(len(z))
                 parts.append(z)

@@ -59,7 +59,6 @@ _ENC_SIGNATURES = {
     "gs_enc_stats": ([_vp, _vp, _sz], _sz),
     "gs_enc_buf_new": ([_sz], _vp),
     "gs_enc_buf_free": ([_vp], None),
-    "gs_enc_plane": ([_vp, _vp, _sz, _vp, _sz], _i64),
 }
 _OUT_ROUND = 1 << 16     # output buffers' sizes rounded up to this (ctypes keeps a type per size)
 _enc_lib = None
@@ -89,7 +88,6 @@ class Encoder:
 
     def __init__(self, params: dict | None = None):
         self._h = None
-        self._plane_out = None
         lib = _encoder_lib()
         params = encoder_params() if params is None else params
         p = (ctypes.c_double * len(ENC_PARAM_NAMES))(*(float(params[k]) for k in ENC_PARAM_NAMES))
@@ -139,24 +137,6 @@ class Encoder:
         arr = (ctypes.c_char * cap).from_address(p)
         arr._owner = owner
         return list(res), memoryview(arr).cast("B")[:r]
-
-    def compress_plane(self, data) -> bytes:
-        """One byte plane as a zstd frame with the plane parameters (codec.PLANE_PARAMS and
-        PLANE_ACCEL): codec.encode_shuffled's compressor."""
-        lib = _enc_lib or _encoder_lib()
-        if self._h is None:
-            raise ValueError("encoder is closed")
-        n = len(data)
-        cap = n + (n >> 7) + 1024           # >= ZSTD_compressBound(n)
-        out = self._plane_out
-        if out is None or len(out) < cap:
-            out = self._plane_out = ctypes.create_string_buffer(cap)
-        addr, keep = native.buffer_address(data) if n else (None, None)
-        r = lib.gs_enc_plane(self._h, addr, n, out, len(out))
-        del keep
-        if r < 0:
-            raise RuntimeError(f"native encoder: {_ENC_ERRORS.get(r, r)}")
-        return out.raw[:r]
 
     def stats(self) -> dict[str, int]:
         """The encoder's counters since it was made (STAT_NAMES)."""

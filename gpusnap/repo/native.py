@@ -31,6 +31,8 @@ ABI) every function here raises NativeLibraryMissing, which says to run `make se
                                  ids of their page blobs gathered (gs_index.c, used by
                                  repo/format/index.py and repo/index.py; tests/test_index_bulk.py
                                  compares them with the Python parse)
+    PlaneCompressor(params)   one byte plane -> one zstd frame, with the plane parameters the
+                                 storing phase's encoder uses (gs_encode.c; codec.encode_shuffled)
     buffer_address(buf)       -> (address, keep-alive) of a buffer, for the bindings here and in
                                  repo/encoder.py (the storing phase's compress loop, gs_encode.c)
 
@@ -58,7 +60,7 @@ from gpusnap import settings
 
 PAGE_SIZE = 4096
 ID_LEN = 16
-ABI_VERSION = 7                  # gs_abi_version() of the library this code binds
+ABI_VERSION = 8                  # gs_abi_version() of the library this code binds
 SHUFFLE_PORTABLE = 1             # flags for shuffle/unshuffle: force the portable C code (tests)
 
 _LIB_NAME = "libgpusnap_pages.so"
@@ -89,6 +91,9 @@ _SIGNATURES = {
     "gs_index_parse": ([_vp, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, _vp, _vp, _vp, _vp,
                         _vp, _vp, _vp], _i64),
     "gs_index_runs": ([_vp, _vp, ctypes.c_uint64, _i64, ctypes.c_uint32, _vp, _vp, _vp, _vp, _vp], _i64),
+    "gs_plane_new": ([_vp, _sz], _vp),
+    "gs_plane_free": ([_vp], None),
+    "gs_plane_compress": ([_vp, _vp, _sz, _vp, _sz], _i64),
 }
 
 
@@ -472,3 +477,41 @@ def index_runs(data, recs, n: int, bno0: int, kind_pages: int, pages: int | None
     del rb, dkeep
     del data_no[nd.value:]
     return ids, bases, counts, data_no
+
+
+# -- plane compressor ---------------------------------------------------------------------------
+class PlaneCompressor:
+    """gs_encode.c's plane compressor on its own: params = codec.PLANE_PARAMS' window_log,
+    hash_log, chain_log, search_log, min_match, target_length, strategy, then PLANE_ACCEL.
+    Not for two threads at once."""
+
+    def __init__(self, params):
+        self._h = None
+        lib = _lib or load()
+        p = (ctypes.c_double * len(params))(*map(float, params))
+        self._h = lib.gs_plane_new(p, len(params))
+        if not self._h:
+            raise ValueError("plane compressor: bad parameters (or out of memory)")
+        self._out = None
+
+    def compress(self, data) -> bytes:
+        if self._h is None:
+            raise ValueError("plane compressor is closed")
+        n = len(data)
+        cap = n + (n >> 7) + 1024                 # >= ZSTD_compressBound(n)
+        if self._out is None or len(self._out) < cap:
+            self._out = ctypes.create_string_buffer(cap)
+        addr, keep = buffer_address(data) if n else (None, None)
+        r = _lib.gs_plane_compress(self._h, addr, n, self._out, len(self._out))
+        del keep
+        if r < 0:
+            raise RuntimeError(f"plane compressor failed ({r})")
+        return self._out.raw[:r]
+
+    def close(self) -> None:
+        h, self._h = self._h, None
+        if h is not None and _lib is not None:
+            _lib.gs_plane_free(h)
+
+    def __del__(self):
+        self.close()

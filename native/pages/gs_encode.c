@@ -8,7 +8,7 @@
  * (docs/format.md §3): lz4 block without size; zstd frame at ZSTD_LEVEL without content
  * size; shuffle<k>-zstd = k u32 LE plane lengths, each plane a zstd frame with the plane
  * parameters (codec.PLANE_PARAMS and PLANE_ACCEL; the Python codec compresses its planes
- * through gs_enc_plane) or raw, then the tail. tests/test_native_encode.py compares the
+ * through gs_plane_compress) or raw, then the tail. tests/test_native_encode.py compares the
  * two group by group: byte for byte, except plain zstd frames, which libzstd versions
  * (the system's vs python-zstandard's bundled one) may make a few bytes apart. The
  * constants come from Python (gs_enc_new) so codec.py and sinks.py stay their one
@@ -94,6 +94,43 @@ static int set(ZSTD_CCtx *c, ZSTD_cParameter p, int v) {
   return ZSTD_isError(ZSTD_CCtx_setParameter(c, p, v)) ? -1 : 0;
 }
 
+/* The plane compressor's parameters: p = window_log, hash_log, chain_log, search_log,
+ * min_match, target_length, strategy (codec.PLANE_PARAMS, as python-zstandard's
+ * ZstdCompressionParameters takes them), no content size, checksum or dictionary id; then,
+ * with accel > 0 (codec.PLANE_ACCEL), the match finder accelerated with every literal still
+ * Huffman-coded. A float plane compresses by its literals (exponents); matches of 7 bytes
+ * are rare there, and looking for them cost about a quarter of the plane's time. (ZSTD_fast
+ * with a targetLength stops compressing literals unless told otherwise; where libzstd
+ * refuses the mode, the plain parameters stay.) -> 0, or -1. */
+static int plane_setup(ZSTD_CCtx *c, const double *p, double accel) {
+  if (set(c, ZSTD_c_windowLog, (int)p[0]) || set(c, ZSTD_c_hashLog, (int)p[1]) ||
+      set(c, ZSTD_c_chainLog, (int)p[2]) || set(c, ZSTD_c_searchLog, (int)p[3]) ||
+      set(c, ZSTD_c_minMatch, (int)p[4]) || set(c, ZSTD_c_targetLength, (int)p[5]) ||
+      set(c, ZSTD_c_strategy, (int)p[6]) || set(c, ZSTD_c_contentSizeFlag, 0) ||
+      set(c, ZSTD_c_checksumFlag, 0) || set(c, ZSTD_c_dictIDFlag, 0))
+    return -1;
+  if (accel > 0 && set(c, ZSTD_c_literalCompressionMode, ZSTD_ps_enable) == 0 &&
+      set(c, ZSTD_c_targetLength, (int)accel))
+    return -1;
+  return 0;
+}
+
+/* A plane compressor alone (codec.encode_shuffled's, so that the Python codec writes the
+ * payloads the encoder writes): params = the 7 plane parameters of plane_setup, then accel.
+ * -> a handle, or NULL (bad arguments, out of memory, parameters zstd refuses). */
+GS_EXPORT void *gs_plane_new(const double *params, size_t nparams) {
+  if (!params || nparams != 8)
+    return NULL;
+  ZSTD_CCtx *c = ZSTD_createCCtx();
+  if (c && plane_setup(c, params, params[7])) {
+    ZSTD_freeCCtx(c);
+    c = NULL;
+  }
+  return c;
+}
+
+GS_EXPORT void gs_plane_free(void *h) { ZSTD_freeCCtx(h); }
+
 /* -> a new encoder, or NULL (out of memory, or parameters zstd refuses). */
 GS_EXPORT void *gs_enc_new(const double *params, size_t nparams) {
   if (!params || nparams != P_COUNT)
@@ -118,23 +155,7 @@ GS_EXPORT void *gs_enc_new(const double *params, size_t nparams) {
   if (!e->plane || !e->zstd || !e->lz4_state || e->samples < 1 || e->sample_part < 0 ||
       e->sample_slices < 0 || e->sample_slices > 1024 || e->sample_bytes < 0 || e->sample_bytes > 1 << 16)
     goto fail;
-  /* as python-zstandard's ZstdCompressor(compression_params=plane_params()) */
-  if (set(e->plane, ZSTD_c_windowLog, (int)params[P_WINDOW_LOG]) ||
-      set(e->plane, ZSTD_c_hashLog, (int)params[P_HASH_LOG]) ||
-      set(e->plane, ZSTD_c_chainLog, (int)params[P_CHAIN_LOG]) ||
-      set(e->plane, ZSTD_c_searchLog, (int)params[P_SEARCH_LOG]) ||
-      set(e->plane, ZSTD_c_minMatch, (int)params[P_MIN_MATCH]) ||
-      set(e->plane, ZSTD_c_targetLength, (int)params[P_TARGET_LENGTH]) ||
-      set(e->plane, ZSTD_c_strategy, (int)params[P_STRATEGY]) ||
-      set(e->plane, ZSTD_c_contentSizeFlag, 0) || set(e->plane, ZSTD_c_checksumFlag, 0) ||
-      set(e->plane, ZSTD_c_dictIDFlag, 0))
-    goto fail;
-  /* codec.PLANE_ACCEL: the match finder accelerated, every literal still Huffman-coded.
-   * A float plane compresses by its literals (exponents); matches of 7 bytes are rare
-   * there, and looking for them cost ~30 % of the plane's time. (ZSTD_fast with a
-   * targetLength turns the literals' compression off unless told otherwise.) */
-  if (params[P_PLANE_ACCEL] > 0 && set(e->plane, ZSTD_c_literalCompressionMode, ZSTD_ps_enable) == 0 &&
-      set(e->plane, ZSTD_c_targetLength, (int)params[P_PLANE_ACCEL]))
+  if (plane_setup(e->plane, params + P_WINDOW_LOG, params[P_PLANE_ACCEL]))
     goto fail;
   /* as ZstdCompressor(level=ZSTD_LEVEL, write_content_size=False) */
   if (set(e->zstd, ZSTD_c_compressionLevel, (int)params[P_ZSTD_LEVEL]) ||
@@ -166,16 +187,14 @@ static int64_t zframe(ZSTD_CCtx *c, uint8_t *dst, size_t cap, const uint8_t *src
   return ZSTD_isError(r) ? E_CODEC : (int64_t)r;
 }
 
-/* One byte plane as a zstd frame with the encoder's plane parameters (codec.encode_shuffled's
- * compressor, so that the Python codec writes the payloads this encoder writes) -> its size,
- * or < 0 (E_SPACE: cap too small). */
-GS_EXPORT int64_t gs_enc_plane(void *h, const uint8_t *src, size_t n, uint8_t *dst, size_t cap) {
-  gs_enc *e = h;
-  if (!e || (!src && n) || !dst)
+/* One byte plane as a zstd frame (a gs_plane_new handle) -> its size, or < 0 (E_SPACE: cap
+ * below ZSTD_compressBound(n)). */
+GS_EXPORT int64_t gs_plane_compress(void *h, const uint8_t *src, size_t n, uint8_t *dst, size_t cap) {
+  if (!h || (!src && n) || !dst)
     return E_ARGS;
   if (cap < ZSTD_compressBound(n))
     return E_SPACE;
-  return zframe(e->plane, dst, cap, src, n);
+  return zframe(h, dst, cap, src, n);
 }
 
 /* Where an attempt of up to need bytes is written: straight into the group's place in the

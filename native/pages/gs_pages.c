@@ -29,8 +29,9 @@ _Static_assert(GS_CHUNKS == 4, "a page is 4 BLAKE3 chunks");
 /* 4: every gs_* function of native/pages in one library, gs_decode_job included;
  * 5: gs_table_fill and gs_run_starts;
  * 6: gs_index_parse and gs_index_runs;
- * 7: gs_decode_payload (gpusnap/repo/native.py ABI_VERSION) */
-GS_EXPORT int gs_abi_version(void) { return 7; }
+ * 7: gs_decode_payload
+ * 8: gs_plane_new/compress/free; gs_enc_new takes PLANE_ACCEL (gpusnap/repo/native.py ABI_VERSION) */
+GS_EXPORT int gs_abi_version(void) { return 8; }
 
 static bool page_is_zero(const uint8_t *p) {
   static const uint8_t zero[GS_PAGE];

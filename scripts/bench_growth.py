@@ -124,11 +124,9 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
 def floor_freeze(job: "bench.Job") -> dict:
     """The job's freeze under CRIU's --stream mode alone (every byte dropped), and CRIU's
     seconds then: the floor under gpusnap's freeze on this machine."""
-    bench.settle()
-    job.gap()
-    r = bench.check(bench.timed([bench.PY, str(bench.ROOT / "scripts" / "stream_floor.py"), "dump", str(job.pid)],
-                                cwd=bench.ROOT), "stream floor")
-    return {"freeze": job.gap(), "criu_s": json.loads(r["stdout"].strip().splitlines()[-1])["criu_s"]}
+    job.gap()          # (the settle before the dump only ticks: no gap of its own)
+    criu_s = bench.stream_floor("dump", str(job.pid))
+    return {"freeze": job.gap(), "criu_s": criu_s}
 
 
 def taskset_storing(base: Path, mb: int) -> dict:

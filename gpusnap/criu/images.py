@@ -161,8 +161,6 @@ def reg_files(snap) -> list[dict]:
     return out
 
 
-
-
 def unix_sockets(snap) -> list[dict]:
     """name (bytes, as bound: a path, an abstract name or b""), deleted, uid and gid of every
     unix socket of `snap` (file_entry.usk = 16, images/sk-unix.proto: name = 11, file_perms =

@@ -147,13 +147,13 @@ def encode_shuffled(data, k: int, bits: list[int] | None = None) -> bytes | None
         return None
     mv = memoryview(_work(n))[:n]
     native.shuffle_into(data, k, mv)
-    enc = _plane_compressor()
+    comp = _plane_compressor()
     lens = []
     parts = [b""]
     for i in range(k):
         plane = mv[i * m:(i + 1) * m]
         if bits is None or bits[i] < PLANE_TRY_BITS:
-            z = enc.compress(plane)
+            z = comp.compress(plane)
             if len(z) < m:
                 lens.append(len(z))
                 parts.append(z)

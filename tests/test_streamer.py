@@ -202,6 +202,58 @@ def test_serve_source_error_cuts_the_image_short(tmp_path):
         srv.finish(timeout=5)
 
 
+def test_serve_cut_stops_the_feeders_before_their_next_chunk(tmp_path):
+    """A restore interrupted while CRIU reads (ops/restore_interrupt.py): the cut must leave
+    CRIU a short image, however many chunks its feeder had left, and answer no new image."""
+    asked, go_on = threading.Event(), threading.Event()
+
+    def source(name):
+        def gen():
+            yield b"a" * 4096
+            asked.set()
+            go_on.wait(5)
+            yield b"b" * 4096       # past the cut: never written
+        return gen()
+
+    srv = ServeServer(tmp_path, source, F).start()
+    sock = criu_side(srv.path)
+    fd = open_for_restore(sock, "pages-1.img")
+    assert asked.wait(5)
+    srv.cut()
+    go_on.set()
+    with os.fdopen(fd, "rb") as f:
+        assert f.read() == b"a" * 4096
+    # the next image CRIU asks for gets no answer: its request loop stopped
+    protocol.send_message(sock, protocol.encode_request("core-1.img"))
+    sock.settimeout(1)
+    with pytest.raises((socket.timeout, ConnectionError, StreamProtocolError)):
+        if protocol.recv_message(sock) is None:
+            raise ConnectionError("closed")
+    srv.abort()
+    assert not srv.failed
+
+
+def test_a_signal_while_criu_runs_cuts_the_stream_from_the_handler():
+    """The guard calls the stream's cut inside the signal handler, not when the supervising
+    loop next wakes; before CRIU starts a signal raises, and once the job runs it cuts nothing."""
+    import signal
+
+    from gpusnap.ops import restore_interrupt
+
+    cuts = []
+    with restore_interrupt.guard() as g:
+        restore_interrupt.criu_started(cut=lambda: cuts.append(1))
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert cuts == [1] and g.caught == [signal.SIGHUP] and restore_interrupt.stop_requested()
+        restore_interrupt.job_running()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert cuts == [1] and not restore_interrupt.stop_requested()
+    with pytest.raises(restore_interrupt.Terminated):
+        with restore_interrupt.guard():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+
+
 @pytest.mark.parametrize("name", ["pages-1.img", "core-123.img", "é.img"])
 def test_request_roundtrip_encoding(name):
     assert protocol.decode_request(protocol.encode_request(name), F) == name

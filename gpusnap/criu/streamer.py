@@ -121,6 +121,7 @@ class _Server:
         self._busy = False  # a request is being read or handled (guarded by _lock)
         self._open = 0      # images whose pipe is still being drained or fed (guarded by _lock)
         self._changed = threading.Condition(self._lock)   # _open went down
+        self._cut = False   # cut(): serve no more (a plain flag, so a signal handler may set it)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> "_Server":
@@ -146,8 +147,15 @@ class _Server:
         if err is not None:
             raise err
 
+    def cut(self) -> None:
+        """Stop the stream at the next chunk: no new image is answered and every feeder stops
+        before its next write, so CRIU reads a short image and fails (a restore interrupted).
+        Only sets a flag: safe inside a signal handler; abort() then closes the connection."""
+        self._cut = True
+
     def abort(self) -> None:
         """Stop everything now (e.g. CRIU failed); errors stay readable through error()."""
+        self._cut = True
         self._stop.set()
         self._shutdown_conn()
         try:
@@ -205,8 +213,8 @@ class _Server:
             self._conn.settimeout(None)
             poller = select.poll()
             poller.register(self._conn, select.POLLIN | select.POLLHUP)
-            while not self.failed:
-                if not poller.poll(100):
+            while not self.failed and not self._cut:
+                if not poller.poll(100) or self._cut:
                     continue
                 with self._lock:
                     self._busy = True
@@ -429,7 +437,7 @@ class ServeServer(_Server):
         feeder.splice = feeder.splice and self.names.is_pages_image(name) and settings.get("GPUSNAP_SERVE_VMSPLICE") != "0"
         try:
             for chunk in chunks:
-                if self.failed:
+                if self.failed or self._cut:
                     return
                 feeder.write(chunk)
                 self._count(name, len(chunk))

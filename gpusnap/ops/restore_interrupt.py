@@ -38,6 +38,7 @@ class Guard:
         self.phase = "checks"
         self.caught: list[int] = []
         self.noted = False           # the restore's result already carries the note
+        self.cut = None              # while CRIU runs: cuts its image stream (only sets a flag)
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
         if self.phase == "checks":
@@ -45,6 +46,10 @@ class Guard:
                 raise KeyboardInterrupt
             raise Terminated(signum)
         self.caught.append(signum)   # held: CRIU runs, or the job already does
+        if self.phase == "criu" and self.cut is not None:
+            # at once, in the handler: the feeders stop at their next chunk, not when the
+            # supervising loop next wakes (CRIU could meanwhile read its last bytes)
+            self.cut()
 
     @property
     def stop_requested(self) -> bool:
@@ -99,11 +104,13 @@ def reinstall() -> None:
             signal.signal(s, g._on_signal)
 
 
-def criu_started() -> None:
-    """CRIU is running: from here a signal is held (and asks the stream to stop)."""
+def criu_started(cut=None) -> None:
+    """CRIU is running: from here a signal is held, and calls `cut` (the image stream's, which
+    must only set a flag: it runs inside the signal handler)."""
     g = active()
     if g is not None and g.phase == "checks":
         g.phase = "criu"
+        g.cut = cut
 
 
 def job_running() -> None:
@@ -111,6 +118,7 @@ def job_running() -> None:
     g = active()
     if g is not None:
         g.phase = "running"
+        g.cut = None
 
 
 def stop_requested() -> bool:

@@ -158,7 +158,8 @@ def _criu_restore(plan: RestorePlan, images: Path, workdir: Path, server, progre
     finally:
         if old_ttou is not None:
             signal.signal(signal.SIGTTOU, old_ttou)
-    restore_interrupt.criu_started()     # from here a signal is held (restore_interrupt.py)
+    # from here a signal is held, and cuts the image stream at once (restore_interrupt.py)
+    restore_interrupt.criu_started(cut=server.cut if server is not None else None)
     fault("restore:criu-started")
     if lazy is not None:
         lazy.criu_started(criu.pid)

@@ -19,6 +19,12 @@ is the freeze floor: what any dump through `criu --stream` freezes the job for o
 machine, however fast the pipeline behind it ("floor" in the freeze column, as a ratio to
 raw CRIU's freeze; a freeze ratio target below it cannot be met through CRIU's stream mode).
 
+On a VM that hands freed memory back to its host (free page reporting), the run holds that
+off and faults the free memory in once (scripts/host_memory.py, put back at the end): raw
+CRIU's images land in the page cache while the job is frozen, and memory the host took back
+made that freeze 3-5x longer whenever gpusnap had run just before (--leave-page-reporting
+measures the VM as it is).
+
 Also measured, as the bounds every figure is read against: memcpy (one thread), blake3 per
 thread, the disk's O_DIRECT write and its buffered write + fsync, each in GB/s; and gpusnap
 storing a job of --taskset-mb MiB random under `taskset` with 1 and with 2 cores (its
@@ -27,6 +33,7 @@ storing a job of --taskset-mb MiB random under `taskset` with 1 and with 2 cores
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +45,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
+import host_memory  # noqa: E402
 
 TARGETS = {"freeze": 0.5, "committed_random": 1.2, "committed_fp32": 1.0, "restore_cold": 0.8}
 
@@ -213,12 +221,17 @@ def draw(rows: list[dict], path: Path) -> bool:
 
 
 def run(sizes: list[float], kinds: list[str], reps: int, base_dir: Path, chart: Path | None,
-        json_out: Path | None, taskset_mb: int) -> int:
+        json_out: Path | None, taskset_mb: int, host_backed: bool = True) -> int:
     bench.compile_bytecode()
     base = base_dir / f"growth-{os.getpid()}"
     base.mkdir(parents=True)
     rows: list[dict] = []
+    held = host_memory.HostBacked() if host_backed else None
+    stack = contextlib.ExitStack()
     try:
+        if held is not None:
+            stack.enter_context(held)
+            print(f"host memory: {json.dumps(held.summary)}", file=sys.stderr, flush=True)
         limits = machine_limits(base)
         print(f"machine: {json.dumps(limits)}", file=sys.stderr, flush=True)
         turn = 0
@@ -237,7 +250,9 @@ def run(sizes: list[float], kinds: list[str], reps: int, base_dir: Path, chart: 
                           file=sys.stderr, flush=True)
         cores = taskset_storing(base, taskset_mb) if taskset_mb else None
     finally:
+        stack.close()               # (the page reporting put back)
         shutil.rmtree(base, ignore_errors=True)
+    limits["host_memory"] = held.summary if held is not None else "as the machine has it (--leave-page-reporting)"
     print(table(rows), flush=True)
     print(f"machine limits: {json.dumps(limits)}")
     if cores:
@@ -263,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=bench.SETTLE)
     ap.add_argument("--growth-chart", type=Path, default=bench.ROOT / "docs" / "benchmark-growth.png")
     ap.add_argument("--taskset-mb", type=int, default=1024, help="job size for the 1-vs-2-core storing run (0: none)")
+    ap.add_argument("--leave-page-reporting", action="store_true",
+                    help="measure with the VM's free page reporting as it is (scripts/host_memory.py)")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("bench needs root: it dumps and restores real processes with CRIU", file=sys.stderr)
@@ -273,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     for k in kinds:
         if k not in bench.KINDS:
             ap.error(f"unknown kind {k!r}")
-    return run(sizes, kinds, args.reps, args.dir, args.growth_chart, args.json, args.taskset_mb)
+    return run(sizes, kinds, args.reps, args.dir, args.growth_chart, args.json, args.taskset_mb,
+               host_backed=not args.leave_page_reporting)
 
 
 if __name__ == "__main__":

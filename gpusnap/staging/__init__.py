@@ -36,7 +36,7 @@ from pathlib import Path
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
 from gpusnap.staging import spill as spill_mod
-from gpusnap.staging.budget import (DEFAULT_CAP, JOB_MARGIN, _mem_available, choose_budget,  # noqa: F401
+from gpusnap.staging.budget import (JOB_MARGIN, _mem_available, choose_budget,  # noqa: F401
                                     default_budget, parse_size)
 from gpusnap import settings
 

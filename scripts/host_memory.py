@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import signal
+import threading
 from pathlib import Path
 
 PARAMS = Path("/sys/module/page_reporting/parameters")
@@ -67,6 +69,10 @@ def fault_in(nbytes: int) -> int:
     return done
 
 
+def _exit_on_term(signum, frame) -> None:  # noqa: ARG001
+    raise SystemExit(128 + signum)
+
+
 class HostBacked:
     """with HostBacked(): free page reporting held off (the highest order the kernel takes,
     above every free block) and the free memory but `keep` faulted in once; the old order is
@@ -84,6 +90,10 @@ class HostBacked:
             self.old = self.order_file.read_text().strip()
         except OSError:
             return self
+        self._old_term = None
+        if threading.current_thread() is threading.main_thread():
+            # a benchmark stopped by SIGTERM (timeout, kill) unwinds too, so the order is put back
+            self._old_term = signal.signal(signal.SIGTERM, _exit_on_term)
         held = None
         for order in (11, 10):          # 11: above the buddy allocator's largest block (order 10)
             if int(self.old) >= order:
@@ -105,6 +115,8 @@ class HostBacked:
     def __exit__(self, *exc) -> None:
         if self.old is None:
             return
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)
         after = _reported_kib(self.params)
         if after is not None and getattr(self, "reported_before", None) is not None:
             self.summary["reported_during_run_mib"] = (after - self.reported_before) >> 10

@@ -50,3 +50,22 @@ def test_without_page_reporting_nothing_is_touched(tmp_path):
 def test_fault_in_touches_what_it_is_asked_for():
     assert host_memory.fault_in(3 << 20) == 3 << 20
     assert host_memory.fault_in(0) == 0
+
+
+def test_the_setting_is_put_back_when_the_benchmark_is_terminated(tmp_path):
+    """`timeout` or `kill` sends SIGTERM: the run unwinds and the order is put back."""
+    import signal
+    import subprocess
+    import time
+
+    params = _params(tmp_path)
+    code = ("import sys, time; sys.path.insert(0, %r); import host_memory\n"
+            "with host_memory.HostBacked(params=__import__('pathlib').Path(%r), warm=0):\n"
+            "    print('in', flush=True); time.sleep(60)\n") % (str(ROOT / "scripts"), str(params))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "in"
+    assert (params / "page_reporting_order").read_text().strip() == "11"
+    t = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == 128 + signal.SIGTERM and time.monotonic() - t < 30
+    assert (params / "page_reporting_order").read_text().strip() == "9"

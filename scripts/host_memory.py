@@ -15,23 +15,16 @@ the kernel's setting back after it.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import signal
 import threading
 from pathlib import Path
 
+from gpusnap.staging.budget import _mem_available   # (what a dump's budget is chosen from)
+
 PARAMS = Path("/sys/module/page_reporting/parameters")
 CHUNK = 1 << 30
 MADV_POPULATE_WRITE = 23   # (Linux 5.14; not in Python's mmap module before 3.14)
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _mem_available() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) << 10
-    return 0
 
 
 def _reported_kib(params: Path) -> int | None:
@@ -42,9 +35,9 @@ def _reported_kib(params: Path) -> int | None:
 
 
 def fault_in(nbytes: int) -> int:
-    """Fault in nbytes of fresh anonymous memory at once (1 GiB mappings, every page written),
+    """Fault in nbytes of fresh anonymous memory at once (1 GiB mappings, every page populated),
     then free it all: the guest's free memory is then backed by the host. Returns the bytes
-    touched (fewer when a mapping fails)."""
+    touched (fewer when memory runs out)."""
     maps: list[mmap.mmap] = []
     done = 0
     try:
@@ -57,11 +50,8 @@ def fault_in(nbytes: int) -> int:
             maps.append(m)
             try:
                 m.madvise(MADV_POPULATE_WRITE)
-            except (OSError, ValueError):      # (before Linux 5.14) every page written instead
-                buf = ctypes.c_char.from_buffer(m)
-                addr = ctypes.addressof(buf)
-                del buf                        # (a live export would keep m from closing)
-                _libc.memset(ctypes.c_void_p(addr), 1, ctypes.c_size_t(n))
+            except OSError:                    # (out of memory: what was faulted in stays counted)
+                break
             done += n
     finally:
         for m in maps:
@@ -83,6 +73,8 @@ class HostBacked:
         self.params, self.keep, self.warm = params, keep, warm
         self.order_file = params / "page_reporting_order"
         self.old: str | None = None
+        self.reported_before: int | None = None
+        self._old_term = None
         self.summary: dict = {"page_reporting": "none (memory stays backed)"}
 
     def __enter__(self) -> "HostBacked":
@@ -90,7 +82,6 @@ class HostBacked:
             self.old = self.order_file.read_text().strip()
         except OSError:
             return self
-        self._old_term = None
         if threading.current_thread() is threading.main_thread():
             # a benchmark stopped by SIGTERM (timeout, kill) unwinds too, so the order is put back
             self._old_term = signal.signal(signal.SIGTERM, _exit_on_term)
@@ -118,7 +109,7 @@ class HostBacked:
         if self._old_term is not None:
             signal.signal(signal.SIGTERM, self._old_term)
         after = _reported_kib(self.params)
-        if after is not None and getattr(self, "reported_before", None) is not None:
+        if after is not None and self.reported_before is not None:
             self.summary["reported_during_run_mib"] = (after - self.reported_before) >> 10
         try:
             self.order_file.write_text(f"{self.old}\n")

@@ -22,8 +22,8 @@ ticks every 2 ms in a thread of its own (--tick-ms):
   3. the job is killed (reaped, PID free); then, first from a warm page cache and then from a
      cold one (`sync; echo 3 > /proc/sys/vm/drop_caches` before each restore), raw
      `criu restore -d -D RAW` and `gpusnap restore --via stream` are timed, each restored
-     job killed before the next; from warm only, `criu restore --stream` fed unchanged from
-     RAW (stream_floor.py): the floor under the stream path. Then `gpusnap restore --via lazy`
+     job killed before the next; warm and cold too, `criu restore --stream` fed unchanged
+     from RAW (stream_floor.py): the floor under the stream path. Then `gpusnap restore --via lazy`
      (the job runs while its memory is filled; timed until it runs again, which is the
      command's wall time less the fill after that, and until every page is in: the wall
      time), warm and cold; then `--via files`, warm and cold, and one untimed raw restore. Last, `gpusnap restore` (auto, cold)
@@ -285,9 +285,12 @@ def raw_dump(pid: int, raw: Path, job: "Job | None" = None) -> dict:
     return r
 
 
-def stream_floor(*args: str) -> float:
-    """CRIU's own seconds in --stream mode (scripts/stream_floor.py)."""
+def stream_floor(*args: str, cold: bool = False) -> float:
+    """CRIU's own seconds in --stream mode (scripts/stream_floor.py); cold: from a cold page
+    cache (`drop_caches` first), as the cold restores are timed."""
     settle()
+    if cold:
+        drop_caches()
     r = check(timed([PY, str(ROOT / "scripts" / "stream_floor.py"), *args], cwd=ROOT), "stream floor")
     return json.loads(r["stdout"].strip().splitlines()[-1])["criu_s"]
 
@@ -330,9 +333,8 @@ def restore_side(s: dict, job: "Job", raw: Path, repo: Path, snapshot: str, veri
         if not pid_alive(job.pid):
             raise RuntimeError("raw CRIU restore did not bring the job back")
         kill(job.pid)
-        if not cold:
-            s["floor_restore"] = stream_floor("restore", str(raw))
-            kill(job.pid)
+        s["floor_restore" + sfx] = stream_floor("restore", str(raw), cold=cold)
+        kill(job.pid)
         gs("gs_restore_stream" + sfx, "stream", cold)
     # The lazy path (userfaultfd): its command returns once every page is in; the job ran
     # again `seconds - running_seconds` before that (summarize: "until running").
@@ -460,6 +462,9 @@ def summarize(kind: str, samples: list[dict]) -> dict:
         "stream_restore_floor_s": med([s["floor_restore"] for s in samples]),
         "gpusnap_restore_criu_phase_s": med([s["gs_restore_stream"]["info"].get("phases", {}).get("criu", 0)
                                              for s in samples]),
+        "stream_restore_floor_cold_s": med([s["floor_restore_cold"] for s in samples]),
+        "gpusnap_restore_criu_phase_cold_s": med([s["gs_restore_stream_cold"]["info"].get("phases", {}).get("criu", 0)
+                                                  for s in samples]),
         "digest_ok": all(s.get("digest_ok", True) for s in samples),
         "verified": all("digest_ok" in s for s in samples),
     }
@@ -604,6 +609,9 @@ def table(summaries: list[dict], mb: int) -> str:
         rows.append(("", "  CRIU --stream restore alone / gpusnap's 'criu' phase", f"{m['stream_restore_floor_s']:.2f}",
                      f"{m['gpusnap_restore_criu_phase_s']:.2f}",
                      f"{m['stream_restore_floor_s'] / m['raw_restore_s']:.2f}", "", ""))
+        rows.append(("", "    the same, cold", f"{m['stream_restore_floor_cold_s']:.2f}",
+                     f"{m['gpusnap_restore_criu_phase_cold_s']:.2f}",
+                     f"{m['stream_restore_floor_cold_s'] / m['raw_restore_cold_s']:.2f}", "", ""))
         t = SIZE_TARGET[k]
         rows.append(("", "size MiB", f"{m['raw_bytes'] / 2**20:.1f}", f"{m['gpusnap_bytes'] / 2**20:.1f}",
                      f"{m['size_ratio']:.3f}", f"<= {t}" if t else "", fmt_ok(m["size_ratio"], t)))

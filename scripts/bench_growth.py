@@ -18,6 +18,9 @@ capture server that drops every byte (scripts/stream_floor.py). The job's longes
 is the freeze floor: what any dump through `criu --stream` freezes the job for on this
 machine, however fast the pipeline behind it ("floor" in the freeze column, as a ratio to
 raw CRIU's freeze; a freeze ratio target below it cannot be met through CRIU's stream mode).
+Likewise after the cold restores: `criu restore --stream` fed the raw images unchanged (no
+check, no decode), from a cold cache, is the floor under gpusnap's default restore ("floor"
+in the restore column).
 
 On a VM that hands freed memory back to its host (free page reporting), the run holds that
 off and faults the free memory in once (scripts/host_memory.py, put back at the end): raw
@@ -26,9 +29,10 @@ made that freeze 3-5x longer whenever gpusnap had run just before (--leave-page-
 measures the VM as it is).
 
 Also measured, as the bounds every figure is read against: memcpy (one thread), blake3 per
-thread, the disk's O_DIRECT write and its buffered write + fsync, each in GB/s; and gpusnap
-storing a job of --taskset-mb MiB random under `taskset` with 1 and with 2 cores (its
-`storing` phase's MB/s from --json: how the page pipeline scales with cores).
+thread, the disk's O_DIRECT write, its buffered write + fsync and its read from a cold
+cache, each in GB/s; and gpusnap storing a job of --taskset-mb MiB random under `taskset`
+with 1 and with 2 cores (its `storing` phase's MB/s from --json: how the page pipeline
+scales with cores).
 """
 
 from __future__ import annotations
@@ -48,10 +52,13 @@ import bench  # noqa: E402
 import host_memory  # noqa: E402
 
 TARGETS = {"freeze": 0.5, "committed_random": 1.2, "committed_fp32": 1.0, "restore_cold": 0.8}
+# the floor drawn under a measure's ratio: CRIU's --stream mode alone, same job, same run
+FLOORS = {"freeze_ratio": "floor_freeze_ratio", "restore_cold_ratio": "floor_restore_cold_ratio"}
 
 
 def machine_limits(workdir: Path) -> dict:
-    """memcpy and blake3 per thread (GB/s, 512 MiB in memory), the disk's write speeds."""
+    """memcpy and blake3 per thread (GB/s, 512 MiB in memory), the disk's write speeds and
+    its read speed from a cold cache."""
     import blake3
 
     n = 512 << 20
@@ -75,15 +82,35 @@ def machine_limits(workdir: Path) -> dict:
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out[key] = round((1 << 30) / (time.perf_counter() - t) / 1e9, 2)
         f.unlink()
+    # what any restore from a cold cache reads its images at (buffered, the kernel's read-ahead)
+    subprocess.run(["dd", "if=/dev/urandom", f"of={f}", "bs=4M", "count=256", "conv=fsync"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bench.settle()
+    bench.drop_caches()
+    t = time.perf_counter()
+    subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=4M"], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    out["disk_read_cold_gb_s"] = round((1 << 30) / (time.perf_counter() - t) / 1e9, 2)
+    f.unlink()
     return out
 
 
-def _restore_cold(cmd: list[str], pid: int) -> float:
+def _restore_cold(cmd: list[str], pid: int) -> dict:
     r = bench.restore_timed(cmd, cold=True, cwd=bench.ROOT)
     if not bench.pid_alive(pid):
         raise RuntimeError(f"{' '.join(cmd[:3])} did not bring the job back")
     bench.kill(pid)
-    return r["wall"]
+    return r
+
+
+def floor_restore_cold(raw: Path, pid: int) -> float:
+    """CRIU's seconds restoring the raw images through --stream from a cold cache, fed
+    unchanged (no check, no decode): the floor under gpusnap's default (stream) restore."""
+    criu_s = bench.stream_floor("restore", str(raw), cold=True)
+    if not bench.pid_alive(pid):
+        raise RuntimeError("criu restore --stream did not bring the job back")
+    bench.kill(pid)
+    return criu_s
 
 
 def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
@@ -113,8 +140,11 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
                  throughput=info.get("throughput"))
         raw_cmd = [bench.criu_path(), "restore", "-d", "-D", str(raw), "-o", "restore.log", "-v2"]
         gs_cmd = [bench.PY, "-m", "gpusnap", "restore", info["snapshot"], "--repo", str(repo), "--json"]
-        s["raw_restore_cold"] = _restore_cold(raw_cmd, job.pid)
-        s["gs_restore_cold"] = _restore_cold(gs_cmd, job.pid)
+        s["raw_restore_cold"] = _restore_cold(raw_cmd, job.pid)["wall"]
+        g = _restore_cold(gs_cmd, job.pid)
+        s["gs_restore_cold"] = g["wall"]
+        s["gs_restore_criu_s"] = json.loads(g["stdout"].strip().splitlines()[-1]).get("phases", {}).get("criu")
+        s["floor_restore_cold"] = floor_restore_cold(raw, job.pid)
     finally:
         if bench.pid_alive(job.pid):
             bench.kill(job.pid, job.popen if job.popen.poll() is None else None)
@@ -124,6 +154,8 @@ def one_size(kind: str, gib: float, base: Path, first_raw: bool) -> dict:
     for k in ("freeze", "committed", "restore_cold"):
         s[f"{k}_ratio"] = round(s[f"gs_{k}"] / s[f"raw_{k}"], 3) if s[f"raw_{k}"] else None
     s["floor_freeze_ratio"] = round(s["floor_freeze"] / s["raw_freeze"], 3) if s["raw_freeze"] else None
+    s["floor_restore_cold_ratio"] = (round(s["floor_restore_cold"] / s["raw_restore_cold"], 3)
+                                     if s["raw_restore_cold"] else None)
     s["size_ratio"] = round(s["gs_bytes"] / s["raw_bytes"], 3)
     s["peak_over_budget_mib"] = s["gs_hwm_mib"] - s["budget_mib"]
     return s
@@ -163,13 +195,14 @@ def taskset_storing(base: Path, mb: int) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| workload | GiB | freeze gs / raw s (ratio; floor) | until committed gs / raw s (ratio) | "
-            "restore cold gs / raw s (ratio) | size | peak RSS / budget MiB | spilled MiB | pipe KiB | load |")
+            "restore cold gs / raw s (ratio; floor) | size | peak RSS / budget MiB | spilled MiB | pipe KiB | load |")
     lines = [head, "|" + "---|" * 10]
     for s in rows:
         floor = f"; {s['floor_freeze_ratio']:.2f}" if s.get("floor_freeze_ratio") is not None else ""
+        rfloor = f"; {s['floor_restore_cold_ratio']:.2f}" if s.get("floor_restore_cold_ratio") is not None else ""
         lines.append(f"| {s['kind']} | {s['gib']:g} | {s['gs_freeze']:.2f} / {s['raw_freeze']:.2f} ({s['freeze_ratio']:.2f}{floor}) | "
                      f"{s['gs_committed']:.2f} / {s['raw_committed']:.2f} ({s['committed_ratio']:.2f}) | "
-                     f"{s['gs_restore_cold']:.2f} / {s['raw_restore_cold']:.2f} ({s['restore_cold_ratio']:.2f}) | "
+                     f"{s['gs_restore_cold']:.2f} / {s['raw_restore_cold']:.2f} ({s['restore_cold_ratio']:.2f}{rfloor}) | "
                      f"{s['size_ratio']:.3f} | {s['gs_hwm_mib']} / {s['budget_mib']} | {s['spilled_mib']} | "
                      f"{s.get('pages_pipe_kib', '')} | {s['loadavg']} |")
     return "\n".join(lines)
@@ -201,8 +234,8 @@ def draw(rows: list[dict], path: Path) -> bool:
         for kind in sorted({s["kind"] for s in rows}):
             pts = _medians(rows, kind, key)
             line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kind)
-            fl = _medians(rows, kind, "floor_freeze_ratio") if key == "freeze_ratio" else []
-            if fl:                        # what CRIU's --stream mode alone froze the job for
+            fl = _medians(rows, kind, FLOORS[key]) if key in FLOORS else []
+            if fl:                        # what CRIU's --stream mode alone took
                 ax.plot([p[0] for p in fl], [p[1] for p in fl], linestyle=":", color=line.get_color(),
                         label=f"{kind}: CRIU --stream alone")
         for t in targets:
@@ -246,6 +279,7 @@ def run(sizes: list[float], kinds: list[str], reps: int, base_dir: Path, chart: 
                     print(f"[{kind} {gib:g} GiB, load {s['loadavg']}] freeze {s['freeze_ratio']:.2f} "
                           f"(floor {s['floor_freeze_ratio']}) "
                           f"committed {s['committed_ratio']:.2f} restore cold {s['restore_cold_ratio']:.2f} "
+                          f"(floor {s['floor_restore_cold_ratio']}) "
                           f"peak {s['gs_hwm_mib']}/{s['budget_mib']} MiB ({time.monotonic() - t0:.0f}s)",
                           file=sys.stderr, flush=True)
         cores = taskset_storing(base, taskset_mb) if taskset_mb else None

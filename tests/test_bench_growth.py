@@ -27,12 +27,15 @@ def test_table_has_both_sides_and_the_ratio_per_size():
            "gs_committed": 9.0, "raw_committed": 9.0, "committed_ratio": 1.0, "gs_restore_cold": 3.0,
            "raw_restore_cold": 4.0, "restore_cold_ratio": 0.75, "size_ratio": 1.006, "gs_hwm_mib": 2101,
            "budget_mib": 2048, "spilled_mib": 2068, "loadavg": 1.2}
-    text = bench_growth.table([row, {**row, "kind": "fp32", "gib": 0.5, "floor_freeze_ratio": 0.653}])
+    text = bench_growth.table([row, {**row, "kind": "fp32", "gib": 0.5, "floor_freeze_ratio": 0.653,
+                                     "floor_restore_cold_ratio": 1.287}])
     lines = text.splitlines()
     assert len(lines) == 4
     assert "| random | 4 | 2.00 / 8.00 (0.25) | 9.00 / 9.00 (1.00) | 3.00 / 4.00 (0.75) | 1.006 | 2101 / 2048 | 2068 |" in lines[2]
     # CRIU's --stream mode alone, as a ratio to raw CRIU's freeze, beside gpusnap's ratio
     assert lines[3].startswith("| fp32 | 0.5 | 2.00 / 8.00 (0.25; 0.65) |")
+    # and under the cold restore, `criu restore --stream` fed the raw images unchanged
+    assert "| 3.00 / 4.00 (0.75; 1.29) |" in lines[3]
 
 
 def test_a_freeze_is_in_the_report_taken_right_after_it(tmp_path):

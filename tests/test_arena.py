@@ -136,3 +136,68 @@ def test_a_refused_dump_leaves_no_arena_behind(tmp_path, monkeypatch):
     finally:
         job.kill()
         job.wait()
+
+
+@pytest.mark.parametrize("order, wanted", [
+    ("9\n", False),            # a balloon's VM reporting 2 MiB blocks to its host (this one)
+    ("10\n", False),           # larger blocks only: a free huge page is reported with its neighbour
+    ("11\n", True),            # (scripts/host_memory.py holds it here for a benchmark run)
+    ("4294967295\n", True),    # -1: no reporting device registered (bare metal)
+    (None, True),              # no page reporting in this kernel
+    ("junk", True),
+])
+def test_huge_pages_unless_free_huge_pages_go_back_to_a_host(tmp_path, monkeypatch, order, wanted):
+    monkeypatch.delenv("GPUSNAP_ARENA_THP", raising=False)
+    f = tmp_path / "page_reporting_order"
+    if order is not None:
+        f.write_text(order)
+    pmd = tmp_path / "hpage_pmd_size"
+    pmd.write_text("2097152\n")
+    if order == "10\n":        # a 4 MiB huge page (order 10): reporting at 10 takes it back
+        pmd.write_text("4194304\n")
+        assert arena_mod.huge_pages_wanted(f, pmd) is False
+        pmd.write_text("2097152\n")
+        assert arena_mod.huge_pages_wanted(f, pmd) is True
+        return
+    assert arena_mod.huge_pages_wanted(f, pmd) is wanted
+
+
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_the_setting_decides_over_the_machine(tmp_path, monkeypatch, env):
+    monkeypatch.setenv("GPUSNAP_ARENA_THP", env)
+    f = tmp_path / "page_reporting_order"
+    f.write_text("9\n" if env == "1" else "4294967295\n")
+    assert arena_mod.huge_pages_wanted(f) is (env == "1")
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds addr (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not arena_mod.HPAGE_PMD_SIZE.exists(), reason="kernel without transparent huge pages")
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_the_arena_asks_for_huge_pages_and_still_holds_every_page(tmp_path, monkeypatch, env):
+    """"hg" in smaps' VmFlags is MADV_HUGEPAGE on the mapping; whether the kernel then had a
+    free 2 MiB block is its business (it falls back to 4 KiB pages, never to less memory)."""
+    monkeypatch.setenv("GPUSNAP_ARENA_THP", env)
+    arena = Arena(4)
+    s = st.Staging(tmp_path, budget=4 * SEG, arena=arena)
+    try:
+        s.ready()
+        addr = _addr(arena)
+        assert arena.huge is (env == "1")
+        assert ("hg" in _vm_flags(addr)) is (env == "1")
+        assert _resident(addr, 4 * SEG) == 4 * SEG
+        assert s.stats()["arena_huge_pages"] is (env == "1")
+    finally:
+        s.close()
+    assert arena.map.closed

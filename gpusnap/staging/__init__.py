@@ -118,6 +118,7 @@ class Staging:
         self._view: memoryview | None = None
         self._free: list[int] = []
         self.arena_bytes = 0
+        self.huge_pages = bool(arena is not None and arena.huge)
         if arena is not None:
             nslots = min(arena.nslots, self.budget // SEG)
             self._arena = arena.map
@@ -393,7 +394,7 @@ class Staging:
 
     def stats(self) -> dict:
         return {"budget": self.budget, "budget_choice": self.budget_choice, "arena_bytes": self.arena_bytes,
-                "staged_bytes": self.staged,
+                "arena_huge_pages": self.huge_pages, "staged_bytes": self.staged,
                 "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak,
                 "spill_mode": self.spill_mode}
 

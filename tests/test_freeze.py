@@ -88,6 +88,24 @@ def test_ingest_during_the_stream_through_few_reused_slots_restores_identically(
     restore_and_finish(job, info["snapshot"], repo, expected)
 
 
+@pytest.mark.parametrize("budget, overlap", [("1G", "0"), (str(4 * st.SEG), "1")])
+def test_an_arena_in_huge_pages_restores_identically(sample_job, repo, reference, budget, overlap):
+    """The arena in transparent huge pages, as where the machine keeps its memory (this VM's
+    free page reporting keeps it in 4 KiB pages by default): the whole job staged, and four
+    slots released (MADV_DONTNEED across huge pages) and refilled while CRIU streams."""
+    expected = reference(**KW)
+    job = sample_job(**KW, step_ms=20)
+    job.wait_steps(10)
+    info = run_json("dump", job.pid, "--repo", repo, "--staging-budget", budget,
+                    env={"GPUSNAP_ARENA_THP": "1", "GPUSNAP_INGEST_OVERLAP": overlap})
+    stg = info["staging"]
+    assert stg["arena_huge_pages"] is True
+    assert stg["staged_bytes"] == info["bytes_raw"] and stg["memory_peak"] <= stg["budget"]
+    assert (stg["spilled_bytes"] > 0) is (overlap == "1")
+    job.kill()
+    restore_and_finish(job, info["snapshot"], repo, expected)
+
+
 def test_peak_memory_is_bounded_by_the_staging_budget(sample_job, repo):
     """gpusnap's own VmHWM stays within the budget plus a fixed overhead (the interpreter,
     the index, the pipeline's bounded queues), however large the job is."""

@@ -41,9 +41,9 @@ def populate(m: mmap.mmap) -> None:
 
 def huge_pages_wanted(order_file: Path = PAGE_REPORTING_ORDER, pmd_file: Path = HPAGE_PMD_SIZE) -> bool:
     """Whether the arena asks for transparent huge pages (MADV_HUGEPAGE; $GPUSNAP_ARENA_THP=0/1
-    decides instead). With memory the machine keeps, a 1 GiB arena faulted in in 0.02-0.08 s
-    instead of 0.15-0.23 s, and the scan after the freeze walked it ~25 % faster (fewer TLB
-    misses; docs/benchmark.md). Not where free page reporting hands free blocks of a huge
+    decides instead). With memory the machine keeps, a 1 GiB arena faulted in in 0.01-0.07 s
+    instead of 0.12-0.19 s, and the scan after the freeze walked it ~25 % faster (fewer TLB
+    misses; docs/benchmark.md, 2026-12-07 (fourth)). Not where free page reporting hands free blocks of a huge
     page's size or smaller back to a hypervisor (page_reporting_order at most the huge page's
     order: a balloon's VM, as the ones measured here): a huge page, free only as a whole
     block, is exactly what the host took back, and faulting it in again cost 0.7-0.8 s per

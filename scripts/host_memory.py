@@ -20,9 +20,10 @@ import signal
 import threading
 from pathlib import Path
 
+from gpusnap.staging.arena import PAGE_REPORTING_ORDER   # (what a dump's arena decides its huge pages from)
 from gpusnap.staging.budget import _mem_available   # (what a dump's budget is chosen from)
 
-PARAMS = Path("/sys/module/page_reporting/parameters")
+PARAMS = PAGE_REPORTING_ORDER.parent
 CHUNK = 1 << 30
 MADV_POPULATE_WRITE = 23   # (Linux 5.14; not in Python's mmap module before 3.14)
 

@@ -43,11 +43,12 @@ def huge_pages_wanted(order_file: Path = PAGE_REPORTING_ORDER, pmd_file: Path = 
     """Whether the arena asks for transparent huge pages (MADV_HUGEPAGE; $GPUSNAP_ARENA_THP=0/1
     decides instead). With memory the machine keeps, a 1 GiB arena faulted in in 0.01-0.07 s
     instead of 0.12-0.19 s, and the scan after the freeze walked it ~25 % faster (fewer TLB
-    misses; docs/benchmark.md, 2026-12-07 (fourth)). Not where free page reporting hands free blocks of a huge
-    page's size or smaller back to a hypervisor (page_reporting_order at most the huge page's
-    order: a balloon's VM, as the ones measured here): a huge page, free only as a whole
-    block, is exactly what the host took back, and faulting it in again cost 0.7-0.8 s per
-    ~270 MiB there. Without a reporting device the order reads -1 (a huge number): huge pages."""
+    misses; docs/benchmark.md, 2026-12-07 (fourth)). Not where free page reporting hands
+    free blocks of a huge page's size or smaller back to a hypervisor (page_reporting_order
+    at most the huge page's order: a balloon's VM, as the ones measured here): a huge page,
+    free only as a whole block, is exactly what the host took back, and faulting it in again
+    cost 0.7-0.8 s per ~270 MiB there. Without a reporting device the order reads -1 (a huge
+    number): huge pages."""
     env = settings.get("GPUSNAP_ARENA_THP", "")
     if env in ("0", "1"):
         return env == "1"

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from gpusnap.system import hostlock, proc, tmpdirs
+from gpusnap.system import hostlock, oom, proc, tmpdirs
 from gpusnap.ops import dump_parts as parts, dump_staging, identity, preflight, prune, validate
 from gpusnap.criu import runner
 from gpusnap.criu.gate import PostDumpGate, native_gate
@@ -89,7 +89,8 @@ class DumpResult:
     # manifest, fsyncs, rename), retention
     phases: dict[str, float] = field(default_factory=dict)
     criu_options: list[str] = field(default_factory=list)  # what the preflight chose (--file-locks, ...)
-    # budget, arena_bytes, staged_bytes, memory_peak, spilled_bytes, spill_peak, overlap
+    # budget, arena_bytes, staged_bytes, memory_peak, spilled_bytes, spill_peak, overlap,
+    # oom_score_adj (the value this dump ran with, system/oom.py)
     staging: dict = field(default_factory=dict)
     peak_rss_bytes: int | None = None   # this process's VmHWM at the end
     # MB/s per phase, the staging's choices (dump_staging.throughput); also in the snapshot's meta
@@ -131,13 +132,16 @@ def dump(req: DumpRequest, progress: parts.Progress | None = None) -> DumpResult
         validate.check_name(req.name)
     wait = lockwait.seconds(req.lock_wait)
     budget, choice = dump_staging.staging_budget(req)
-    # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
-    # the staging takes it over, and whatever path this dump ends on, it is freed here
-    arena = dump_staging.EarlyArena(req.pid, budget, choice)
-    try:
-        return _dump(req, progress, t0, budget, arena, wait)
-    finally:
-        arena.release(final=True)
+    # should memory run out while the staging holds it, the OOM killer takes this process,
+    # not the job; CRIU and the guardian are put back (system/oom.py)
+    with oom.expendable():
+        # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
+        # the staging takes it over, and whatever path this dump ends on, it is freed here
+        arena = dump_staging.EarlyArena(req.pid, budget, choice)
+        try:
+            return _dump(req, progress, t0, budget, arena, wait)
+        finally:
+            arena.release(final=True)
 
 
 def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: dump_staging.EarlyArena, wait: float) -> DumpResult:
@@ -304,6 +308,7 @@ class DumpSession:
              "--action-script", str(gate.script)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             env={**parts.criu_env(req, self.workdir), **gate.env}, start_new_session=True)
+        oom.spare(self.criu.pid)     # CRIU holds the job frozen: not the OOM killer's first choice
         if self.guardian:
             self.guardian.criu(self.criu.pid)
         fault("dump:criu-running")      # (test hook: a signal while CRIU works)
@@ -407,7 +412,8 @@ class DumpSession:
             seconds=round(time.monotonic() - self.t0, 3), job_running=req.leave_running and proc.exists(req.pid),
             cuda_pids=self.cuda_pids, log=self.kept, pruned=self.pruned, prune_error=self.prune_error,
             prune_warnings=self.prune_warnings, phases=self.phases, frozen_seconds=self.frozen,
-            staging={**self.staging.stats(), "overlap": self.overlap, "pages_pipe": self.server.pages_pipe},
+            staging={**self.staging.stats(), "overlap": self.overlap, "pages_pipe": self.server.pages_pipe,
+                     "oom_score_adj": oom.read()},
             peak_rss_bytes=proc.peak_rss_self(),
             throughput=self.throughput,
             criu_options=list(self.plan.dump_options), committed_at=round(self.committed_at, 3))

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpusnap.system import proc
+from gpusnap.system import oom, proc
 
 
 # how long to wait for CRIU to let the tree go: its own bounded driver calls, then a margin
@@ -57,6 +57,8 @@ class Guardian:
             args += ["--tcp", ",".join(f"{c['local']}>{c['remote']}" for c in tcp)]
         if criu_log:
             args += ["--criu-log", str(criu_log)]
+        if oom.inherited() is not None:     # the dump made itself expendable; not the guardian
+            args += ["--oom-score-adj", str(oom.inherited())]
         try:
             mid = subprocess.Popen(args, pass_fds=(r,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)
@@ -201,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log")
     ap.add_argument("--tcp", default="")       # LOCAL>REMOTE,...: the tree's TCP connections
     ap.add_argument("--criu-log")
+    ap.add_argument("--oom-score-adj", type=int)    # the value gpusnap had before its dump raised it
     a = ap.parse_args(argv)
     if os.fork() > 0:  # the middle process: gpusnap reaps it at once
         os._exit(0)
+    if a.oom_score_adj is not None:
+        oom.write(a.oom_score_adj)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     devnull = os.open(os.devnull, os.O_RDWR)

@@ -129,7 +129,15 @@ class Supervisor:
             data = json.loads(p.stdout.strip().splitlines()[-1]) if p.stdout.strip() else {}
         except (ValueError, IndexError):
             data = {"message": p.stdout.strip()[-500:]}
-        if p.returncode and "message" not in data:
+        if p.returncode < 0:       # SIGKILL: the OOM killer takes a dump before its job (system/oom.py)
+            try:
+                sig = signal.Signals(-p.returncode).name
+            except ValueError:
+                sig = f"signal {-p.returncode}"
+            data["message"] = (f"gpusnap {args[0]} was killed by {sig}"
+                               + (" (by hand, or by the kernel's OOM killer: see dmesg)"
+                                  if p.returncode == -signal.SIGKILL else ""))
+        elif p.returncode and "message" not in data:
             data["message"] = (p.stderr.strip() or f"exit {p.returncode}")[-500:]
         return p.returncode, data
 

@@ -237,7 +237,7 @@ def test_a_gate_on_a_path_with_a_space_still_protects_the_pages(sample_job, repo
 
 
 def test_default_budget_is_chosen_from_the_machine_and_never_more_than_the_job(sample_job, repo):
-    """No --staging-budget: a quarter of the available memory, at most the job's own memory
+    """No --staging-budget: half the available memory, at most the job's own memory
     plus 16 MiB; the choice is reported. A 96 MiB job gets about its size."""
     job = sample_job(**KW, step_ms=20)
     job.wait_steps(10)

@@ -304,12 +304,12 @@ def test_direct_spill_keeps_stream_order_with_writes_in_flight(tmp_path, monkeyp
 
 
 def test_default_budget_choice(monkeypatch):
-    """A quarter of the available memory (no fixed ceiling), never more than the job (+16 MiB),
+    """Half the available memory (no fixed ceiling), never more than the job (+16 MiB),
     and the reason said; GPUSNAP_STAGING_BUDGET wins."""
     monkeypatch.delenv("GPUSNAP_STAGING_BUDGET", raising=False)
     budget, why = st.choose_budget()
     avail = st._mem_available()
-    assert abs(budget - avail // 4) < 256 << 20 and why == f"a quarter of the {budget * 4 >> 20} MiB available"
+    assert abs(budget - avail // 2) < 256 << 20 and why == f"half the {budget * 2 >> 20} MiB available"
     small, why = st.choose_budget(job_bytes=8 << 20)
     assert small == (8 << 20) + st.JOB_MARGIN and why.startswith("the job's 8 MiB")
     assert st.choose_budget(job_bytes=1 << 40)[0] == budget

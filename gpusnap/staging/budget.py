@@ -8,6 +8,7 @@ from pathlib import Path
 from gpusnap import settings
 
 JOB_MARGIN = 16 << 20      # beyond the job's anonymous memory: the small images
+SHARE = 2                  # the default budget: 1/SHARE of the memory available
 
 
 def _mem_available() -> int:
@@ -21,15 +22,17 @@ def _mem_available() -> int:
 
 
 def choose_budget(job_bytes: int | None = None) -> tuple[int, str]:
-    """The default staging budget and why: a quarter of the memory available now, and never
-    more than the job (its anonymous memory, about what CRIU streams, plus 16 MiB for the
-    other images); GPUSNAP_STAGING_BUDGET (bytes, K/M/G suffix) overrides.
+    """The default staging budget and why: half the memory available now, and never more than
+    the job (its anonymous memory, about what CRIU streams, plus 16 MiB for the other images);
+    GPUSNAP_STAGING_BUDGET (bytes, K/M/G suffix) overrides.
     No fixed ceiling: beyond the budget the spill file takes CRIU's bytes at the disk's speed
-    while the job is frozen, and the storing reads them back, so a job that fits cuts both its
-    freeze and its dump (4 GiB, memory backed by the host: 2 GiB budget frozen 1.59-1.63 s and
-    committed 7.0-7.4 s, 4.1 GiB budget 0.85-0.86 s and 4.8-5.1 s, docs/benchmark.md); faulting
-    the larger arena in (~0.16 s per GiB there) happens before the freeze. The quarter keeps
-    the dump's peak memory (about the budget) to a share of what the machine has free."""
+    while the job is frozen, so the freeze of a job that fits is a copy into memory and one that
+    does not waits for the disk (8 GiB of random bytes, 24 GiB machine: a budget of a quarter
+    of the memory available, 3.5 GiB, froze it for 0.70-0.92x raw CRIU's freeze, its whole size
+    for 0.35x; docs/benchmark.md); faulting the larger arena in happens before the freeze.
+    Half, not all: the job runs on beside the snapshot's memory until it is stored, and the
+    page cache keeps the rest; should memory still run out, the OOM killer takes the dump,
+    not the job (system/oom.py)."""
     env = settings.get("GPUSNAP_STAGING_BUDGET", "").strip()
     if env:
         return parse_size(env), "GPUSNAP_STAGING_BUDGET"
@@ -37,7 +40,7 @@ def choose_budget(job_bytes: int | None = None) -> tuple[int, str]:
     if not avail:
         budget, why = 256 << 20, "256 MiB (available memory unknown)"
     else:
-        budget, why = avail // 4, f"a quarter of the {avail >> 20} MiB available"
+        budget, why = avail // SHARE, f"half the {avail >> 20} MiB available"
     if job_bytes is not None and job_bytes + JOB_MARGIN < budget:
         budget, why = job_bytes + JOB_MARGIN, f"the job's {job_bytes >> 20} MiB of memory + 16 MiB ({why} is more)"
     return budget, why

@@ -7,7 +7,9 @@ import datetime as dt
 import json
 import os
 import pwd
+import signal
 import subprocess
+import time
 
 import pytest
 
@@ -58,20 +60,24 @@ def _cron_command(path) -> str:
     return cmd
 
 
-def _run_as_cron(path, fault: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The job line of a cron.d file run as cron runs it: an empty environment but for what
+def _cron_argv(path, hooks: dict[str, str] | None = None) -> list[str]:
+    """The job line of a cron.d file as cron runs it: an empty environment but for what
     cron sets (HOME, LOGNAME, and the file's own SHELL and PATH), its SHELL -c the command,
     from /, as the user the line names; nothing of the test's environment (GPUSNAP_*_DIR,
-    PYTHONPATH). `fault` is the one thing added: a GPUSNAP_FAULT hook (docs/faults.md)."""
+    PYTHONPATH). `hooks` are the one thing added: test hooks (GPUSNAP_FAULT, docs/faults.md;
+    GPUSNAP_TEST_HOLD)."""
     variables, user, cmd = _cron_line(path)
     assert {"SHELL", "PATH"} <= set(variables), variables
     pw = pwd.getpwnam(user)
-    env = {"HOME": pw.pw_dir, "LOGNAME": user, **variables}
-    if fault:
-        env["GPUSNAP_FAULT"] = fault
+    env = {"HOME": pw.pw_dir, "LOGNAME": user, **variables, **(hooks or {})}
     as_user = [] if pw.pw_uid == os.geteuid() else ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}",
                                                     "--init-groups"]
-    argv = ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *as_user, variables["SHELL"], "-c", cmd]
+    return ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items()), *as_user, variables["SHELL"], "-c", cmd]
+
+
+def _run_as_cron(path, fault: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The job line of a cron.d file run as cron runs it (_cron_argv), with a GPUSNAP_FAULT hook."""
+    argv = _cron_argv(path, {"GPUSNAP_FAULT": fault} if fault else None)
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd="/", env={})
 
 
@@ -420,3 +426,48 @@ def test_a_run_interrupted_after_the_commit_logs_the_kept_snapshot(sched_env, in
         assert job.result() == expected
     finally:
         kill_pids(job.pids)
+
+
+@pytest.mark.criu
+def test_a_run_killed_without_a_word_is_reported_not_hidden(sched_env, installed_gpusnap, sample_job, repo, tmp_path):
+    """A scheduled run SIGKILLed in the middle of its dump (as the OOM killer takes a dump
+    before its job) logs nothing itself: while it runs `schedule ls` says a run is under way;
+    once it is dead, `ls` and `doctor` say it was killed at once, the next run writes its
+    line into the log before its own, and nothing of it is left behind."""
+    job = sample_job(steps=400, mb=16, threads=1, step_ms=20)
+    job.wait_steps(3)
+    p = run_gpusnap("schedule", "add", "--match", f"gpusnap.samples.job {job.out}", "--name", "oomed",
+                    "--every", "5m", "--repo", repo, env=sched_env)
+    assert p.returncode == 0, p.stderr
+    s = schedule.load("oomed")
+    hold = tmp_path / "hold.json"
+    cron = subprocess.Popen(_cron_argv(s.path, {"GPUSNAP_TEST_HOLD": f"after-gate:{hold}"}), cwd="/", env={},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not hold.exists():
+            assert cron.poll() is None and time.monotonic() < deadline, "the run did not reach the hold"
+            time.sleep(0.05)
+        st = run_json("schedule", "ls", env=sched_env)["schedules"][0]
+        assert st["running_since"] and st["result"] is None
+        assert "a run under way since" in run_gpusnap("schedule", "ls", env=sched_env).stdout
+        os.kill(json.loads(hold.read_text())["pid"], signal.SIGKILL)
+        cron.wait(timeout=60)
+    finally:
+        if cron.poll() is None:
+            os.killpg(cron.pid, signal.SIGKILL)
+            cron.wait()
+    assert not os.path.exists(s.log) or open(s.log).read() == ""      # the run itself wrote nothing
+    st = run_json("schedule", "ls", env=sched_env)["schedules"][0]
+    assert st["result"] == "killed" and st["running_since"] is None
+    assert "ended without a word" in st["last_message"] and "OOM killer" in st["last_message"]
+    checks = {c["name"]: c for c in json.loads(run_gpusnap("doctor", "--json", env=sched_env).stdout)["checks"]}
+    assert checks["schedule oomed"]["status"] == "warn" and "killed" in checks["schedule oomed"]["detail"]
+    assert run_json("ls", "--repo", repo)["snapshots"] == []
+    assert job.alive() and job.wait_steps(job.steps_done() + 3)     # the job ran on
+    r = _run_as_cron(s.path)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(ln) for ln in open(s.log).read().splitlines()]
+    assert [r["outcome"] for r in recs] == ["killed", "ok"]
+    assert run_json("schedule", "ls", env=sched_env)["schedules"][0]["result"] == "ok"
+    assert not [n for n in os.listdir(os.path.dirname(s.log)) if ".run-" in n]

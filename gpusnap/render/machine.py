@@ -112,6 +112,8 @@ def schedules(items: list[dict[str, Any]], o) -> None:
             result = f"JOB GONE ({st['runs_without_job']} runs)"
         elif not st["installed"]:
             result += " (NOT INSTALLED)"
+        if st.get("running_since"):
+            result += f" (a run under way since {st['running_since']})"
         table.add_row(st["name"], st["when"], st["user"], str(st.get("job_pid") or "-"), st["last_run"] or "never", result,
                       st["next_run"] or "-", plain(st["repo"]))
     o.out.print(table)

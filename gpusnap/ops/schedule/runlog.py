@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpusnap.ops import cronexpr, validate
 from gpusnap.errors import GpusnapError, InterruptedAfterCommit, ProcessNotFound
+from gpusnap.ops.schedule.inflight import markers, running, settle
 from gpusnap.ops.schedule.backends import detect_scheduler, legacy_cron_files, scheduler_fix
 from gpusnap.ops.schedule.record import Schedule, engine_env, list_schedules, load, private_dir
 
@@ -56,12 +57,20 @@ def read_log(s: Schedule, last: int = 50) -> list[dict]:
 
 def run(name: str, config_dir: Path | None = None) -> dict:
     """What the cron line or timer runs: find the job among its owner's processes, dump with
-    retention, log one JSON line. Returns the record; raises the dump's error after logging."""
-    from gpusnap.ops.dump import DumpRequest, retention_error
-
+    retention, log one JSON line. Returns the record; raises the dump's error after logging.
+    Meanwhile a marker says the run is under way (inflight.py): one killed without a word
+    (SIGKILL: the OOM killer) is reported as such, not taken for the run before it."""
     s = load(name, config_dir)
     t0 = time.time()
     rec: dict = {"time": _now_iso(t0), "schedule": s.name, "pid": None}
+    settle(s, append_log)      # runs killed since the last one get their line first
+    with running(s, rec["time"]):
+        return _run(s, rec, t0)
+
+
+def _run(s: Schedule, rec: dict, t0: float) -> dict:
+    from gpusnap.ops.dump import DumpRequest, retention_error
+
     error: GpusnapError | None = None
     try:
         if s.container is not None:
@@ -169,7 +178,10 @@ def _no_job_streak(records: list[dict]) -> int:
 def status(s: Schedule, now: float | None = None) -> dict:
     """Last run, result, next run, and whether the job looks gone, from the log."""
     now = time.time() if now is None else now
-    recs = read_log(s)
+    marks = markers(s)
+    # runs killed since the last one, not yet written into the log by the next run
+    recs = read_log(s) + [m.record(s) for m in marks if not m.alive]
+    under_way = [m for m in marks if m.alive]
     last = recs[-1] if recs else None
     streak = _no_job_streak(recs)
     pid = current_job(s)     # the job now (after a restore, found before the next run)
@@ -180,6 +192,7 @@ def status(s: Schedule, now: float | None = None) -> dict:
            "result": last.get("outcome") if last else None,
            "last_message": last.get("message") if last else None,
            "job_pid": pid, "runs_without_job": streak if pid is None else 0, "job_gone": streak >= GONE_AFTER and pid is None,
+           "running_since": under_way[0].time if under_way else None,
            "installed": all(os.path.exists(f) for f in s.files) and bool(s.files),
            "next_run": next_run(s, recs, now)}
     return out

@@ -187,7 +187,7 @@ class MemoryCgroup:
 
     def __init__(self, name: str):
         v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
-        if (v1 / "memory.limit_in_bytes").exists() or (v1 / "cgroup.procs").exists() and (v1 / "memory.oom_control").exists():
+        if (v1 / "memory.limit_in_bytes").exists():
             self.path, self.v2 = v1 / name, False
         elif "memory" in _read(v2 / "cgroup.subtree_control").split():
             self.path, self.v2 = v2 / name, True

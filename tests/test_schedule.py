@@ -471,3 +471,31 @@ def test_a_run_killed_without_a_word_is_reported_not_hidden(sched_env, installed
     assert [r["outcome"] for r in recs] == ["killed", "ok"]
     assert run_json("schedule", "ls", env=sched_env)["schedules"][0]["result"] == "ok"
     assert not [n for n in os.listdir(os.path.dirname(s.log)) if ".run-" in n]
+
+
+def test_a_killed_run_counts_in_its_place_among_the_runs(sched_env, tmp_path):
+    """A dead run's marker stands for a `killed` result where it started: after a run that
+    logged later (they overlapped) the last result is that run's; a marker newer than every
+    line is the last result; a live run's marker is `running_since`, never a result."""
+    from gpusnap.ops.schedule import inflight
+
+    s = schedule.add("overlap", f"no-such-job-{os.getpid()}-q", every="30m", user="root", repo=tmp_path / "repo")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.makedirs(os.path.dirname(s.log), exist_ok=True)
+    marker = f"{s.log[:-4]}.run-{dead.pid}-1"
+    with open(marker, "w") as f:
+        json.dump({"time": "2026-01-01T10:00:00Z"}, f)
+    schedule.append_log(s, {"time": "2026-01-01T10:00:05Z", "schedule": s.name, "pid": 1, "outcome": "ok"})
+    st = schedule.status(s)
+    assert st["result"] == "ok" and st["running_since"] is None
+    with open(marker, "w") as f:
+        json.dump({"time": "2026-01-01T10:00:09Z"}, f)
+    st = schedule.status(s)
+    assert st["result"] == "killed" and st["last_run"] == "2026-01-01T10:00:09Z"
+    os.unlink(marker)
+    with inflight.running(s, "2026-01-01T10:01:00Z"):
+        st = schedule.status(s)
+        assert st["running_since"] == "2026-01-01T10:01:00Z" and st["result"] == "ok"
+    assert schedule.status(s)["running_since"] is None
+    assert not [n for n in os.listdir(os.path.dirname(s.log)) if ".run-" in n]

@@ -11,7 +11,8 @@ figures) to /var/log/gpusnap/schedule-NAME.log, which `schedule ls` and `doctor`
 last run, result, next run, and a job gone for several runs in a row.
 
 record.py: the spec (write, load, list); backends.py: systemd or cron, their files;
-manage.py: `add` and `rm`; runlog.py: `schedule run`, its log, status and doctor's checks.
+manage.py: `add` and `rm`; runlog.py: `schedule run`, its log, status and doctor's checks;
+inflight.py: the marker of a run under way, and runs killed without a word.
 """
 
 from gpusnap.ops.schedule.record import (Schedule, SPEC_VERSION, gpusnap_executable, list_schedules, load,  # noqa: F401

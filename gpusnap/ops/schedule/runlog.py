@@ -179,8 +179,12 @@ def status(s: Schedule, now: float | None = None) -> dict:
     """Last run, result, next run, and whether the job looks gone, from the log."""
     now = time.time() if now is None else now
     marks = markers(s)
-    # runs killed since the last one, not yet written into the log by the next run
-    recs = read_log(s) + [m.record(s) for m in marks if not m.alive]
+    recs = read_log(s)
+    # runs killed since, not yet written into the log by a next run, in their place by start
+    # time (a run that overlapped them may have logged after they started)
+    killed = [m.record(s) for m in marks if not m.alive]
+    if killed:
+        recs = sorted(recs + killed, key=lambda r: str(r.get("time", "")))
     under_way = [m for m in marks if m.alive]
     last = recs[-1] if recs else None
     streak = _no_job_streak(recs)

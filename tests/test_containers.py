@@ -375,3 +375,21 @@ def test_a_container_dump_interrupted_while_podman_checkpoints_keeps_nothing_and
     assert not any((repo / "snapshots").iterdir())
     assert not [f for f in (repo / "tmp").iterdir() if f.name.startswith("container-")]
     _runs_on(pid)
+
+
+def test_a_failed_podman_restore_says_what_criu_said(tmp_path):
+    """Podman's failed restore names only its restore.log, which goes with the container:
+    the message carries CRIU's last errors from it, read at once; without the log it is as
+    Podman said."""
+    from gpusnap.errors import ContainerEngineFailed
+    from gpusnap.system import podman
+
+    log = tmp_path / "restore.log"
+    log.write_text("(00.01) Warn (criu/x.c:1): nothing\n"
+                   "(00.02) Error (criu/files-reg.c:1): Can't open file tmp/x on restore: No such file\n"
+                   "(00.03) Error (criu/cr-restore.c:2): Restoring FAILED.\n")
+    e = podman.with_restore_log(ContainerEngineFailed(f"podman could not restore the container: log file: {log}"))
+    assert e.message.endswith("; CRIU: (00.02) Error (criu/files-reg.c:1): Can't open file tmp/x on restore: "
+                              "No such file | (00.03) Error (criu/cr-restore.c:2): Restoring FAILED."), e.message
+    gone = ContainerEngineFailed(f"podman could not restore the container: log file: {tmp_path / 'gone.log'}")
+    assert podman.with_restore_log(gone).message == f"podman could not restore the container: log file: {tmp_path / 'gone.log'}"

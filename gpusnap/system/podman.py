@@ -54,9 +54,22 @@ def checkpoint(ref: str, export: str, leave_running: bool) -> None:
 def restore(archive: str, name: str | None) -> str:
     """A container restored from the archive file, under `name` (None: the archive's own);
     returns its id."""
-    r = engine_cli.run([_podman(), "container", "restore", f"--import={archive}", *(["--name", name] if name else [])],
-             "restore the container", CHECKPOINT_TIMEOUT)
+    try:
+        r = engine_cli.run([_podman(), "container", "restore", f"--import={archive}", *(["--name", name] if name else [])],
+                 "restore the container", CHECKPOINT_TIMEOUT)
+    except ContainerEngineFailed as e:
+        raise with_restore_log(e) from None
     return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+
+
+def with_restore_log(e: ContainerEngineFailed) -> ContainerEngineFailed:
+    """Podman's failed restore names only its log ("log file: .../restore.log"), which goes
+    with the container: what CRIU said is read from it at once, into the message."""
+    m = re.search(r"log file: (\S+)", e.message)
+    errs = engine_cli.criu_errors(m.group(1)) if m else []
+    if errs:
+        e.message += "; CRIU: " + " | ".join(errs)
+    return e
 
 
 def exists(ref: str) -> bool:

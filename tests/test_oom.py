@@ -85,13 +85,6 @@ def test_a_process_started_meanwhile_is_spared(own_score, monkeypatch):
         spare_after.wait()
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def _state(pid: int) -> str:
     st = proc.read_stat(pid)
     return st.state if st is not None else "X"
@@ -122,8 +115,8 @@ def test_during_a_real_dump_gpusnap_is_expendable_and_criu_is_not(sample_job, re
     try:
         wait_for(lambda: dump.poll() is not None or _stopped(dump.pid), "gpusnap to stop at CRIU's start")
         assert dump.poll() is None, dump.communicate()
-        criu = [p for p in _children(dump.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "criu"]
-        assert len(criu) == 1, _children(dump.pid)
+        criu = [p for p in proc.children(dump.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "criu"]
+        assert len(criu) == 1, proc.children(dump.pid)
         assert oom.read(dump.pid) == 1000
         assert oom.read(criu[0]) == start
         os.kill(dump.pid, signal.SIGCONT)
@@ -159,7 +152,7 @@ def test_the_guardian_of_an_exit_dump_is_not_expendable(sample_job, repo, refere
         wait_for(lambda: hold.exists() or dump.poll() is not None, "the dump to reach the hold")
         assert dump.poll() is None, "the dump ended before the hold"
         guardians = [p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
-                     if b"gpusnap.ops.guardian" in _cmdline(p)]
+                     if "gpusnap.ops.guardian" in proc.cmdline(p)]
         assert len(guardians) == 1
         assert oom.read(dump.pid) == 1000
         assert oom.read(guardians[0]) == start
@@ -173,13 +166,6 @@ def test_the_guardian_of_an_exit_dump_is_not_expendable(sample_job, repo, refere
             dump.wait()
     assert job.result() == reference(**kw)
     assert run_json("ls", "--repo", repo)["snapshots"] == []
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 class MemoryCgroup:
@@ -278,7 +264,7 @@ def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference,
     finally:
         kill_pids(pids)
         for p in map(int, filter(str.isdigit, os.listdir("/proc"))):
-            if str(out).encode() in _cmdline(p):
+            if str(out) in proc.cmdline(p):
                 kill_pids([p])
         cg.remove()
 

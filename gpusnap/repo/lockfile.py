@@ -70,8 +70,7 @@ class LockInfo:
     def stale(self, now: float | None = None) -> bool:
         """Whether nobody holds this lock any more (see the module docstring)."""
         if self.host == socket.gethostname() and self.boot and self.boot == proc.boot_id():
-            st = proc.read_stat(self.pid)
-            return st is None or st.state in ("Z", "X") or st.starttime != self.start
+            return not proc.alive_since(self.pid, self.start)
         if self.host == socket.gethostname() and self.boot and proc.boot_id() and self.boot != proc.boot_id():
             return True             # made before this machine last booted
         now = time.time() if now is None else now

@@ -39,6 +39,13 @@ def read_stat(pid: int) -> ProcStat | None:
                     starttime=int(rest[19]) if len(rest) > 19 else 0)
 
 
+def alive_since(pid: int, start: int) -> bool:
+    """Whether the process that started at `start` (clock ticks after boot) as `pid` still
+    runs: not gone, not a zombie, its PID not taken by another process since."""
+    st = read_stat(pid)
+    return st is not None and st.state not in ("Z", "X") and st.starttime == start
+
+
 def boot_id() -> str:
     """This boot's id (/proc/sys/kernel/random/boot_id): with a PID and its start time, names
     one process of one machine for good."""

@@ -56,8 +56,7 @@ def _owner_gone(prefix: str, rest: str, mtime: float) -> bool:
         pid, start = int(parts[0]), int(parts[1])
         if f"{pid}-{start}" == owner_tag():
             return False
-        st = proc.read_stat(pid)
-        return st is None or st.state in ("Z", "X") or st.starttime != start
+        return not proc.alive_since(pid, start)
     if len(parts) == 2 and parts[0].isdigit():              # <pid>-<random>: the PID alone
         return int(parts[0]) != os.getpid() and not proc.exists(int(parts[0]))
     if len(parts) == 1 and prefix == DUMP:                  # gpusnap-dump-<random>: by age

@@ -34,8 +34,7 @@ class Marker:
 
     @property
     def alive(self) -> bool:
-        st = proc.read_stat(self.pid)
-        return st is not None and st.starttime == self.start and st.state not in "ZX"
+        return proc.alive_since(self.pid, self.start)
 
     def record(self, s: Schedule) -> dict:
         """The log line of a run this marker outlived."""

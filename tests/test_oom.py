@@ -171,15 +171,25 @@ def test_the_guardian_of_an_exit_dump_is_not_expendable(sample_job, repo, refere
 class MemoryCgroup:
     """A memory cgroup of our own (v1 memory controller, or v2 with memory enabled), removed after."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, parent: "MemoryCgroup | None" = None):
         v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
-        if (v1 / "memory.limit_in_bytes").exists():
+        if parent is not None:
+            self.path, self.v2 = parent.path / name, parent.v2
+            if self.v2:     # a v2 child has a memory controller only where its parent hands it down
+                (parent.path / "cgroup.subtree_control").write_text("+memory")
+        elif (v1 / "memory.limit_in_bytes").exists():
             self.path, self.v2 = v1 / name, False
         elif "memory" in _read(v2 / "cgroup.subtree_control").split():
             self.path, self.v2 = v2 / name, True
         else:
             raise OSError("no memory cgroup controller to make a cgroup in")
         self.path.mkdir()
+
+    @property
+    def name(self) -> str:
+        """As /proc/PID/cgroup names it (the hierarchy mounted at its root, as here)."""
+        top = Path("/sys/fs/cgroup") if self.v2 else Path("/sys/fs/cgroup/memory")
+        return "/" + str(self.path.relative_to(top))
 
     def limit(self, nbytes: int | None) -> None:
         if self.v2:
@@ -219,18 +229,29 @@ def _read(p: Path) -> str:
         return ""
 
 
-@pytest.mark.criu
-@pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for cgroups and CRIU")
-def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference, tmp_path):
-    """A job and its dump in a memory cgroup with room for the job and not for the dump's
-    staging: the kernel's OOM killer takes gpusnap; the job runs on, unfrozen, nothing is
-    committed; with room again, a dump commits and restores to the uninterrupted result."""
+def _tasks(pids: list[int]) -> dict[str, str]:
+    """Every thread of the processes: its state and where it sleeps in the kernel."""
+    got = {}
+    for p in pids:
+        for t in sorted(os.listdir(f"/proc/{p}/task")) if os.path.isdir(f"/proc/{p}/task") else []:
+            st = proc.read_stat(int(t))
+            got[f"{p}/{t}"] = f"{st.state if st else 'X'} {_read(Path(f'/proc/{p}/task/{t}/wchan'))}"
+    return got
+
+
+def _unfrozen(pids: list[int]) -> bool:
+    """Alive, and no thread stopped (CRIU seizes and stops every thread, not only the leader)."""
+    states = _tasks(pids)
+    return all(_running(p) for p in pids) and all(v[0] not in "TtZX" for v in states.values())
+
+
+@pytest.fixture
+def cgroup_job(tmp_path):
+    """A sample job started inside a memory cgroup of its own: (cgroup, job, its pids, out)."""
     try:
         cg = MemoryCgroup(f"gpusnap-oom-{os.getpid()}")
     except OSError as e:
         pytest.skip(str(e))
-    kw = dict(mb=160, steps=400, threads=2)
     out = tmp_path / "job"
     out.mkdir()
     args = [str(out), "--steps", "400", "--mb", "160", "--threads", "2", "--step-ms", "20", "--seed", "1234"]
@@ -242,31 +263,119 @@ def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference,
         from gpusnap.samples.job import steps_done
 
         wait_for(lambda: steps_done(out) >= 10, "the job to start")
-        pids = [int(x) for x in (out / "pid").read_text().split()]
-        # room for the job and gpusnap's interpreter, not for a staging arena the job's size
-        cg.limit(cg.usage() + (120 << 20))
-        dump = subprocess.run(cg.argv([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--json"]),
-                              cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "GPUSNAP_DUMP_OOM_SCORE_ADJ": ""})
-        assert dump.returncode == -signal.SIGKILL, (dump.returncode, dump.stdout, dump.stderr)
-        assert cg.oom_kills() >= 1
-        assert all(_running(p) for p in pids), {p: _state(p) for p in pids}
-        before = steps_done(out)
-        wait_for(lambda: steps_done(out) > before + 5, "the job to run on")
-        assert run_json("ls", "--repo", repo)["snapshots"] == []
-        cg.limit(None)
-        info = run_json("dump", job.pid, "--repo", repo)
-        kill_pids(pids)
-        job.wait(timeout=30)
-        run_json("restore", info["snapshot"], "--repo", repo)
-        wait_for(lambda: (out / "result").exists(), "the restored job to finish", timeout=120)
-        assert (out / "result").read_text().strip() == reference(**kw)
+        pids[:] = [int(x) for x in (out / "pid").read_text().split()]
+        yield cg, job, pids, out
     finally:
         kill_pids(pids)
         for p in map(int, filter(str.isdigit, os.listdir("/proc"))):
             if str(out) in proc.cmdline(p):
                 kill_pids([p])
         cg.remove()
+
+
+CGROUP_JOB = dict(mb=160, steps=400, threads=2)
+
+
+def _restores_to_the_reference(info: dict, cg_job, repo, reference) -> None:
+    cg, job, pids, out = cg_job
+    kill_pids(pids)
+    job.wait(timeout=30)
+    run_json("restore", info["snapshot"], "--repo", repo)
+    wait_for(lambda: (out / "result").exists(), "the restored job to finish", timeout=120)
+    assert (out / "result").read_text().strip() == reference(**CGROUP_JOB)
+
+
+@pytest.mark.criu
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for cgroups and CRIU")
+def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(cgroup_job, repo, reference):
+    """A job and its dump in a memory cgroup with room for the job and not for the staging
+    budget set (larger than the room the cgroup leaves, which the default would have taken):
+    the kernel's OOM killer takes gpusnap; the job runs on, unfrozen, nothing is committed; with
+    room again, a dump commits and restores to the uninterrupted result."""
+    from gpusnap.samples.job import steps_done
+
+    cg, job, pids, out = cg_job = cgroup_job
+    # room for the job and gpusnap's interpreter, not for a staging arena the job's size
+    cg.limit(cg.usage() + (120 << 20))
+    dump = subprocess.run(cg.argv([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--json"]),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "GPUSNAP_DUMP_OOM_SCORE_ADJ": "", "GPUSNAP_STAGING_BUDGET": "176M"})
+    assert dump.returncode == -signal.SIGKILL, (dump.returncode, dump.stdout, dump.stderr)
+    assert cg.oom_kills() >= 1
+    assert _unfrozen(pids), _tasks(pids)
+    # The job's own progress inside a cgroup squeezed to its limit is the kernel's business
+    # (its page-cache writes wait on reclaim there): with the limit lifted, a job that any
+    # thread of the dump had left frozen would still not move.
+    cg.limit(None)
+    before = steps_done(out)
+    wait_for(lambda: steps_done(out) > before + 5, f"the job to run on ({before} steps; {_tasks(pids)})")
+    assert run_json("ls", "--repo", repo)["snapshots"] == []
+    info = run_json("dump", job.pid, "--repo", repo)
+    _restores_to_the_reference(info, cg_job, repo, reference)
+
+
+@pytest.mark.criu
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for cgroups and CRIU")
+def test_a_dump_in_a_tight_memory_cgroup_stages_within_the_room_it_leaves(cgroup_job, repo, reference):
+    """The same job and cgroup with the default budget: gpusnap sizes its staging by what the
+    cgroup leaves, not by the machine's memory, spills the rest and commits, with no OOM kill;
+    the snapshot restores to the uninterrupted result."""
+    cg, job, pids, out = cg_job = cgroup_job
+    cg.limit(cg.usage() + (120 << 20))
+    dump = subprocess.run(cg.argv([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--json"]),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "GPUSNAP_STAGING_BUDGET"})
+    assert dump.returncode == 0, (dump.returncode, dump.stdout, dump.stderr)
+    assert cg.oom_kills() == 0
+    info = json.loads(dump.stdout)
+    staging = info["staging"]
+    assert f"memory cgroup {cg.name} leaves" in staging["budget_choice"], staging
+    assert staging["budget"] < 120 << 20 and staging["spilled_bytes"] > 0, staging
+    assert _unfrozen(pids), _tasks(pids)
+    _restores_to_the_reference(info, cg_job, repo, reference)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes cgroups")
+def test_the_tightest_memory_cgroup_above_a_process_bounds_what_it_may_take(tmp_path):
+    """A limit on a parent cgroup binds its child: memcg.room() reads every level up to the
+    root, available() and the default staging budget take it where it is less than the
+    machine's MemAvailable; with no limit left, the machine's figure again."""
+    try:
+        parent = MemoryCgroup(f"gpusnap-room-{os.getpid()}")
+    except OSError as e:
+        pytest.skip(str(e))
+    child = None
+    try:
+        child = MemoryCgroup("inner", parent)
+        parent.limit(256 << 20)
+        code = ("import json; from gpusnap.system import memcg; from gpusnap.staging import budget; "
+                "from gpusnap.repo import materialize; r = memcg.room(); "
+                "print(json.dumps([r and [r.bytes, r.cgroup, r.limit], memcg.available(), "
+                "budget.choose_budget(), materialize.mem_available()]))")
+
+        def inside():
+            got = subprocess.run(child.argv([sys.executable, "-c", code]), cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                             if k != "GPUSNAP_STAGING_BUDGET"})
+            assert got.returncode == 0, got.stderr
+            return json.loads(got.stdout)
+
+        room, (avail, where), (budget, why), shm_avail = inside()
+        assert room is not None and room[1] == parent.name and room[2] == 256 << 20, room
+        assert 128 << 20 < room[0] <= 256 << 20 and abs(avail - room[0]) < 16 << 20
+        assert where.startswith(f"the {avail >> 20} MiB its memory cgroup {parent.name} leaves (limit 256 MiB)")
+        assert abs(budget - avail // 2) < 16 << 20 and why.startswith("half the ") and parent.name in why
+        # a restore's image files on tmpfs are charged to the cgroup too: it weighs the same room
+        assert abs(shm_avail - avail) < 16 << 20
+        parent.limit(None)
+        room, (avail, where), (budget, why), shm_avail = inside()
+        assert room is None and shm_avail > 256 << 20 and where.endswith(" MiB available") and avail > 256 << 20
+    finally:
+        if child is not None:
+            child.remove()
+        parent.remove()
 
 
 def test_slurm_run_says_a_killed_dump_was_killed(tmp_path):

@@ -50,7 +50,8 @@ def dump(
     staging_budget: Optional[str] = typer.Option(
         None, "--staging-budget", metavar="SIZE",
         help="Memory for CRIU's bytes while the job is frozen (e.g. 512M); beyond it they spill to a "
-             "file in the repository. Default: half the available memory, "
+             "file in the repository. Default: half the available memory (or of what gpusnap's "
+             "memory cgroup leaves, where that is less), "
              "at most the job's memory (the choice is in --json's staging.budget_choice)."),
     lock_wait: Optional[float] = LockWaitOpt,
     copy_to: Optional[str] = CopyToOpt,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpusnap.errors import GpusnapError, Interrupted, NoSpace
-from gpusnap.system import proc, tmpdirs
+from gpusnap.system import memcg, proc, tmpdirs
 from gpusnap.system.access import read_only_reason
 from gpusnap import settings
 
@@ -49,13 +49,9 @@ class Plan:
 
 
 def mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """The memory a restore may fill /dev/shm with: the machine's, or what the memory cgroup
+    leaves where that is less (tmpfs pages are charged to it and cannot be reclaimed)."""
+    return memcg.available()[0]
 
 
 def _is_tmpfs(path: Path) -> bool:

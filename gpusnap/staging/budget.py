@@ -3,26 +3,21 @@ default and why), and the sizes users give it (parse_size)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from gpusnap import settings
+from gpusnap.system import memcg
 
 JOB_MARGIN = 16 << 20      # beyond the job's anonymous memory: the small images
 SHARE = 2                  # the default budget: 1/SHARE of the memory available
 
 
 def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    except (OSError, ValueError):
-        pass
-    return 0
+    """The machine's MemAvailable (0 where unknown)."""
+    return memcg.meminfo_available() or 0
 
 
 def choose_budget(job_bytes: int | None = None) -> tuple[int, str]:
-    """The default staging budget and why: half the memory available now, and never more than
+    """The default staging budget and why: half the memory available now (the machine's, or
+    what gpusnap's memory cgroup leaves where that is less: a Slurm job's, a unit's), and never more than
     the job (its anonymous memory, about what CRIU streams, plus 16 MiB for the other images);
     GPUSNAP_STAGING_BUDGET (bytes, K/M/G suffix) overrides.
     No fixed ceiling: beyond the budget the spill file takes CRIU's bytes at the disk's speed
@@ -36,11 +31,11 @@ def choose_budget(job_bytes: int | None = None) -> tuple[int, str]:
     env = settings.get("GPUSNAP_STAGING_BUDGET", "").strip()
     if env:
         return parse_size(env), "GPUSNAP_STAGING_BUDGET"
-    avail = _mem_available()
-    if not avail:
-        budget, why = 256 << 20, "256 MiB (available memory unknown)"
+    avail, where = memcg.available()
+    if avail is None:
+        budget, why = 256 << 20, f"256 MiB ({where})"
     else:
-        budget, why = avail // SHARE, f"half the {avail >> 20} MiB available"
+        budget, why = avail // SHARE, f"half {where}"
     if job_bytes is not None and job_bytes + JOB_MARGIN < budget:
         budget, why = job_bytes + JOB_MARGIN, f"the job's {job_bytes >> 20} MiB of memory + 16 MiB ({why} is more)"
     return budget, why

@@ -166,3 +166,37 @@ def test_completions_offer_init_and_read_the_repo_given_before_the_command(tmp_p
     [top] = re.findall(r'^ *""\) echo "([^"]*)"', (ROOT / "completions" / "_gpusnap").read_text(), re.M)
     assert "init" in top.split() and "--repo" in top.split()
     assert "complete -c gpusnap -n '__fish_use_subcommand' -a init\n" in (ROOT / "completions" / "gpusnap.fish").read_text()
+
+
+@pytest.mark.criu
+def test_a_creation_killed_before_its_config_is_finished_by_the_next(tmp_path, monkeypatch, sample_job):
+    """The first dump at the default location makes the repository while its staging memory
+    is faulted in, so the OOM killer (or kill -9) can stop it between the subdirectories and
+    the config. Every command then names the cut-short creation (not "not a repository"), and
+    the next dump there, or `init`, finishes it instead of refusing a directory not empty."""
+    default = tmp_path / "default-repo"
+    monkeypatch.setenv("GPUSNAP_REPO", str(default))
+    job = sample_job(steps=5000, mb=8, threads=1, step_ms=20)
+    job.wait_steps(3)
+    for finish in (["dump", job.pid, "--name", "first"], ["init", "--repo", default]):
+        shutil.rmtree(default, ignore_errors=True)
+        p = run_gpusnap(*finish, env={"GPUSNAP_FAULT": "repo:created-subdirs:KILL"})
+        assert p.returncode == -9, p.stderr
+        assert not (default / "config").exists() and sorted(os.listdir(default)) == sorted(
+            ["packs", "index", "snapshots", "locks", "tmp"])
+        ls = run_gpusnap("ls", "--repo", default)
+        assert ls.returncode == RepositoryError.exit_code and "was cut short" in ls.stderr, ls.stderr
+        assert "gpusnap init --repo" in ls.stderr
+        (default / "tmp" / "w-0123456789abcdef.tmp").write_bytes(b"a config half written")
+        run_json(*finish)
+        assert (default / "config").is_file() and os.listdir(default / "tmp") == []
+        names = [s["name"] for s in run_json("ls", "--repo", default)["snapshots"]]
+        assert names == ([] if finish[0] == "init" else ["first"])
+    assert job.alive()
+    # what a killed creation cannot have left is still refused: a file of the user's beside it
+    shutil.rmtree(default)
+    assert run_gpusnap("init", "--repo", default, env={"GPUSNAP_FAULT": "repo:created-subdirs:KILL"}).returncode == -9
+    (default / "index" / "notes.txt").write_text("mine")
+    p = run_gpusnap("init", "--repo", default)
+    assert p.returncode == RepositoryError.exit_code and "is not empty" in p.stderr, p.stderr
+    assert (default / "index" / "notes.txt").read_text() == "mine"

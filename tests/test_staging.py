@@ -11,7 +11,6 @@ import threading
 import pytest
 
 from gpusnap import staging as st
-from gpusnap.system import memcg
 
 
 def _pattern(n: int, seed: int = 7) -> bytes:
@@ -309,9 +308,9 @@ def test_default_budget_choice(monkeypatch):
     and the reason said; GPUSNAP_STAGING_BUDGET wins."""
     monkeypatch.delenv("GPUSNAP_STAGING_BUDGET", raising=False)
     budget, why = st.choose_budget()
-    avail, where = memcg.available()     # the machine's, or this test's memory cgroup's room
-    assert abs(budget - avail // 2) < 256 << 20 and why.startswith("half the ")
-    assert why.endswith(" MiB available") == where.endswith(" MiB available")
+    avail = st._mem_available()
+    assert abs(budget - avail // 2) < 256 << 20 and why == f"half the {budget * 2 >> 20} MiB available"
+    assert st.choose_budget(None, (200 << 20, "the 200 MiB a cgroup leaves")) == (100 << 20, "half the 200 MiB a cgroup leaves")
     small, why = st.choose_budget(job_bytes=8 << 20)
     assert small == (8 << 20) + st.JOB_MARGIN and why.startswith("the job's 8 MiB")
     assert abs(st.choose_budget(job_bytes=1 << 40)[0] - budget) < 64 << 20   # (MemAvailable moves)

@@ -8,7 +8,7 @@ import os
 import time
 
 from gpusnap import staging as staging_mod
-from gpusnap.system import proc
+from gpusnap.system import memcg, proc
 
 
 def job_bytes(pid: int) -> int | None:
@@ -26,7 +26,7 @@ def staging_budget(req) -> tuple[int, str]:
     """The dump's staging budget and how it was chosen (reported in --json's staging)."""
     if req.staging_budget is not None:
         return req.staging_budget, "--staging-budget"
-    return staging_mod.choose_budget(job_bytes(req.pid))
+    return staging_mod.choose_budget(job_bytes(req.pid), memcg.available())
 
 
 def throughput(staging, phases: dict, t0: float) -> dict:

@@ -21,8 +21,10 @@ from gpusnap.repo.codec import codec_id
 from gpusnap.repo.format import SNAPSHOT_NAME, FormatError, make_config, encode_config, parse_config
 from gpusnap.repo.index import RepoIndex
 from gpusnap.repo.snapshot import Snapshot
-from gpusnap.repo.trust import QUARANTINE, SUBDIRS, check_tree, no_repository, quarantine_file, untrusted
+from gpusnap.repo.trust import (CONFIG_TMP, QUARANTINE, SUBDIRS, check_tree, half_made, no_repository,
+                                quarantine_file, untrusted)
 from gpusnap.system.access import read_only_error, read_only_reason
+from gpusnap.system.faults import fault
 
 if TYPE_CHECKING:  # the dump side is imported where a snapshot is written (restore never loads it)
     from gpusnap.repo.pipeline.writer import SnapshotWriter
@@ -85,6 +87,11 @@ class Repository:
             if path.exists() and not path.is_dir():
                 raise RepositoryError(f"{path} is a file, not a gpusnap repository",
                                       "point --repo at a repository directory") from None
+            if half_made(path):
+                raise RepositoryError(f"{given}: the creation of this repository was cut short (no config "
+                                      "file yet; nothing was stored in it)",
+                                      f"`gpusnap init --repo {given}` finishes it (so does the next dump "
+                                      "where it is the default repository)") from None
             raise RepositoryError(f"{given} is not a gpusnap repository (no config file)",
                                   "`gpusnap init --repo DIR` creates one in a new or empty directory; "
                                   "or point --repo at an existing repository") from None
@@ -128,9 +135,13 @@ class Repository:
         bad = fsutil.untrusted_reason(os.lstat(path), want_dir=True)
         if bad and bad != "is not a directory":
             raise untrusted(path, bad)
-        if not path.is_dir() or any(path.iterdir()):
+        if not path.is_dir() or (any(path.iterdir()) and not half_made(path)):
             raise RepositoryError(f"{path} exists, is not empty and is not a gpusnap repository",
                                   "choose an empty or new directory for the repository")
+        if (path / "tmp").is_dir():     # a killed creation's config, never renamed into place
+            for name in os.listdir(path / "tmp"):
+                if name.startswith(CONFIG_TMP):
+                    fsutil.unlink_quiet(path / "tmp" / name)
         fd = fsutil.open_dir(path)      # private whatever the umask or an empty directory's mode
         try:
             os.fchmod(fd, 0o700)
@@ -138,6 +149,7 @@ class Repository:
             os.close(fd)
         for d in SUBDIRS:
             fsutil.mkdir_private(path / d)
+        fault("repo:created-subdirs")       # (test hook: killed before the config is written)
         import secrets      # here only: it loads OpenSSL (~5 ms), which no dump or restore needs
 
         cfg = make_config(secrets.token_hex(16), time.time())

@@ -14,6 +14,7 @@ SUBDIRS = ("packs", "index", "snapshots", "locks", "tmp")
 QUARANTINE = "quarantine"      # index files set aside by recovery or repair (docs/format.md §10)
 MADE_ON_OPEN = ("tmp", "locks")     # recreated when missing; the others missing = damaged
 OPTIONAL = ("logs", "quarantine")  # checked when present
+CONFIG_TMP = "w-"    # the config's temporary file in tmp/ while it is written (fsutil.write_file_atomic)
 
 
 def untrusted(p, why: str) -> RepositoryError:
@@ -26,6 +27,26 @@ def no_repository(path) -> RepositoryError:
     return RepositoryError(f"no gpusnap repository at {path}",
                            f"`gpusnap init --repo {path}` creates one there; or check the path "
                            "(--repo, $GPUSNAP_REPO)")
+
+
+def half_made(path: Path) -> bool:
+    """Whether `path` holds only what a creation killed before its config was written leaves
+    (SIGKILL, the OOM killer, a power cut): the subdirectories, real and trusted, empty but for
+    the config's temporary files in tmp/. Such a directory counts as new: the next creation
+    finishes it, where it would otherwise refuse a directory that is not empty."""
+    try:
+        names = os.listdir(path)
+        if not names or not set(names) <= set(SUBDIRS):
+            return False
+        for n in names:
+            if fsutil.untrusted_reason(os.lstat(path / n), want_dir=True):
+                return False
+            inside = os.listdir(path / n)
+            if inside and (n != "tmp" or not all(x.startswith(CONFIG_TMP) for x in inside)):
+                return False
+    except OSError:
+        return False
+    return True
 
 
 def check_tree(path: Path) -> None:

@@ -3,8 +3,9 @@ default and why), and the sizes users give it (parse_size)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from gpusnap import settings
-from gpusnap.system import memcg
 
 JOB_MARGIN = 16 << 20      # beyond the job's anonymous memory: the small images
 SHARE = 2                  # the default budget: 1/SHARE of the memory available
@@ -12,14 +13,21 @@ SHARE = 2                  # the default budget: 1/SHARE of the memory available
 
 def _mem_available() -> int:
     """The machine's MemAvailable (0 where unknown)."""
-    return memcg.meminfo_available() or 0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
-def choose_budget(job_bytes: int | None = None) -> tuple[int, str]:
-    """The default staging budget and why: half the memory available now (the machine's, or
-    what gpusnap's memory cgroup leaves where that is less: a Slurm job's, a unit's), and never more than
+def choose_budget(job_bytes: int | None = None, available: tuple[int | None, str] | None = None) -> tuple[int, str]:
+    """The default staging budget and why: half the memory available now, and never more than
     the job (its anonymous memory, about what CRIU streams, plus 16 MiB for the other images);
-    GPUSNAP_STAGING_BUDGET (bytes, K/M/G suffix) overrides.
+    GPUSNAP_STAGING_BUDGET (bytes, K/M/G suffix) overrides. `available` is that memory and
+    where the figure comes from (a dump passes system/memcg.py's: what its memory cgroup leaves
+    where that is less than the machine's, as inside a Slurm job); else the machine's MemAvailable.
     No fixed ceiling: beyond the budget the spill file takes CRIU's bytes at the disk's speed
     while the job is frozen, so the freeze of a job that fits is a copy into memory and one that
     does not waits for the disk (8 GiB of random bytes, 24 GiB machine: a budget of a quarter
@@ -31,7 +39,10 @@ def choose_budget(job_bytes: int | None = None) -> tuple[int, str]:
     env = settings.get("GPUSNAP_STAGING_BUDGET", "").strip()
     if env:
         return parse_size(env), "GPUSNAP_STAGING_BUDGET"
-    avail, where = memcg.available()
+    if available is None:
+        n = _mem_available()
+        available = (n, f"the {n >> 20} MiB available") if n else (None, "available memory unknown")
+    avail, where = available
     if avail is None:
         budget, why = 256 << 20, f"256 MiB ({where})"
     else:

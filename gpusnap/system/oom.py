@@ -10,6 +10,10 @@ every process it starts that protects the job back to the value gpusnap began wi
 holds the job frozen; a CRIU killed there would leave it so) and the guardian of `--exit`.
 gpusnap killed in the middle of a dump costs only the snapshot: CRIU fails the dump and
 resumes the job, and the guardian resumes a job that CRIU left stopped (tests/test_oom.py).
+First, not only: a job that allocates while the kernel is still freeing gpusnap's memory can
+be the same episode's second victim (seen in a memory cgroup squeezed to its limit, the job's
+page-cache write invoking the second kill), which is why the default budget is half of what
+the machine, or the dump's memory cgroup, has available (staging/budget.py, system/memcg.py).
 
 Why lowering a child back is allowed: the kernel refuses only a value below the process's
 oom_score_adj_min, and a writer without CAP_SYS_RESOURCE never moves that minimum, so the

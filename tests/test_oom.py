@@ -307,7 +307,7 @@ def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference,
     the kernel's OOM killer takes gpusnap; the job runs on, unfrozen, nothing is committed; with
     room again, a dump commits and restores to the uninterrupted result.
     The kernel may kill twice in one episode: a job that allocates while gpusnap's memory is
-    being reaped can be its next victim (seen in 2 CI runs: "Killed process <gpusnap>" then
+    being reaped can be its next victim (seen in CI, in dmesg: "Killed process <gpusnap>" then
     "Killed process <job>" in the same second, the second invoked by the job's page-cache
     write; the job here writes twice a second rather than every 20 ms). That is the kernel's
     choice, made after gpusnap's: a try with a second kill (the cgroup holds only gpusnap and

@@ -5,6 +5,7 @@ when a dump that began one is refused."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import threading
 import time
@@ -116,8 +117,8 @@ def test_a_refused_dump_leaves_no_arena_behind(tmp_path, monkeypatch):
     made: list[Arena] = []
     init = Arena.__init__
 
-    def recording_init(self, nslots):
-        init(self, nslots)
+    def recording_init(self, nslots, **kw):
+        init(self, nslots, **kw)
         made.append(self)
 
     monkeypatch.setattr(Arena, "__init__", recording_init)
@@ -201,3 +202,130 @@ def test_the_arena_asks_for_huge_pages_and_still_holds_every_page(tmp_path, monk
     finally:
         s.close()
     assert arena.map.closed
+
+
+class _Room:
+    """A room that shrinks by what the arena faulted in, as a memory cgroup's does."""
+
+    def __init__(self, start: int | None):
+        self.start, self.arena, self.looks = start, None, 0
+
+    def __call__(self):
+        self.looks += 1
+        if self.start is None:
+            return None, "available memory unknown"
+        left = self.start - getattr(self.arena, "populated", 0)
+        return left, f"the {left >> 20} MiB its memory cgroup /t leaves (limit 999 MiB)"
+
+
+def _guarded(nslots: int, room: _Room, threads: int) -> Arena:
+    """An arena watched by `room` from before its threads start, faulted in."""
+    class Watched(Arena):
+        def __init__(self):
+            room.arena = self
+            super().__init__(nslots, threads=threads, room=room)
+
+    a = Watched()
+    a.ready()
+    return a
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_guard_stops_the_faulting_in_short_of_memory_running_out(threads):
+    """A budget above what is left (set by hand, or the machine filling up): the threads stop
+    where the next slots would leave less than the reserve (a quarter of the room, at least
+    RESERVE_MIN), and say why; a slot past the stop is never counted as usable."""
+    room = _Room(200 << 20)
+    a = _guarded(64, room, threads)            # 256 MiB asked, 200 MiB left
+    try:
+        reserve = max(arena_mod.RESERVE_MIN, min(arena_mod.RESERVE_MAX, (200 << 20) // 4))
+        assert 0 < a.usable < 64
+        assert a.usable * SEG <= (200 << 20) - reserve                   # the reserve is kept
+        assert a.usable * SEG >= (200 << 20) - reserve - (threads + 2) * SEG   # and no more
+        assert a.populated <= (a.usable + threads) * SEG                  # (one slot per thread in flight)
+        assert a.short.startswith(f"faulted in {a.usable * SEG >> 20} of 256 MiB: the ")
+        assert "memory cgroup /t leaves" in a.short and f"kept free: {reserve >> 20} MiB" in a.short
+        assert room.looks >= a.usable          # under 1 GiB left it looks before every slot
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_with_room_enough_the_guard_looks_every_16_slots_and_never_stops(threads):
+    room = _Room(64 << 30)
+    a = _guarded(64, room, threads)
+    try:
+        assert a.usable == 64 and a.short is None and a.populated == 64 * SEG
+        assert room.looks == 64 // arena_mod.LOOK_EVERY
+    finally:
+        a.close()
+
+
+def test_where_the_room_is_unknown_or_not_looked_at_the_whole_arena_is_faulted_in():
+    room = _Room(None)
+    a = _guarded(8, room, 2)
+    try:
+        assert a.usable == 8 and a.short is None and a.populated == 8 * SEG and room.looks == 1
+    finally:
+        a.close()
+    a = Arena(8)
+    a.ready()
+    try:
+        assert a.usable == 8 and a.short is None and a.populated == 8 * SEG
+    finally:
+        a.close()
+
+
+def test_a_tiny_room_faults_nothing_in_and_the_staging_spills_everything(tmp_path):
+    room = _Room(90 << 20)       # less than the reserve's floor
+    a = _guarded(16, room, 2)
+    s = st.Staging(tmp_path, budget=16 * SEG, arena=a)
+    try:
+        s.ready()
+        assert a.usable == 0 and s.arena_bytes == 0 and s.stats()["arena_short"] == a.short
+    finally:
+        s.close()
+
+
+def test_the_staging_uses_only_the_slots_faulted_in_and_spills_the_rest(tmp_path):
+    """What the guard left out is never staged into (it would fault in memory that is not
+    there, inside the freeze): the staging holds at most the slots faulted in, spills the
+    rest, and gives every byte back in order."""
+    import random
+
+    room = _Room(160 << 20)
+    a = _guarded(64, room, 2)                  # 256 MiB asked, 160 MiB left
+    s = st.Staging(tmp_path, budget=64 * SEG, arena=a)
+    try:
+        s.ready()
+        usable = a.usable
+        assert 0 < usable < 64 and s.arena_bytes == usable * SEG
+        assert s.stats()["arena_short"] == a.short
+        data = random.Random(3).randbytes((usable + 3) * SEG + 777)
+        r, w = os.pipe()
+        feeder = threading.Thread(target=_feed, args=(w, data))
+        feeder.start()
+        image = st.StagedImage(s, "pages-1.img")
+        try:
+            s.stage_pipe(r, image, True)
+        finally:
+            os.close(r)
+            feeder.join()
+        assert s.peak_memory <= usable * SEG and s.spilled >= 3 * SEG + 777
+        out = []
+        while (seg := image.take()) is not None:
+            got = s.read(seg)
+            out.append(bytes(got))
+            if isinstance(got, memoryview):
+                got.release()
+            s.release(seg)
+        assert b"".join(out) == data
+    finally:
+        s.close()
+
+
+def _feed(w: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(w, view[:1 << 16]):]
+    os.close(w)

@@ -303,7 +303,8 @@ def _restores_to_the_reference(info: dict, cg_job, repo, reference, kw: dict = C
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root for cgroups and CRIU")
 def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference, tmp_path):
     """A job and its dump in a memory cgroup with room for the job and not for the staging
-    budget set (larger than the room the cgroup leaves, which the default would have taken):
+    budget set (larger than the room the cgroup leaves, which the default would have taken),
+    the arena's guard off (with it, the next test: the arena stops short and the rest spills):
     the kernel's OOM killer takes gpusnap; the job runs on, unfrozen, nothing is committed; with
     room again, a dump commits and restores to the uninterrupted result.
     The kernel may kill twice in one episode: a job that allocates while gpusnap's memory is
@@ -324,7 +325,8 @@ def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference,
             cg.limit(cg.usage() + (120 << 20))
             dump = subprocess.run(cg.argv([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--json"]),
                                   cwd=ROOT, capture_output=True, text=True, timeout=300,
-                                  env={**os.environ, "GPUSNAP_DUMP_OOM_SCORE_ADJ": "", "GPUSNAP_STAGING_BUDGET": "176M"})
+                                  env={**os.environ, "GPUSNAP_DUMP_OOM_SCORE_ADJ": "", "GPUSNAP_STAGING_BUDGET": "176M",
+                                       "GPUSNAP_ARENA_GUARD": "0"})
             assert dump.returncode == -signal.SIGKILL, (dump.returncode, dump.stdout, dump.stderr)
             kills = cg.oom_kills()
             assert kills >= 1
@@ -343,6 +345,31 @@ def test_out_of_memory_during_a_dump_kills_the_dump_not_the_job(repo, reference,
             _restores_to_the_reference(info, cg_job, repo, reference, OOM_JOB)
             return
     pytest.fail("the kernel killed the job after gpusnap in every try: " + "; ".join(seen))
+
+
+@pytest.mark.criu
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for cgroups and CRIU")
+def test_a_budget_above_the_room_stops_the_arena_short_of_the_oom_killer(cgroup_job, repo, reference):
+    """The scene above with the arena's guard on, as users run it: a staging budget set by
+    hand above what the cgroup leaves (here 160 MiB: more than a dump needs beside a part of
+    its arena, less than the whole). The arena's threads stop short of the limit and say so;
+    the staging holds what was faulted in and spills the rest; the dump commits with no OOM
+    kill, the job runs on, and the snapshot restores to the uninterrupted result."""
+    cg, job, pids, out = cg_job = cgroup_job
+    cg.limit(cg.usage() + (160 << 20))       # room for some of the arena, not for the budget
+    dump = subprocess.run(cg.argv([*GPUSNAP, "dump", str(job.pid), "--repo", str(repo), "--json",
+                                   "--staging-budget", "176M"]),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert dump.returncode == 0, (dump.returncode, dump.stdout, dump.stderr)
+    assert cg.oom_kills() == 0
+    staging = json.loads(dump.stdout)["staging"]
+    assert staging["budget"] == 176 << 20, staging
+    assert f"memory cgroup {cg.name} leaves" in (staging["arena_short"] or ""), staging
+    assert 0 < staging["arena_bytes"] < 160 << 20 and staging["memory_peak"] <= staging["arena_bytes"] + (4 << 20)
+    assert staging["spilled_bytes"] >= (160 << 20) - staging["arena_bytes"], staging
+    assert _unfrozen(pids), _tasks(pids)
+    _restores_to_the_reference(json.loads(dump.stdout), cg_job, repo, reference)
 
 
 @pytest.mark.criu

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from gpusnap import staging as staging_mod
+from gpusnap import settings, staging as staging_mod
 from gpusnap.system import memcg, proc
 
 
@@ -40,17 +40,21 @@ def throughput(staging, phases: dict, t0: float) -> dict:
     return {"criu_mb_s": rate(phases.get("criu")), "storing_mb_s": rate(phases.get("storing")),
             "dump_mb_s": rate(time.monotonic() - t0), "bytes": n,
             "spill_mode": staging.spill_mode or None, "spilled_bytes": staging.spilled,
-            "staging_budget": staging.budget, "budget_choice": staging.budget_choice}
+            "staging_budget": staging.budget, "budget_choice": staging.budget_choice,
+            "arena_short": staging.arena_short}
 
 
 def early_arena(pid: int, budget: int):
     """The staging arena, sized by the tree's anonymous memory (about what CRIU streams) and
     16 MiB for the rest, its faulting-in started; None where the preflight will refuse anyway
-    (not root, no process) or not one slot fits the budget (everything then spills)."""
+    (not root, no process) or not one slot fits the budget (everything then spills). Its
+    threads stop short of running memory out (the machine's, or the memory cgroup's:
+    Arena's guard), unless GPUSNAP_ARENA_GUARD is 0."""
     anon = job_bytes(pid)
     if anon is None:
         return None
-    return staging_mod.Arena.sized(budget, anon + staging_mod.JOB_MARGIN)
+    room = None if settings.get("GPUSNAP_ARENA_GUARD") == "0" else memcg.available
+    return staging_mod.Arena.sized(budget, anon + staging_mod.JOB_MARGIN, room=room)
 
 
 class EarlyArena:

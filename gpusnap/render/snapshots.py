@@ -176,6 +176,8 @@ def snapshot_stats(r: dict[str, Any], console, images: bool = True) -> None:
             return f"{v:.0f} MB/s" if v is not None else "-"
         spill = (f"; {human_bytes(tp['spilled_bytes'])} spilled ({tp.get('spill_mode')})"
                  if tp.get("spilled_bytes") else "")
+        if tp.get("arena_short"):
+            spill += f"; memory running out, the arena {tp['arena_short']}"
         console.print(f"throughput: {mbs(tp.get('criu_mb_s'))} from CRIU into staging, "
                       f"{mbs(tp.get('storing_mb_s'))} storing after CRIU, {mbs(tp['dump_mb_s'])} over the dump; "
                       f"staging budget {human_bytes(tp.get('staging_budget') or 0)} ({tp.get('budget_choice')}){spill}")

@@ -36,41 +36,15 @@ from pathlib import Path
 from gpusnap.staging.arena import SEG, Arena, libc as _libc
 from gpusnap.staging.segments import Hold, Segment, StagedImage, StagingCancelled
 from gpusnap.staging import spill as spill_mod
+from gpusnap.staging.spill import PREFIX, sweep  # noqa: F401
 from gpusnap.staging.budget import (JOB_MARGIN, _mem_available, choose_budget,  # noqa: F401
                                     default_budget, parse_size)
 from gpusnap import settings
 
 SMALL_READ = 1 << 18     # reads for small (non-pages) images
 READAHEAD = 2            # spill extents read ahead of the one the ingest reads
-PREFIX = "staging-"
 _MADV_DONTNEED = 4
 _FALLOC_PUNCH = 0x01 | 0x02   # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
-
-
-def sweep(spill_dir: Path) -> list[str]:
-    """Remove spill files left by dumps that died (their PID is gone). The caller holds the
-    repository's exclusive lock (a dump: while it is the only writer), so no live dump of
-    this repository, on this machine or another, can own one."""
-    removed = []
-    try:
-        names = os.listdir(spill_dir)
-    except OSError:
-        return removed
-    for n in names:
-        if not n.startswith(PREFIX):
-            continue
-        try:
-            pid = int(n[len(PREFIX):].split("-")[0])
-        except ValueError:
-            pid = 0
-        if pid > 0 and pid != os.getpid() and os.path.exists(f"/proc/{pid}"):
-            continue
-        try:
-            os.unlink(spill_dir / n)
-            removed.append(n)
-        except OSError:
-            pass
-    return removed
 
 
 def _read_into(fd: int, view: memoryview) -> int:
@@ -108,7 +82,6 @@ class Staging:
         self._direct: spill_mod.DirectWriter | None = None   # the spill's O_DIRECT writer, if any
         self._direct_fd: int | None = None
         self.spill_mode = ""               # "direct" or "splice", once something spilled
-        self.spill_named: str | None = None   # set only between a named file's creation and unlink
         if arena is None:
             arena = Arena.sized(self.budget, prealloc)
             if arena is not None:
@@ -119,6 +92,7 @@ class Staging:
         self._free: list[int] = []
         self.arena_bytes = 0
         self.huge_pages = bool(arena is not None and arena.huge)
+        self.arena_short: str | None = None   # why the arena was faulted in short of its size (Arena.short)
         if arena is not None:
             nslots = min(arena.nslots, self.budget // SEG)
             self._arena = arena.map
@@ -127,9 +101,18 @@ class Staging:
             self.arena_bytes = nslots * SEG
 
     def ready(self) -> None:
-        """Wait until the arena is faulted in: before CRIU starts (the freeze must not fault)."""
-        if self._owner is not None:
-            self._owner.ready()
+        """Wait until the arena is faulted in: before CRIU starts (the freeze must not fault).
+        Where its guard stopped it short of memory running out, only the slots faulted in
+        are used: the rest spills."""
+        owner = self._owner
+        if owner is None:
+            return
+        owner.ready()
+        if owner.short is not None:
+            with self._lock:
+                self._free = [s for s in self._free if s < owner.usable]
+                self.arena_bytes = min(self.arena_bytes, owner.usable * SEG)
+                self.arena_short = owner.short
 
     # -- accounting --------------------------------------------------------------------
     def _charge(self, n: int) -> bool:
@@ -280,31 +263,13 @@ class Staging:
         with self._lock:
             if self._spill_fd is not None:
                 return self._spill_fd
-            self._spill_fd = self._open_spill()
+            self._spill_fd = spill_mod.open_file(self.spill_dir)
             if settings.get("GPUSNAP_STAGING_DIRECT") != "0":    # "0": splice (tests, comparisons)
                 self._direct_fd = spill_mod.open_direct(self._spill_fd)
             if self._direct_fd is not None:
                 self._direct = spill_mod.DirectWriter(self._direct_fd)
             self.spill_mode = "direct" if self._direct is not None else "splice"
             return self._spill_fd
-
-    def _open_spill(self) -> int:
-        flags = os.O_RDWR | os.O_CLOEXEC
-        if settings.get("GPUSNAP_STAGING_NAMED") != "1":   # (tests: the named fallback)
-            try:
-                return os.open(self.spill_dir, flags | os.O_TMPFILE | os.O_EXCL, 0o600)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
-                    raise
-        path = self.spill_dir / f"{PREFIX}{os.getpid()}-{os.urandom(6).hex()}"   # (secrets would load OpenSSL)
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-        self.spill_named = str(path)
-        try:
-            os.fchmod(fd, 0o600)
-        finally:
-            os.unlink(path)
-            self.spill_named = None
-        return fd
 
     # -- ingest side ---------------------------------------------------------------------
     def read(self, seg: Segment):
@@ -394,7 +359,7 @@ class Staging:
 
     def stats(self) -> dict:
         return {"budget": self.budget, "budget_choice": self.budget_choice, "arena_bytes": self.arena_bytes,
-                "arena_huge_pages": self.huge_pages, "staged_bytes": self.staged,
+                "arena_huge_pages": self.huge_pages, "arena_short": self.arena_short, "staged_bytes": self.staged,
                 "memory_peak": self.peak_memory, "spilled_bytes": self.spilled, "spill_peak": self.spill_peak,
                 "spill_mode": self.spill_mode}
 

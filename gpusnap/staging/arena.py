@@ -3,7 +3,12 @@ in by threads of its own before CRIU starts. Fresh anonymous memory costs a page
 a zeroed page per 4 KiB (~0.1 s per 256 MiB here): inside the freeze that would lengthen
 it, and on the main thread it would add to the preflight; in threads started as the dump
 begins it overlaps the preflight on another core. In transparent huge pages where the
-machine keeps its memory (huge_pages_wanted), one fault covers 2 MiB."""
+machine keeps its memory (huge_pages_wanted), one fault covers 2 MiB.
+
+Given a `room` (how much memory the process may still take), the threads look at it as they
+go and stop short of running memory out: a budget set by hand above what a memory cgroup
+leaves, or a machine filling up meanwhile, then stages in the slots faulted in and spills the
+rest, instead of the OOM killer ending the dump."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import mmap
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 from gpusnap import settings
 
@@ -19,6 +25,13 @@ SEG = 4 << 20            # a pages image is staged in slots of this size
 _MADV_POPULATE_WRITE = 23
 PAGE_REPORTING_ORDER = Path("/sys/module/page_reporting/parameters/page_reporting_order")
 HPAGE_PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+# the guard keeps a quarter of the room free, at least RESERVE_MIN, at most RESERVE_MAX (unless
+# that is more): what the dump itself takes beside its arena once CRIU runs (the spill's bounce
+# buffers, the pipeline, CRIU, imports; 65-90 MiB measured here) and what the job may grow by
+RESERVE_MIN = 96 << 20
+RESERVE_MAX = 256 << 20
+LOOK_EVERY = 16           # slots between two looks at the room, while more than LOOK_CLOSE is left
+LOOK_CLOSE = 1 << 30      # (a look costs ~0.2 ms, faulting a slot in ~1.5 ms)
 
 try:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -72,15 +85,29 @@ def _populate_threads() -> int:
 
 class Arena:
     """The staging slots' memory: `nslots` SEG-sized slots, faulted in by `threads` threads
-    started here, slot by slot, taking turns (the madvise runs without the GIL). ready()
+    started here, each taking the next slot (the madvise runs without the GIL). ready()
     waits for them; close() (idempotent) stops each at its next slot (a dump refused by its
-    preflight must not wait for gigabytes to be faulted in), waits for them, then unmaps."""
+    preflight must not wait for gigabytes to be faulted in), waits for them, then unmaps.
 
-    def __init__(self, nslots: int, threads: int | None = None, huge: bool | None = None):
+    room: how much memory this process may still take, and where that figure comes from
+    (system/memcg.available, passed in by the dump). Before the first slot and then every
+    LOOK_EVERY slots (every slot once less than LOOK_CLOSE is left) the threads stop where
+    faulting in what they may fault in before the next look would leave less than the
+    reserve: a quarter of the first look's room, between RESERVE_MIN and RESERVE_MAX. Slots
+    [0, usable) are faulted in then; `short` says where and why it stopped."""
+
+    def __init__(self, nslots: int, threads: int | None = None, huge: bool | None = None,
+                 room: Callable[[], tuple[int | None, str]] | None = None):
         self.nslots = nslots
+        self.usable = nslots          # slots [0, usable) are (being) faulted in; fewer once the guard stops
+        self.short: str | None = None
         self.populated = 0            # bytes faulted in so far
         self._closing = False
         self._count = threading.Lock()
+        self._next = 0                # the next slot to fault in
+        self._room = room
+        self._look_at = 0             # the slot before which the room is looked at next
+        self._reserve: int | None = None
         self.map = mmap.mmap(-1, nslots * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.huge = False             # asked for transparent huge pages (the kernel may still give 4 KiB)
         if huge_pages_wanted() if huge is None else huge:
@@ -89,35 +116,68 @@ class Arena:
                 self.huge = True
             except (OSError, AttributeError):   # no THP in this kernel
                 pass
-        n = max(1, min(threads or _populate_threads(), nslots))
-        self._threads = [threading.Thread(target=self._populate, args=(k, n), name="gpusnap-arena", daemon=True)
-                         for k in range(n)]
+        self._nthreads = n = max(1, min(threads or _populate_threads(), nslots))
+        self._threads = [threading.Thread(target=self._populate, name="gpusnap-arena", daemon=True)
+                         for _ in range(n)]
         for t in self._threads:
             t.start()
 
     @classmethod
-    def sized(cls, budget: int, prealloc: int) -> "Arena | None":
+    def sized(cls, budget: int, prealloc: int, room=None) -> "Arena | None":
         """An arena for `prealloc` bytes (the job's expected image size) within `budget`;
         None when not one slot fits."""
         nslots = min(max(0, int(budget)), max(0, int(prealloc))) // SEG
-        return cls(nslots) if nslots else None
+        return cls(nslots, room=room) if nslots else None
 
-    def _populate(self, first: int, step: int) -> None:
-        """Fault in slots first, first + step, ..."""
+    def _take(self) -> tuple[int, bool]:
+        """The next slot to fault in (-1: none) and whether to look at the room first."""
+        with self._count:
+            if self._closing or self._next >= self.usable:
+                return -1, False
+            slot = self._next
+            self._next += 1
+            look = self._room is not None and slot >= self._look_at
+            if look:
+                self._look_at = self.nslots     # the others go on meanwhile, without looking
+            return slot, look
+
+    def _enough(self, slot: int) -> bool:
+        """Whether the room left allows faulting in `slot` and those up to the next look."""
+        try:
+            left, where = self._room()
+        except (OSError, ValueError):
+            left, where = None, ""
+        with self._count:
+            if left is None:                    # unknown: faulted in as asked
+                self._look_at = self.nslots
+                return True
+            if self._reserve is None:
+                self._reserve = max(RESERVE_MIN, min(RESERVE_MAX, left // 4))
+            every = LOOK_EVERY if left >= LOOK_CLOSE else 1
+            self._look_at = slot + every
+            if left - (every + self._nthreads) * SEG >= self._reserve:
+                return True
+            if slot < self.usable:
+                self.usable = slot
+                self.short = (f"faulted in {slot * SEG >> 20} of {self.nslots * SEG >> 20} MiB: "
+                              f"{where} (kept free: {self._reserve >> 20} MiB)")
+            return False
+
+    def _populate(self) -> None:
+        """Fault in the next slot until none is left."""
         try:
             a = self.map
-            if libc is None:
-                for off in range(first * SEG, len(a), step * SEG):
-                    a[off:off + SEG] = bytes(SEG)
-                    self._done()
-                return
-            addr = ctypes.addressof(ctypes.c_char.from_buffer(a))   # (the temporary export ends here)
+            addr = None if libc is None else ctypes.addressof(ctypes.c_char.from_buffer(a))
             # slot by slot: the madvise holds the mmap lock, and the preflight on the main
             # thread (malloc, thread stacks, fork) must not wait for the whole arena
-            for off in range(first * SEG, len(a), step * SEG):
-                if self._closing:
+            while True:
+                slot, look = self._take()
+                if slot < 0 or look and not self._enough(slot):
                     return
-                if libc.madvise(addr + off, SEG, _MADV_POPULATE_WRITE) != 0:
+                off = slot * SEG
+                if addr is None:
+                    a[off:off + SEG] = bytes(SEG)
+                elif libc.madvise(addr + off, SEG, _MADV_POPULATE_WRITE) != 0:
                     libc.memset(addr + off, 0, SEG)     # kernels before 5.14: touch every page
                 self._done()
         except (OSError, ValueError, MemoryError):

@@ -1,4 +1,5 @@
-"""The spill file's direct writer: staged bytes beyond the budget reach the disk around the
+"""The spill file: made with no name (open_file), swept where a crash left a named one
+(sweep), and its direct writer: staged bytes beyond the budget reach the disk around the
 page cache (O_DIRECT), from a few bounce buffers, two writes in flight.
 
 Why: splicing the pipe into the spill file (the first way, still the fallback) copied every
@@ -15,17 +16,67 @@ The buffers are a small constant outside the staging budget (NBUF slots of SEG b
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import queue
 import threading
+from pathlib import Path
 
+from gpusnap import settings
 from gpusnap.staging.arena import SEG, populate
 from gpusnap.staging.segments import StagingCancelled
 
 NBUF = 4            # bounce buffers: the drain fills one while up to NBUF - 1 are written
 NTHREADS = 2        # writes in flight
+PREFIX = "staging-"  # a named spill file: PREFIX + the dump's PID + a random part
 ALIGN = 4096        # O_DIRECT: lengths and offsets in multiples of the logical block size
+
+
+def open_file(spill_dir: Path) -> int:
+    """A new spill file in spill_dir, open for reading and writing, with no name: O_TMPFILE,
+    or where the filesystem has none, created exclusively 0600 and unlinked at once (sweep()
+    removes one a crash left between the two)."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    if settings.get("GPUSNAP_STAGING_NAMED") != "1":   # (tests: the named fallback)
+        try:
+            return os.open(spill_dir, flags | os.O_TMPFILE | os.O_EXCL, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+    path = spill_dir / f"{PREFIX}{os.getpid()}-{os.urandom(6).hex()}"   # (secrets would load OpenSSL)
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.unlink(path)
+    return fd
+
+
+def sweep(spill_dir: Path) -> list[str]:
+    """Remove spill files left by dumps that died (their PID is gone). The caller holds the
+    repository's exclusive lock (a dump: while it is the only writer), so no live dump of
+    this repository, on this machine or another, can own one."""
+    removed = []
+    try:
+        names = os.listdir(spill_dir)
+    except OSError:
+        return removed
+    for n in names:
+        if not n.startswith(PREFIX):
+            continue
+        try:
+            pid = int(n[len(PREFIX):].split("-")[0])
+        except ValueError:
+            pid = 0
+        if pid > 0 and pid != os.getpid() and os.path.exists(f"/proc/{pid}"):
+            continue
+        try:
+            os.unlink(spill_dir / n)
+            removed.append(n)
+        except OSError:
+            pass
+    return removed
 
 
 def open_direct(fd: int) -> int | None:

@@ -427,6 +427,11 @@ wait "$pid" 2>/dev/null || true
 [ -d "/proc/$pid" ] && die 3 "the job still runs after dump --exit"
 check_plugin_dump "$pid" "$snapA" "$logs/dumpA.json"
 say "dumped in ${dumpA_s}s ($(gbs "$gpu_mem" "$dumpA_s") of GPU memory): $snapA"
+# the arena counts the GPU memory (NVML) the checkpoint brings into host memory: nothing of the
+# device memory should spill while the job is frozen when the budget holds it
+say "staging: $("$VPY" -c 'import json,sys; s=json.load(open(sys.argv[1])).get("staging") or {}; n=lambda k: (s.get(k) or 0) >> 20
+print("budget %d MiB (%s), arena %d MiB, staged %d MiB, spilled %d MiB, arena short: %s" % (n("budget"), s.get("budget_choice"),
+      n("arena_bytes"), n("staged_bytes"), n("spilled_bytes"), s.get("arena_short")))' "$logs/dumpA.json" 2>&1)"
 t=$(now)
 run_gp restoreA restore "$snapA" --repo "$repo" || die 3 "restore failed: $(tail -c 600 "$logs/restoreA.json")"
 restoreA_s=$(secs "$t" "$(now)")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -218,12 +219,12 @@ class _Room:
         return left, f"the {left >> 20} MiB its memory cgroup /t leaves (limit 999 MiB)"
 
 
-def _guarded(nslots: int, room: _Room, threads: int) -> Arena:
+def _guarded(nslots: int, room: _Room, threads: int, capacity: int = 0) -> Arena:
     """An arena watched by `room` from before its threads start, faulted in."""
     class Watched(Arena):
         def __init__(self):
             room.arena = self
-            super().__init__(nslots, threads=threads, room=room)
+            super().__init__(nslots, threads=threads, room=room, capacity=capacity)
 
     a = Watched()
     a.ready()
@@ -329,3 +330,88 @@ def _feed(w: int, data: bytes) -> None:
     while view:
         view = view[os.write(w, view[:1 << 16]):]
     os.close(w)
+
+
+def test_grow_to_faults_in_more_of_the_mapped_capacity_and_no_more():
+    """A GPU job's device memory, known after the preflight: the arena grows in place, up to
+    the slots mapped; threads that had finished are started again."""
+    a = Arena(2, capacity=8)
+    try:
+        a.ready()
+        assert a.nslots == 8 and a.usable == 2 and a.populated == 2 * SEG
+        a.grow_to(5)
+        a.ready()
+        assert a.usable == 5 and a.populated == 5 * SEG
+        addr = _addr(a)
+        assert _resident(addr, 5 * SEG) == 5 * SEG
+        a.grow_to(100)
+        a.grow_to(3)                 # never shrinks
+        a.ready()
+        assert a.usable == 8 and a.populated == 8 * SEG
+    finally:
+        a.close()
+    a.grow_to(10)                    # closed: nothing starts
+    assert not _arena_threads()
+
+
+def test_an_arena_the_guard_stopped_does_not_grow():
+    room = _Room(150 << 20)
+    a = _guarded(4, room, 2, capacity=64)      # 16 MiB: within the room
+    try:
+        assert a.usable == 4 and a.short is None and a.nslots == 64
+        room.start = 100 << 20                   # memory taken meanwhile
+        a.grow_to(40)
+        a.ready()
+        assert a.usable == 4 and a.short.startswith("faulted in 16 of 160 MiB")
+        a.grow_to(64)
+        a.ready()
+        assert a.usable == 4
+    finally:
+        a.close()
+
+
+def test_the_gpu_memory_raises_the_default_budget_and_grows_the_arena(sample_job):
+    """What a CUDA checkpoint will bring into host memory (the preflight's GPU facts) counts
+    as the job's: the default budget grows by it and so does the arena, in place, faulted in
+    before CRIU runs; made again after a wait, the arena has it from the start."""
+    from gpusnap.ops import dump_staging
+
+    job = sample_job(mb=64, steps=100000)
+    job.wait_steps(2)
+    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=job.pid, repo=Path("/nonexistent")))
+    try:
+        host = early.host
+        assert host >= 64 << 20 and early.budget == host + st.JOB_MARGIN, early.choice
+        early.add_gpu({"processes": [{"pid": job.pid, "memory_bytes": 256 << 20},
+                                     {"pid": 1, "memory_bytes": None}]})
+        assert early.gpu == 256 << 20
+        assert early.budget == host + (256 << 20) + st.JOB_MARGIN
+        assert "256 MiB of it GPU memory" in early.choice
+        early.arena.ready()
+        assert early.arena.usable == early.budget // SEG and early.arena.populated == early.arena.usable * SEG
+        early.add_gpu(None)                   # (a later look without GPU facts changes nothing)
+        assert early.gpu == 256 << 20
+        early.release()
+        early.again()
+        early.arena.ready()
+        assert early.arena.usable == early.budget // SEG
+    finally:
+        early.release(final=True)
+    assert not _arena_threads()
+
+
+def test_the_gpu_memory_grows_the_arena_within_a_budget_given(sample_job):
+    from gpusnap.ops import dump_staging
+
+    job = sample_job(mb=64, steps=100000)
+    job.wait_steps(2)
+    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=job.pid, repo=Path("/nonexistent"),
+                                                         staging_budget=128 << 20))
+    try:
+        assert early.arena.usable == (early.host + st.JOB_MARGIN) // SEG
+        early.add_gpu({"processes": [{"pid": job.pid, "memory_bytes": 1 << 30}]})
+        assert early.budget == 128 << 20 and early.choice == "--staging-budget"
+        early.arena.ready()
+        assert early.arena.usable == 32 and early.arena.populated == 32 * SEG
+    finally:
+        early.release(final=True)

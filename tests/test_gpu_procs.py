@@ -133,3 +133,17 @@ def test_describe_and_render_recorded():
     recorded_gpus(procs.describe_recorded(None), con)
     text = con.export_text()
     assert "GPU-a" in text and "570.1" in text and "CPU-only" in text
+
+
+def test_parse_compute_apps_sums_each_process_memory_over_its_gpus():
+    """nvidia-smi's compute apps (pid, gpu_uuid, used_memory in MiB): a process on two GPUs
+    has both UUIDs and the sum of its memory; a hidden figure ([N/A]) leaves it out."""
+    text = ("4242, GPU-aaaa-1, 30000\n"
+            "4242, GPU-bbbb-2, 1024\n"
+            "77, GPU-aaaa-1, [N/A]\n"
+            "No running processes found\n"
+            "x, GPU-cccc, 5\n")
+    gpus, mem = procs.parse_compute_apps(text)
+    assert gpus == {4242: ["GPU-aaaa-1", "GPU-bbbb-2"], 77: ["GPU-aaaa-1"]}
+    assert mem == {4242: 31024 << 20}
+    assert procs.parse_compute_apps("") == ({}, {})

@@ -201,26 +201,37 @@ def _minor_map(probe: "_driver.DriverProbe | None") -> dict[int, dict[str, Any]]
     return {g["minor"]: g for g in machine_gpus(probe) if g.get("minor") is not None}
 
 
-def smi_compute_apps() -> dict[int, list[str]]:
+def parse_compute_apps(text: str) -> tuple[dict[int, list[str]], dict[int, int]]:
+    """nvidia-smi's `--query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits`:
+    (the GPU UUIDs of each process's contexts, its GPU memory in bytes summed over them). A
+    memory figure that is not a number ("[N/A]" where the driver hides it) is left out."""
+    gpus: dict[int, list[str]] = {}
+    mem: dict[int, int] = {}
+    for line in text.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].startswith("GPU-"):
+            continue
+        pid = int(parts[0])
+        if parts[1] not in gpus.setdefault(pid, []):
+            gpus[pid].append(parts[1])
+        if parts[2].isdigit():
+            mem[pid] = mem.get(pid, 0) + (int(parts[2]) << 20)
+    return gpus, mem
+
+
+def smi_compute_apps() -> tuple[dict[int, list[str]], dict[int, int]]:
     """GPU UUIDs each process has a CUDA context on (NVML's compute processes, through
-    nvidia-smi), {} when nvidia-smi is not installed. Exact where /dev/nvidiaN over-counts:
-    CUDA opens every visible GPU's device file, whichever it computes on."""
+    nvidia-smi), and its GPU memory; ({}, {}) when nvidia-smi is not installed. Exact where
+    /dev/nvidiaN over-counts: CUDA opens every visible GPU's device file, whichever it computes on."""
     smi = shutil.which("nvidia-smi")
     if not smi:
-        return {}
+        return {}, {}
     try:
-        r = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader"],
+        r = subprocess.run([smi, "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
                            capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired):
-        return {}
-    out: dict[int, list[str]] = {}
-    for line in r.stdout.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) == 2 and parts[0].isdigit() and parts[1].startswith("GPU-"):
-            out.setdefault(int(parts[0]), [])
-            if parts[1] not in out[int(parts[0])]:
-                out[int(parts[0])].append(parts[1])
-    return out
+        return {}, {}
+    return parse_compute_apps(r.stdout)
 
 
 def smi_memory() -> dict[int, int]:
@@ -300,7 +311,7 @@ def gpu_manifest(pids: Iterable[int]) -> dict[str, Any]:
     {
       "driver": driver_info() or None,
       "gpus": [{index, uuid, name, memory_bytes, pci_bus_id, used}],   # the whole machine
-      "processes": [{pid, comm, gpus: [uuid], device_files, libcuda, uvm, nccl}]
+      "processes": [{pid, comm, gpus: [uuid], device_files, libcuda, uvm, nccl, memory_bytes}]
                                                          # only tree members that touch NVIDIA
     }
     Call it before CRIU runs (while the tree is alive and not yet checkpointed: after a CUDA
@@ -310,7 +321,7 @@ def gpu_manifest(pids: Iterable[int]) -> dict[str, Any]:
     probe = _driver.probe_cached()
     gpus = machine_gpus(probe)
     mm = {g["minor"]: g for g in gpus if g.get("minor") is not None}
-    apps = smi_compute_apps() if probe.available else {}
+    apps, mem = smi_compute_apps() if probe.available else ({}, {})
     procs = []
     for pid in pids:
         gp = scan_process(int(pid), mm)
@@ -322,7 +333,9 @@ def gpu_manifest(pids: Iterable[int]) -> dict[str, Any]:
                       "gpus": apps.get(gp.pid, from_files),
                       "gpus_from": "nvml" if gp.pid in apps else "device-files",
                       "device_files": gp.device_files, "libcuda": gp.libcuda,
-                      "uvm": gp.uvm, "nccl": gp.nccl})
+                      "uvm": gp.uvm, "nccl": gp.nccl,
+                      # what a CUDA checkpoint moves into host memory, about (the arena's size)
+                      "memory_bytes": mem.get(gp.pid)})
     used = {u for p in procs for u in p["gpus"]}
     return {
         "driver": probe.info(),

@@ -131,25 +131,24 @@ def dump(req: DumpRequest, progress: parts.Progress | None = None) -> DumpResult
     if req.name:
         validate.check_name(req.name)
     wait = lockwait.seconds(req.lock_wait)
-    budget, choice = dump_staging.staging_budget(req)
     # should memory run out while the staging holds it, the OOM killer takes this process,
     # not the job; CRIU and the guardian are put back (system/oom.py)
     with oom.expendable():
         # the staging memory is faulted in by its own thread while the preflight runs (arena.py);
         # the staging takes it over, and whatever path this dump ends on, it is freed here
-        arena = dump_staging.EarlyArena(req.pid, budget, choice)
+        arena = dump_staging.EarlyArena(req)
         try:
-            return _dump(req, progress, t0, budget, arena, wait)
+            return _dump(req, progress, t0, arena, wait)
         finally:
             arena.release(final=True)
 
 
-def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: dump_staging.EarlyArena, wait: float) -> DumpResult:
+def _dump(req: DumpRequest, progress, t0: float, arena: dump_staging.EarlyArena, wait: float) -> DumpResult:
     """One dump of a job at a time on this machine (another gpusnap may be dumping it into
     another repository): wait for it, then look at the job afresh. Without the privileges or
     a valid PID (the preflight says so, in its words) there is nothing to lock."""
     if req.pid <= 0 or preflight.privileges().status == "fail":
-        return DumpSession(req, progress, t0, budget, arena, wait).run()
+        return DumpSession(req, progress, t0, arena, wait).run()
 
     def waiting() -> None:
         arena.release()
@@ -158,7 +157,7 @@ def _dump(req: DumpRequest, progress, t0: float, budget: int, arena: dump_stagin
 
     with hostlock.held(f"dump-pid-{req.pid}", waiting):
         arena.again()
-        return DumpSession(req, progress, t0, budget, arena, wait).run()
+        return DumpSession(req, progress, t0, arena, wait).run()
 
 
 class DumpSession:
@@ -168,9 +167,9 @@ class DumpSession:
     then runs CRIU, commits and applies retention. Past the commit (self.snap) nothing is
     aborted; before it, the job is handed back running and nothing stays visible."""
 
-    def __init__(self, req: DumpRequest, progress: parts.Progress | None, t0: float, budget: int,
+    def __init__(self, req: DumpRequest, progress: parts.Progress | None, t0: float,
                  arena: dump_staging.EarlyArena, wait: float):
-        self.req, self.progress, self.t0, self.budget, self.arena, self.wait = req, progress, t0, budget, arena, wait
+        self.req, self.progress, self.t0, self.arena, self.wait = req, progress, t0, arena, wait
         self.phases: dict[str, float] = {}
         self._mark = t0
         self._old_handlers: dict = {}
@@ -232,6 +231,7 @@ class DumpSession:
 
         req = self.req
         self.plan, self.meta, self.gpu = parts.look(req)
+        self.arena.add_gpu(self.gpu)   # a CUDA checkpoint brings the device memory into the image
         native_gate()       # the gate is the one way CRIU waits for the pipes: refuse now without it
         # a named job's root is dumped under its name (identity.py), anything else under its command's
         self.name = req.name or identity.name_of(req.repo, req.pid) or parts.default_name(req.pid)
@@ -251,6 +251,7 @@ class DumpSession:
         if self.notice.waited:   # another gpusnap wrote meanwhile: look at the job afresh
             self.plan, self.meta, self.gpu = parts.look(req)
             self.arena.again()   # (given back while this dump waited)
+            self.arena.add_gpu(self.gpu)
         self.pids = self.plan.pids
         self.estimate = proc.rss_bytes(self.pids)
         self.writer = repo.new_snapshot(self.name, compress=req.compress, meta=self.meta)
@@ -271,7 +272,7 @@ class DumpSession:
             stack.callback(self.guardian.done)
         self.phase("preflight")
         spill_dir = repo.path / "tmp"
-        self.staging = staging_mod.Staging(spill_dir, self.budget, arena=self.arena.take())
+        self.staging = staging_mod.Staging(spill_dir, self.arena.budget, arena=self.arena.take())
         self.staging.budget_choice = self.arena.choice
         stack.callback(self.staging.close)
         if self.overlap:

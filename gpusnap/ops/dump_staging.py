@@ -22,13 +22,6 @@ def job_bytes(pid: int) -> int | None:
         return None
 
 
-def staging_budget(req) -> tuple[int, str]:
-    """The dump's staging budget and how it was chosen (reported in --json's staging)."""
-    if req.staging_budget is not None:
-        return req.staging_budget, "--staging-budget"
-    return staging_mod.choose_budget(job_bytes(req.pid), memcg.available())
-
-
 def throughput(staging, phases: dict, t0: float) -> dict:
     """CRIU's bytes per second of each phase so far (MB/s): criu_mb_s (over the 'criu' phase:
     into staging, the job frozen), storing_mb_s (over 'storing': what the pipeline had left
@@ -44,29 +37,69 @@ def throughput(staging, phases: dict, t0: float) -> dict:
             "arena_short": staging.arena_short}
 
 
-def early_arena(pid: int, budget: int):
-    """The staging arena, sized by the tree's anonymous memory (about what CRIU streams) and
-    16 MiB for the rest, its faulting-in started; None where the preflight will refuse anyway
-    (not root, no process) or not one slot fits the budget (everything then spills). Its
-    threads stop short of running memory out (the machine's, or the memory cgroup's:
-    Arena's guard), unless GPUSNAP_ARENA_GUARD is 0."""
-    anon = job_bytes(pid)
-    if anon is None:
-        return None
-    room = None if settings.get("GPUSNAP_ARENA_GUARD") == "0" else memcg.available
-    return staging_mod.Arena.sized(budget, anon + staging_mod.JOB_MARGIN, room=room)
+def gpu_bytes(gpu: dict | None) -> int:
+    """The GPU memory of the tree's processes (the preflight's GPU facts, from NVML through
+    nvidia-smi; 0 where unknown): what a CUDA checkpoint moves into their host memory inside
+    CRIU, after the tree's anonymous memory was measured."""
+    return sum(p.get("memory_bytes") or 0 for p in (gpu or {}).get("processes") or [])
 
 
 class EarlyArena:
-    """The early arena, given back while this dump waits for another gpusnap (the job's
-    host lock, the repository's writer lock: up to minutes) and made again once it may go on."""
+    """The dump's staging budget (and why: reported in --json's staging) and its early arena,
+    sized by the tree's anonymous memory (about what CRIU streams) and 16 MiB for the rest, its
+    faulting-in started as the dump begins; None where the preflight will refuse anyway (not
+    root, no process) or not one slot fits the budget (everything then spills). Its threads
+    stop short of running memory out (the machine's, or the memory cgroup's: Arena's guard),
+    unless GPUSNAP_ARENA_GUARD is 0.
 
-    def __init__(self, pid: int, budget: int, choice: str = "given"):
-        self.pid, self.budget = pid, budget
-        self.choice = choice    # how the budget was chosen (staging_budget), reported
-        self.arena = early_arena(pid, budget)
+    add_gpu(): a GPU job's device memory, known once the preflight asked the driver, raises
+    the default budget (the job is host and device memory) and the arena (mapped up to the
+    largest default budget, so it grows in place): faulted in on top while the dump goes on.
+    Given back while this dump waits for another gpusnap (the job's host lock, the
+    repository's writer lock: up to minutes) and made again once it may go on."""
+
+    def __init__(self, req):
+        self.pid = req.pid
+        self.host = job_bytes(req.pid)
+        self.gpu = 0
+        self._available = memcg.available()     # one reading: the budget's, raised or not
+        if req.staging_budget is not None:
+            self.budget, self.choice = req.staging_budget, "--staging-budget"
+            self._fixed = True
+        else:
+            self.budget, self.choice = staging_mod.choose_budget(self.host, self._available)
+            self._fixed = self.choice == "GPUSNAP_STAGING_BUDGET"
+        # the most the budget may become (the default without the job's size to bound it)
+        self._cap = self.budget if self._fixed else staging_mod.choose_budget(None, self._available)[0]
         self.released = False
         self.in_use = False     # the staging has it (from then on only the end frees it)
+        self.arena = self._make()
+
+    def _want(self) -> int:
+        return (self.host or 0) + self.gpu + staging_mod.JOB_MARGIN
+
+    def _make(self):
+        if self.host is None:
+            return None
+        room = None if settings.get("GPUSNAP_ARENA_GUARD") == "0" else memcg.available
+        return staging_mod.Arena.sized(self.budget, self._want(), room=room, capacity=self._cap)
+
+    def add_gpu(self, gpu: dict | None) -> None:
+        """The tree's GPU memory (the preflight's GPU facts) counted in: the budget raised
+        where it was the default, the arena grown (up to the budget) or made."""
+        n = gpu_bytes(gpu)
+        if n <= self.gpu or self.host is None:
+            return
+        self.gpu = n
+        if not self._fixed:
+            self.budget, why = staging_mod.choose_budget(self.host + n, self._available)
+            self.choice = f"{why}; {n >> 20} MiB of it GPU memory" if "job's" in why else why
+        if self.in_use or self.released:
+            return          # (again() makes it with the GPU memory in)
+        if self.arena is None:
+            self.arena = self._make()
+        else:
+            self.arena.grow_to(min(self.budget, self._want()) // staging_mod.SEG)
 
     def take(self):
         self.in_use = True
@@ -80,5 +113,5 @@ class EarlyArena:
 
     def again(self) -> None:
         if self.released and self.arena is None:
-            self.arena = early_arena(self.pid, self.budget)
+            self.arena = self._make()
             self.released = False

@@ -94,7 +94,7 @@ class Staging:
         self.huge_pages = bool(arena is not None and arena.huge)
         self.arena_short: str | None = None   # why the arena was faulted in short of its size (Arena.short)
         if arena is not None:
-            nslots = min(arena.nslots, self.budget // SEG)
+            nslots = min(arena.usable, self.budget // SEG)
             self._arena = arena.map
             self._view = memoryview(arena.map)
             self._free = list(range(nslots - 1, -1, -1))
@@ -108,11 +108,10 @@ class Staging:
         if owner is None:
             return
         owner.ready()
-        if owner.short is not None:
-            with self._lock:
-                self._free = [s for s in self._free if s < owner.usable]
-                self.arena_bytes = min(self.arena_bytes, owner.usable * SEG)
-                self.arena_short = owner.short
+        with self._lock:
+            self._free = [s for s in self._free if s < owner.usable]
+            self.arena_bytes = min(self.arena_bytes, owner.usable * SEG)
+            self.arena_short = owner.short
 
     # -- accounting --------------------------------------------------------------------
     def _charge(self, n: int) -> bool:

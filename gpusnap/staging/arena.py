@@ -94,11 +94,13 @@ class Arena:
     LOOK_EVERY slots (every slot once less than LOOK_CLOSE is left) the threads stop where
     faulting in what they may fault in before the next look would leave less than the
     reserve: a quarter of the first look's room, between RESERVE_MIN and RESERVE_MAX. Slots
-    [0, usable) are faulted in then; `short` says where and why it stopped."""
+    [0, usable) are faulted in then; `short` says where and why it stopped.
+
+    capacity: slots mapped (address space only) beyond the `nslots` faulted in, for grow_to()
+    (a GPU job's device memory, known once the preflight has asked the driver)."""
 
     def __init__(self, nslots: int, threads: int | None = None, huge: bool | None = None,
-                 room: Callable[[], tuple[int | None, str]] | None = None):
-        self.nslots = nslots
+                 room: Callable[[], tuple[int | None, str]] | None = None, capacity: int = 0):
         self.usable = nslots          # slots [0, usable) are (being) faulted in; fewer once the guard stops
         self.short: str | None = None
         self.populated = 0            # bytes faulted in so far
@@ -108,7 +110,15 @@ class Arena:
         self._room = room
         self._look_at = 0             # the slot before which the room is looked at next
         self._reserve: int | None = None
-        self.map = mmap.mmap(-1, nslots * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.map = None
+        for n in dict.fromkeys((max(nslots, capacity), nslots)):
+            try:     # (where the kernel commits address space strictly, the capacity may be refused)
+                self.map = mmap.mmap(-1, n * SEG, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                break
+            except OSError:
+                if n == nslots:
+                    raise
+        self.nslots = len(self.map) // SEG     # slots mapped
         self.huge = False             # asked for transparent huge pages (the kernel may still give 4 KiB)
         if huge_pages_wanted() if huge is None else huge:
             try:
@@ -116,23 +126,42 @@ class Arena:
                 self.huge = True
             except (OSError, AttributeError):   # no THP in this kernel
                 pass
-        self._nthreads = n = max(1, min(threads or _populate_threads(), nslots))
-        self._threads = [threading.Thread(target=self._populate, name="gpusnap-arena", daemon=True)
-                         for _ in range(n)]
-        for t in self._threads:
+        self._nthreads = max(1, min(threads or _populate_threads(), max(nslots, 1)))
+        self._running = 0             # threads faulting in (a thread that found no slot left is not)
+        self._threads: list[threading.Thread] = []
+        with self._count:
+            self._start()
+
+    def _start(self) -> None:
+        """Start threads up to _nthreads (the lock held)."""
+        for _ in range(self._nthreads - self._running):
+            t = threading.Thread(target=self._populate, name="gpusnap-arena", daemon=True)
+            self._running += 1
+            self._threads.append(t)
             t.start()
 
+    def grow_to(self, nslots: int) -> None:
+        """Fault in up to `nslots` slots (at most those mapped), unless closing or stopped
+        by the guard; threads that had finished are started again."""
+        with self._count:
+            if self._closing or self.short is not None or nslots <= self.usable:
+                return
+            self.usable = min(self.nslots, nslots)
+            if self._next < self.usable:
+                self._start()
+
     @classmethod
-    def sized(cls, budget: int, prealloc: int, room=None) -> "Arena | None":
-        """An arena for `prealloc` bytes (the job's expected image size) within `budget`;
-        None when not one slot fits."""
+    def sized(cls, budget: int, prealloc: int, room=None, capacity: int = 0) -> "Arena | None":
+        """An arena for `prealloc` bytes (the job's expected image size) within `budget`,
+        `capacity` bytes mapped; None when not one slot fits."""
         nslots = min(max(0, int(budget)), max(0, int(prealloc))) // SEG
-        return cls(nslots, room=room) if nslots else None
+        return cls(nslots, room=room, capacity=max(0, int(capacity)) // SEG) if nslots else None
 
     def _take(self) -> tuple[int, bool]:
         """The next slot to fault in (-1: none) and whether to look at the room first."""
         with self._count:
             if self._closing or self._next >= self.usable:
+                self._running -= 1       # (with the decision: grow_to starts another if needed)
                 return -1, False
             slot = self._next
             self._next += 1
@@ -158,9 +187,10 @@ class Arena:
             if left - (every + self._nthreads) * SEG >= self._reserve:
                 return True
             if slot < self.usable:
-                self.usable = slot
-                self.short = (f"faulted in {slot * SEG >> 20} of {self.nslots * SEG >> 20} MiB: "
+                self.short = (f"faulted in {slot * SEG >> 20} of {self.usable * SEG >> 20} MiB: "
                               f"{where} (kept free: {self._reserve >> 20} MiB)")
+                self.usable = slot
+            self._running -= 1
             return False
 
     def _populate(self) -> None:
@@ -181,7 +211,9 @@ class Arena:
                     libc.memset(addr + off, 0, SEG)     # kernels before 5.14: touch every page
                 self._done()
         except (OSError, ValueError, MemoryError):
-            pass    # pages not faulted in here are faulted on first use: slower, never wrong
+            # pages not faulted in here are faulted on first use: slower, never wrong
+            with self._count:
+                self._running -= 1
 
     def _done(self) -> None:
         with self._count:
@@ -189,13 +221,21 @@ class Arena:
 
     def ready(self) -> None:
         """Wait until every page is faulted in (a failure leaves pages to fault on first use)."""
-        for t in self._threads:
-            t.join()
+        self._join()
+
+    def _join(self) -> None:
+        while True:     # (grow_to may have started more meanwhile)
+            with self._count:
+                left = [t for t in self._threads if t.is_alive()]
+            if not left:
+                return
+            for t in left:
+                t.join()
 
     def close(self) -> None:
-        self._closing = True
-        for t in self._threads:
-            t.join()
+        with self._count:
+            self._closing = True
+        self._join()
         try:
             self.map.close()
         except BufferError:      # a view is still exported: the GC frees it

@@ -415,3 +415,18 @@ def test_the_gpu_memory_grows_the_arena_within_a_budget_given(sample_job):
         assert early.arena.usable == 32 and early.arena.populated == 32 * SEG
     finally:
         early.release(final=True)
+
+
+def test_growing_for_a_gpu_job_keeps_its_coming_growth_free():
+    """The device memory the checkpoint will bring into the job's host memory stays free too:
+    with 1.5 GiB left, growing by 1 GiB for a job with 1 GiB of GPU memory stops short."""
+    room = _Room(1536 << 20)
+    a = _guarded(4, room, 2, capacity=300)
+    try:
+        assert a.usable == 4 and a.short is None
+        a.grow_to(4 + 256, keep=1 << 30)
+        a.ready()
+        assert a.short is not None and "kept free: 1280 MiB" in a.short, a.short   # (256 + 1024)
+        assert (1536 << 20) - a.usable * SEG >= 1280 << 20
+    finally:
+        a.close()

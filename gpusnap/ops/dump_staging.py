@@ -82,7 +82,7 @@ class EarlyArena:
         if self.host is None:
             return None
         room = None if settings.get("GPUSNAP_ARENA_GUARD") == "0" else memcg.available
-        return staging_mod.Arena.sized(self.budget, self._want(), room=room, capacity=self._cap)
+        return staging_mod.Arena.sized(self.budget, self._want(), room=room, capacity=self._cap, keep=self.gpu)
 
     def add_gpu(self, gpu: dict | None) -> None:
         """The tree's GPU memory (the preflight's GPU facts) counted in: the budget raised
@@ -92,14 +92,18 @@ class EarlyArena:
             return
         self.gpu = n
         if not self._fixed:
-            self.budget, why = staging_mod.choose_budget(self.host + n, self._available)
-            self.choice = f"{why}; {n >> 20} MiB of it GPU memory" if "job's" in why else why
+            # the checkpoint also grows the job's host memory by as much: only the rest is available
+            avail, where = self._available
+            if avail is not None:
+                avail, where = max(0, avail - n), f"{where} less the job's {n >> 20} MiB of GPU memory"
+            self.budget, why = staging_mod.choose_budget(self.host + n, (avail, where))
+            self.choice = f"{why}; {n >> 20} MiB of it GPU memory" if why.startswith("the job's") else why
         if self.in_use or self.released:
             return          # (again() makes it with the GPU memory in)
         if self.arena is None:
             self.arena = self._make()
         else:
-            self.arena.grow_to(min(self.budget, self._want()) // staging_mod.SEG)
+            self.arena.grow_to(min(self.budget, self._want()) // staging_mod.SEG, keep=n)
 
     def take(self):
         self.in_use = True

@@ -97,10 +97,12 @@ class Arena:
     [0, usable) are faulted in then; `short` says where and why it stopped.
 
     capacity: slots mapped (address space only) beyond the `nslots` faulted in, for grow_to()
-    (a GPU job's device memory, known once the preflight has asked the driver)."""
+    (a GPU job's device memory, known once the preflight has asked the driver); keep: bytes the
+    guard keeps free beyond its reserve (that device memory again: the checkpoint brings it
+    into the job's host memory, later, inside the freeze)."""
 
     def __init__(self, nslots: int, threads: int | None = None, huge: bool | None = None,
-                 room: Callable[[], tuple[int | None, str]] | None = None, capacity: int = 0):
+                 room: Callable[[], tuple[int | None, str]] | None = None, capacity: int = 0, keep: int = 0):
         self.usable = nslots          # slots [0, usable) are (being) faulted in; fewer once the guard stops
         self.short: str | None = None
         self.populated = 0            # bytes faulted in so far
@@ -110,6 +112,7 @@ class Arena:
         self._room = room
         self._look_at = 0             # the slot before which the room is looked at next
         self._reserve: int | None = None
+        self._keep = keep             # more to keep free: the job's own growth to come (a GPU job's)
         self.map = None
         for n in dict.fromkeys((max(nslots, capacity), nslots)):
             try:     # (where the kernel commits address space strictly, the capacity may be refused)
@@ -140,22 +143,25 @@ class Arena:
             self._threads.append(t)
             t.start()
 
-    def grow_to(self, nslots: int) -> None:
+    def grow_to(self, nslots: int, keep: int = 0) -> None:
         """Fault in up to `nslots` slots (at most those mapped), unless closing or stopped
-        by the guard; threads that had finished are started again."""
+        by the guard, which from now on keeps `keep` bytes more free (the job's own growth
+        to come); threads that had finished are started again."""
         with self._count:
+            self._keep = max(self._keep, keep)
             if self._closing or self.short is not None or nslots <= self.usable:
                 return
+            self._look_at = min(self._look_at, self._next)     # look before the next slot
             self.usable = min(self.nslots, nslots)
             if self._next < self.usable:
                 self._start()
 
     @classmethod
-    def sized(cls, budget: int, prealloc: int, room=None, capacity: int = 0) -> "Arena | None":
+    def sized(cls, budget: int, prealloc: int, room=None, capacity: int = 0, keep: int = 0) -> "Arena | None":
         """An arena for `prealloc` bytes (the job's expected image size) within `budget`,
         `capacity` bytes mapped; None when not one slot fits."""
         nslots = min(max(0, int(budget)), max(0, int(prealloc))) // SEG
-        return cls(nslots, room=room, capacity=max(0, int(capacity)) // SEG) if nslots else None
+        return cls(nslots, room=room, capacity=max(0, int(capacity)) // SEG, keep=keep) if nslots else None
 
     def _take(self) -> tuple[int, bool]:
         """The next slot to fault in (-1: none) and whether to look at the room first."""
@@ -184,11 +190,11 @@ class Arena:
                 self._reserve = max(RESERVE_MIN, min(RESERVE_MAX, left // 4))
             every = LOOK_EVERY if left >= LOOK_CLOSE else 1
             self._look_at = slot + every
-            if left - (every + self._nthreads) * SEG >= self._reserve:
+            if left - (every + self._nthreads) * SEG >= self._reserve + self._keep:
                 return True
             if slot < self.usable:
                 self.short = (f"faulted in {slot * SEG >> 20} of {self.usable * SEG >> 20} MiB: "
-                              f"{where} (kept free: {self._reserve >> 20} MiB)")
+                              f"{where} (kept free: {(self._reserve + self._keep) >> 20} MiB)")
                 self.usable = slot
             self._running -= 1
             return False

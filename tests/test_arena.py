@@ -5,7 +5,6 @@ when a dump that began one is refused."""
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ from gpusnap.ops import dump as dump_mod
 from gpusnap import staging as st
 from gpusnap.staging import arena as arena_mod
 from gpusnap.staging.arena import SEG, Arena
+from staging_helpers import _ingest, _stage
 
 
 def _addr(arena: Arena) -> int:
@@ -303,33 +303,12 @@ def test_the_staging_uses_only_the_slots_faulted_in_and_spills_the_rest(tmp_path
         assert 0 < usable < 64 and s.arena_bytes == usable * SEG
         assert s.stats()["arena_short"] == a.short
         data = random.Random(3).randbytes((usable + 3) * SEG + 777)
-        r, w = os.pipe()
-        feeder = threading.Thread(target=_feed, args=(w, data))
-        feeder.start()
-        image = st.StagedImage(s, "pages-1.img")
-        try:
-            s.stage_pipe(r, image, True)
-        finally:
-            os.close(r)
-            feeder.join()
+        image = _stage(s, data, pages=True)
         assert s.peak_memory <= usable * SEG and s.spilled >= 3 * SEG + 777
-        out = []
-        while (seg := image.take()) is not None:
-            got = s.read(seg)
-            out.append(bytes(got))
-            if isinstance(got, memoryview):
-                got.release()
-            s.release(seg)
-        assert b"".join(out) == data
+        assert _ingest(s, image) == data
     finally:
         s.close()
 
-
-def _feed(w: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(w, view[:1 << 16]):]
-    os.close(w)
 
 
 def test_grow_to_faults_in_more_of_the_mapped_capacity_and_no_more():

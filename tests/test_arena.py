@@ -409,3 +409,29 @@ def test_growing_for_a_gpu_job_keeps_its_coming_growth_free():
         assert (1536 << 20) - a.usable * SEG >= 1280 << 20
     finally:
         a.close()
+
+
+def test_a_dump_on_a_terminal_says_when_memory_ran_short():
+    """The summary a dump prints on a terminal names the guard's stop and what spilled (the
+    freeze then waited for the disk); without a stop it says nothing of it."""
+    import io
+
+    from rich.console import Console
+
+    from gpusnap.render import snapshots as render_snapshots
+    from gpusnap.render.output import Output
+
+    def shown(staging: dict) -> str:
+        err = Console(file=io.StringIO(), force_terminal=True, width=300)
+        out = Console(file=io.StringIO())
+        r = dump_mod.DumpResult(snapshot="/r/snapshots/x", id="x", name="job", pid=1, pages_total=10,
+                                pages_zero=0, pages_dedup=0, bytes_raw=40960, bytes_stored=40960, seconds=1.0,
+                                job_running=True, staging=staging)
+        render_snapshots.dump(r, Output(out=out, err=err))
+        return err.file.getvalue()
+
+    short = "faulted in 24 of 176 MiB: the 100 MiB its memory cgroup /a[1] leaves (limit 328 MiB) (kept free: 96 MiB)"
+    text = shown({"arena_short": short, "spilled_bytes": 149 << 20})
+    assert "memory ran short: the staging arena " + short in text
+    assert "149.0 MiB spilled to disk while the job was frozen" in text, text
+    assert "memory ran short" not in shown({"arena_short": None, "spilled_bytes": 0})

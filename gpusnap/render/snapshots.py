@@ -28,6 +28,11 @@ def dump(result, o, quiet: bool = False) -> None:
                 f"{human_bytes(result.bytes_raw)} from CRIU, {human_bytes(result.bytes_stored)} stored "
                 f"({ratio:.1%}), {result.seconds:.2f} s{frozen}; job "
                 f"{'still running' if result.job_running else 'stopped'}")
+    short = (result.staging or {}).get("arena_short")
+    if short:     # a budget above what memory allowed: say why the freeze waited for the disk
+        o.err.print("[yellow]note:[/] ", plain(
+            f"memory ran short: the staging arena {short}; "
+            f"{human_bytes(result.staging.get('spilled_bytes') or 0)} spilled to disk while the job was frozen"), sep="")
 
 
 def copy_outcome(c: dict[str, Any], o, quiet: bool = False) -> None:

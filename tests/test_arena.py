@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -349,19 +350,35 @@ def test_an_arena_the_guard_stopped_does_not_grow():
         a.close()
 
 
-def test_the_gpu_memory_raises_the_default_budget_and_grows_the_arena(sample_job):
+@pytest.fixture()
+def cuda_job():
+    """A real process that looks like a CUDA job (the fake driver's libcuda.so.1 mapped, as
+    tests/test_gpu_procs.py's) with 64 MiB of anonymous memory of its own."""
+    from plugin_helpers import FAKE_LIB_DIR, ensure_built
+
+    ensure_built()
+    p = subprocess.Popen([sys.executable, "-c",
+                          f"import ctypes,time; ctypes.CDLL({str(FAKE_LIB_DIR / 'libcuda.so.1')!r}); "
+                          "b = bytearray(64 << 20); b[::4096] = b'x' * (len(b) // 4096); "
+                          "print('ok', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ok"
+    yield p
+    p.kill()
+    p.wait()
+
+
+def test_the_gpu_memory_raises_the_default_budget_and_grows_the_arena(cuda_job):
     """What a CUDA checkpoint will bring into host memory (the preflight's GPU facts) counts
     as the job's: the default budget grows by it and so does the arena, in place, faulted in
     before CRIU runs; made again after a wait, the arena has it from the start."""
     from gpusnap.ops import dump_staging
 
-    job = sample_job(mb=64, steps=100000)
-    job.wait_steps(2)
-    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=job.pid, repo=Path("/nonexistent")))
+    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=cuda_job.pid, repo=Path("/nonexistent")))
     try:
         host = early.host
         assert host >= 64 << 20 and early.budget == host + st.JOB_MARGIN, early.choice
-        early.add_gpu({"processes": [{"pid": job.pid, "memory_bytes": 256 << 20},
+        assert early.arena.nslots > early.arena.usable      # mapped with room to grow
+        early.add_gpu({"processes": [{"pid": cuda_job.pid, "memory_bytes": 256 << 20},
                                      {"pid": 1, "memory_bytes": None}]})
         assert early.gpu == 256 << 20
         assert early.budget == host + (256 << 20) + st.JOB_MARGIN
@@ -379,19 +396,31 @@ def test_the_gpu_memory_raises_the_default_budget_and_grows_the_arena(sample_job
     assert not _arena_threads()
 
 
-def test_the_gpu_memory_grows_the_arena_within_a_budget_given(sample_job):
+def test_the_gpu_memory_grows_the_arena_within_a_budget_given(cuda_job):
+    from gpusnap.ops import dump_staging
+
+    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=cuda_job.pid, repo=Path("/nonexistent"),
+                                                         staging_budget=128 << 20))
+    try:
+        assert early.arena.usable == (early.host + st.JOB_MARGIN) // SEG
+        early.add_gpu({"processes": [{"pid": cuda_job.pid, "memory_bytes": 1 << 30}]})
+        assert early.budget == 128 << 20 and early.choice == "--staging-budget"
+        early.arena.ready()
+        assert early.arena.usable == 32 and early.arena.populated == 32 * SEG
+    finally:
+        early.release(final=True)
+
+
+def test_a_job_that_touches_no_gpu_maps_no_more_than_its_arena(sample_job):
+    """Address space counts where the kernel commits it strictly: only a tree that touches
+    NVIDIA gets its arena mapped up to the largest budget."""
     from gpusnap.ops import dump_staging
 
     job = sample_job(mb=64, steps=100000)
     job.wait_steps(2)
-    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=job.pid, repo=Path("/nonexistent"),
-                                                         staging_budget=128 << 20))
+    early = dump_staging.EarlyArena(dump_mod.DumpRequest(pid=job.pid, repo=Path("/nonexistent")))
     try:
-        assert early.arena.usable == (early.host + st.JOB_MARGIN) // SEG
-        early.add_gpu({"processes": [{"pid": job.pid, "memory_bytes": 1 << 30}]})
-        assert early.budget == 128 << 20 and early.choice == "--staging-budget"
-        early.arena.ready()
-        assert early.arena.usable == 32 and early.arena.populated == 32 * SEG
+        assert early.arena.nslots == early.arena.usable == (early.host + st.JOB_MARGIN) // SEG
     finally:
         early.release(final=True)
 

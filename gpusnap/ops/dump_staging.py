@@ -14,12 +14,22 @@ from gpusnap.system import memcg, proc
 def job_bytes(pid: int) -> int | None:
     """The tree's anonymous memory (about what CRIU streams); None where the preflight will
     refuse anyway (not root, no process)."""
+    return _job(pid)[0]
+
+
+def _job(pid: int) -> tuple[int | None, bool]:
+    """job_bytes(), and whether a process of the tree touches NVIDIA (libcuda mapped, a
+    /dev/nvidia* file open): only then may the preflight find GPU memory to stage."""
     if os.geteuid() != 0 or not proc.exists(pid):
-        return None
+        return None, False
     try:
-        return proc.anon_bytes(proc.tree(pid))
+        pids = proc.tree(pid)
+        anon = proc.anon_bytes(pids)
     except OSError:
-        return None
+        return None, False
+    from gpusnap.gpu import procs as gpu_procs
+
+    return anon, any(gpu_procs.scan_process(p) is not None for p in pids)
 
 
 def throughput(staging, phases: dict, t0: float) -> dict:
@@ -53,14 +63,16 @@ class EarlyArena:
     unless GPUSNAP_ARENA_GUARD is 0.
 
     add_gpu(): a GPU job's device memory, known once the preflight asked the driver, raises
-    the default budget (the job is host and device memory) and the arena (mapped up to the
-    largest default budget, so it grows in place): faulted in on top while the dump goes on.
+    the default budget (the job is host and device memory) and the arena: faulted in on top
+    while the dump goes on. A tree that touches NVIDIA has its arena mapped up to the largest
+    budget from the start, so that it grows in place; any other tree's is mapped at its size
+    (address space counts where the kernel commits it strictly, vm.overcommit_memory=2).
     Given back while this dump waits for another gpusnap (the job's host lock, the
     repository's writer lock: up to minutes) and made again once it may go on."""
 
     def __init__(self, req):
         self.pid = req.pid
-        self.host = job_bytes(req.pid)
+        self.host, self._nvidia = _job(req.pid)
         self.gpu = 0
         self._available = memcg.available()     # one reading: the budget's, raised or not
         if req.staging_budget is not None:
@@ -82,7 +94,8 @@ class EarlyArena:
         if self.host is None:
             return None
         room = None if settings.get("GPUSNAP_ARENA_GUARD") == "0" else memcg.available
-        return staging_mod.Arena.sized(self.budget, self._want(), room=room, capacity=self._cap, keep=self.gpu)
+        return staging_mod.Arena.sized(self.budget, self._want(), room=room, keep=self.gpu,
+                                       capacity=self._cap if self._nvidia else 0)
 
     def add_gpu(self, gpu: dict | None) -> None:
         """The tree's GPU memory (the preflight's GPU facts) counted in: the budget raised

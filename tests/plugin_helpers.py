@@ -8,6 +8,7 @@ its state in files, see FakeCuda.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -123,6 +124,24 @@ class FakeCuda:
 
     def env(self) -> dict:
         return {"FAKE_CUDA_DIR": str(self.dir), "LD_LIBRARY_PATH": str(FAKE_LIB_DIR)}
+
+
+@contextlib.contextmanager
+def libcuda_process(anon_mb: int = 0):
+    """A real process that has a libcuda.so.1 (the fake driver) mapped, as a CUDA job has,
+    with `anon_mb` MiB of anonymous memory of its own; killed at the end."""
+    ensure_built()
+    lib = FAKE_LIB_DIR / "libcuda.so.1"
+    p = subprocess.Popen([sys.executable, "-c",
+                          f"import ctypes,time; ctypes.CDLL({str(lib)!r}); b = bytearray({anon_mb} << 20); "
+                          "b[::4096] = b'x' * (len(b) // 4096); print('ok', flush=True); time.sleep(120)"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ok"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
 
 
 def wait_for(pred, timeout=30.0, what="condition"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -352,19 +351,12 @@ def test_an_arena_the_guard_stopped_does_not_grow():
 
 @pytest.fixture()
 def cuda_job():
-    """A real process that looks like a CUDA job (the fake driver's libcuda.so.1 mapped, as
-    tests/test_gpu_procs.py's) with 64 MiB of anonymous memory of its own."""
-    from plugin_helpers import FAKE_LIB_DIR, ensure_built
+    """A real process that looks like a CUDA job (the fake driver's libcuda.so.1 mapped) with
+    64 MiB of anonymous memory of its own."""
+    from plugin_helpers import libcuda_process
 
-    ensure_built()
-    p = subprocess.Popen([sys.executable, "-c",
-                          f"import ctypes,time; ctypes.CDLL({str(FAKE_LIB_DIR / 'libcuda.so.1')!r}); "
-                          "b = bytearray(64 << 20); b[::4096] = b'x' * (len(b) // 4096); "
-                          "print('ok', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ok"
-    yield p
-    p.kill()
-    p.wait()
+    with libcuda_process(anon_mb=64) as p:
+        yield p
 
 
 def test_the_gpu_memory_raises_the_default_budget_and_grows_the_arena(cuda_job):

@@ -14,7 +14,7 @@ from gpusnap.gpu import procs
 from gpusnap.render import machine as render_machine
 from gpusnap.render.output import Output
 from gpusnap.render.snapshots import recorded_gpus
-from plugin_helpers import FAKE_LIB_DIR, ensure_built
+import plugin_helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,15 +76,8 @@ def test_plain_process_is_not_a_gpu_process():
 @pytest.fixture()
 def libcuda_process():
     """A real process that has a libcuda.so.1 (the fake driver, tests/fake_cuda) mapped."""
-    ensure_built()
-    lib = FAKE_LIB_DIR / "libcuda.so.1"
-    p = subprocess.Popen([sys.executable, "-c",
-                          f"import ctypes,sys,time; ctypes.CDLL({str(lib)!r}); print('ok', flush=True); "
-                          "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ok"
-    yield p
-    p.kill()
-    p.wait()
+    with plugin_helpers.libcuda_process() as p:
+        yield p
 
 
 def test_libcuda_user_is_listed(libcuda_process):

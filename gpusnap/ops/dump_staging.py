@@ -11,15 +11,11 @@ from gpusnap import settings, staging as staging_mod
 from gpusnap.system import memcg, proc
 
 
-def job_bytes(pid: int) -> int | None:
-    """The tree's anonymous memory (about what CRIU streams); None where the preflight will
-    refuse anyway (not root, no process)."""
-    return _job(pid)[0]
-
-
-def _job(pid: int) -> tuple[int | None, bool]:
-    """job_bytes(), and whether a process of the tree touches NVIDIA (libcuda mapped, a
-    /dev/nvidia* file open): only then may the preflight find GPU memory to stage."""
+def job_facts(pid: int) -> tuple[int | None, bool]:
+    """The tree's anonymous memory (about what CRIU streams; None where the preflight will
+    refuse anyway: not root, no process), and whether a process of the tree touches NVIDIA
+    (libcuda mapped, a /dev/nvidia* file open): only then may the preflight find GPU memory
+    to stage."""
     if os.geteuid() != 0 or not proc.exists(pid):
         return None, False
     try:
@@ -72,7 +68,7 @@ class EarlyArena:
 
     def __init__(self, req):
         self.pid = req.pid
-        self.host, self._nvidia = _job(req.pid)
+        self.host, self._nvidia = job_facts(req.pid)
         self.gpu = 0
         self._available = memcg.available()     # one reading: the budget's, raised or not
         if req.staging_budget is not None:
